@@ -1,0 +1,135 @@
+"""The embedded cluster: one Dask worker process per rank on 127.0.0.1.
+
+Every setting that matters for torch ranks is chosen here, not inherited:
+
+* one worker process per rank, named ``rank<i>``, advertising the resource
+  ``monarch-rank<i>`` (far above the number of lanes: it pins, never limits);
+* ``nthreads=1`` for plain Dask tasks: stream lanes bring their own threads
+  and raise the worker's thread budget as they are created;
+* torch intra-op threads: the cores divided among the ranks (nanny workers
+  default to ``OMP_NUM_THREADS=1``);
+* workers are not daemonic, so pipes and data loaders can start processes;
+* tensors are unmanaged memory to Dask (DESIGN decision 11): no spilling and
+  no pausing (a paused rank would stall its lanes silently); a rank that
+  crosses the terminate threshold is killed and its controller fails with
+  ``DeviceException``;
+* on GPUs, one worker per visible device with a rotated
+  ``CUDA_VISIBLE_DEVICES``, as dask-cuda does;
+* the scheduler runs in its own process: a dask_monarch client is a busy
+  Python loop, and a scheduler sharing its GIL answers late (measured: chain
+  hops of 250 ms instead of 10 ms while the client sends messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from distributed import Nanny, Scheduler, SpecCluster
+from distributed.deploy.subprocess import SubprocessScheduler
+from distributed.system import MEMORY_LIMIT
+
+from .worker.plugin import RESOURCE_CAPACITY, RESOURCE_PREFIX, MonarchWorkerPlugin
+
+logger = logging.getLogger("dask_monarch.cluster")
+
+
+class SchedulerProcess(SubprocessScheduler):
+    """A scheduler in a subprocess whose log lines are forwarded (a full pipe would block it)."""
+
+    async def _start(self) -> None:
+        await super()._start()
+        self._logs = asyncio.ensure_future(self._forward_logs())
+
+    async def _forward_logs(self) -> None:
+        stream = self.process.stderr if self.process else None
+        while stream is not None:
+            line = await stream.readline()
+            if not line:
+                return
+            logger.debug("scheduler: %s", line.decode(errors="replace").rstrip())
+
+
+def _visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+class LocalMeshCluster(SpecCluster):
+    """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
+
+    ``device="cuda"`` starts one worker per GPU (``n_ranks=None``: all of
+    them), ``"cpu"`` CPU ranks, ``"auto"`` CUDA if there are enough GPUs for
+    ``n_ranks``, else CPU. A context manager, like every Dask cluster.
+    """
+
+    def __init__(self, n_ranks: int | None = None, device: str = "auto", *,
+                 memory_limit: int | str | None = "auto", torch_threads: int | None = None,
+                 dashboard_address: str | None = "127.0.0.1:0", scheduler_port: int = 0,
+                 silence_logs: int = logging.WARNING, asynchronous: bool = False,
+                 scheduler_process: bool = True,
+                 worker_options: dict | None = None, **kwargs):
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):
+            raise ValueError(f"n_ranks must be a positive int or None, got {n_ranks!r}")
+        gpus = _visible_gpus() if device != "cpu" else []
+        if device == "auto":
+            device = "cuda" if gpus and (n_ranks is None or len(gpus) >= n_ranks) else "cpu"
+        if device == "cuda":
+            if not gpus:
+                raise ValueError("device='cuda' but no GPU is visible")
+            n_ranks = len(gpus) if n_ranks is None else n_ranks
+            if n_ranks > len(gpus):
+                raise ValueError(f"n_ranks={n_ranks} but only {len(gpus)} GPUs are visible")
+        elif n_ranks is None:
+            raise ValueError("n_ranks is required for CPU ranks (no GPU to count)")
+        self.n_ranks = n_ranks
+        self.device = device
+        cores = os.cpu_count() or 1
+        threads = torch_threads or max(1, cores // n_ranks)
+        if memory_limit == "auto":
+            memory_limit = MEMORY_LIMIT // n_ranks
+        workers = {}
+        for i in range(n_ranks):
+            env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+            if device == "cuda":  # worker i sees i, i+1, ..., 0, ..., i-1: its default GPU is i
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i:] + gpus[:i])
+            options = {
+                "name": f"rank{i}",
+                "nthreads": 1,
+                "host": "127.0.0.1",
+                "resources": {f"{RESOURCE_PREFIX}rank{i}": RESOURCE_CAPACITY},
+                "plugins": {MonarchWorkerPlugin()},
+                "memory_limit": memory_limit,
+                "env": env,
+                "config": {
+                    "distributed.worker.daemon": False,
+                    "distributed.worker.memory.target": False,
+                    "distributed.worker.memory.spill": False,
+                    "distributed.worker.memory.pause": False,
+                    "distributed.worker.memory.terminate": 0.95,
+                },
+                "dashboard_address": "127.0.0.1:0",
+                "silence_logs": silence_logs,
+                **(worker_options or {}),
+            }
+            workers[f"rank{i}"] = {"cls": Nanny, "options": options}
+        scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
+                             "dashboard_address": dashboard_address}
+        if scheduler_process:
+            scheduler = {"cls": SchedulerProcess,
+                         "options": {"scheduler_kwargs": scheduler_options}}
+        else:
+            scheduler = {"cls": Scheduler, "options": scheduler_options}
+        super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs,
+                         asynchronous=asynchronous, name="LocalMeshCluster", **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"LocalMeshCluster({self.n_ranks} {self.device} ranks, "
+                f"scheduler={self.scheduler_address!r})")

@@ -1,0 +1,45 @@
+"""dask_monarch's configuration: defaults in ``dask_monarch.yaml``, read through dask.config."""
+
+from __future__ import annotations
+
+import os
+
+import dask.config
+import yaml
+from dask.utils import parse_timedelta
+
+_fn = os.path.join(os.path.dirname(__file__), "dask_monarch.yaml")
+with open(_fn) as f:
+    dask.config.update_defaults(yaml.safe_load(f))
+
+
+def get(key: str, default=None):
+    """``dask.config.get("dask_monarch." + key)``."""
+    return dask.config.get(f"dask_monarch.{key}", default)
+
+
+def seconds(key: str) -> float | None:
+    """A duration setting in seconds (``None`` stays ``None``)."""
+    value = get(key)
+    return None if value is None else parse_timedelta(value, default="s")
+
+
+_frozen = False
+
+
+def freeze_gc() -> None:
+    """Move every object alive now out of the cyclic GC's reach (once per process).
+
+    A process that imported torch tracks ~200 000 objects, and every full
+    collection walks them all: on a worker running small ops that was 75 % of
+    the time (50-80 us per message instead of 10-20). Objects made later are
+    still collected. Off with ``dask_monarch.gc-freeze: false``.
+    """
+    global _frozen
+    if _frozen or not get("gc-freeze", True):
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _frozen = True

@@ -1,0 +1,64 @@
+"""Exceptions that cross the API: user errors are values, broken meshes are not."""
+
+from __future__ import annotations
+
+
+class RemoteException(Exception):
+    """A remote function failed; raised where a value that depends on it is fetched.
+
+    ``traceback`` holds the remote traceback text, ``rank`` the rank that
+    reported it and ``seq`` the failing invocation; ``controller_traceback``,
+    when known, is where the failing call was issued on the client.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, seq: int | None = None,
+                 traceback: str = "", controller_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.seq = seq
+        self.traceback = traceback
+        self.controller_traceback = controller_traceback
+
+    def __str__(self) -> str:
+        head = super().__str__()
+        where = []
+        if self.seq is not None:
+            where.append(f"seq {self.seq}")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        text = f"{head} ({', '.join(where)})" if where else head
+        if self.controller_traceback:
+            text += f"\n\nIssued at (controller traceback):\n{self.controller_traceback}"
+        if self.traceback and self.traceback not in head:
+            text += f"\n\nRemote traceback:\n{self.traceback}"
+        return text
+
+    def __reduce__(self):
+        return (_rebuild_remote, (self.args[0], self.rank, self.seq, self.traceback,
+                                  self.controller_traceback))
+
+
+def _rebuild_remote(message, rank, seq, traceback, controller_traceback):
+    return RemoteException(message, rank=rank, seq=seq, traceback=traceback,
+                           controller_traceback=controller_traceback)
+
+
+class DeviceException(Exception):
+    """The mesh is broken (lost worker, protocol violation, fatal error): it cannot be used again.
+
+    ``rank`` names the rank where it happened (``None`` when it is not one
+    rank's fault) and ``cause`` the reason.
+    """
+
+    def __init__(self, cause: str, *, rank: int | None = None):
+        where = f"rank {rank}: " if rank is not None else ""
+        super().__init__(f"{where}{cause}")
+        self.rank = rank
+        self.cause = cause
+
+    def __reduce__(self):
+        return (_rebuild_device, (self.cause, self.rank))
+
+
+def _rebuild_device(cause, rank):
+    return DeviceException(cause, rank=rank)

@@ -1,0 +1,179 @@
+"""The hot path of a call: resolve the function, resolve arguments, bind results.
+
+Semantics: monarch-semantics §1.4 (paths), §2.2 (arguments), §2.3 (results).
+Functions are cached per path (and per pickled payload); flat argument lists
+skip the pytree walk (dask-notes §12: the walk costs more than a small op).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import dask.config
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from ..messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
+from .errors import DependentError, FatalError, RefNotFound, SeqError
+
+TEST_PANIC = "__test_panic"
+
+_by_path: dict[str, Callable] = {}
+_by_pickle: dict[bytes, Callable] = {}
+_PICKLE_CACHE_SIZE = 256
+
+
+class InvalidRemoteFunction(Exception):
+    pass
+
+
+def resolve_function(function: FunctionPath | Cloudpickle) -> Callable:
+    """The callable a message names (fresh user error if it cannot be found or is not allowed)."""
+    if type(function) is FunctionPath:
+        fn = _by_path.get(function.path)
+        if fn is None:
+            fn = _by_path[function.path] = _resolve_path(function.path)
+        return fn
+    fn = _by_pickle.get(function.bytes)
+    if fn is None:
+        if not dask.config.get("dask_monarch.functions.allow-pickled", True):
+            raise InvalidRemoteFunction(
+                "invalid remote function: pickled functions are disabled by "
+                "dask_monarch.functions.allow-pickled"
+            )
+        fn = cloudpickle.loads(function.bytes)
+        if len(_by_pickle) >= _PICKLE_CACHE_SIZE:
+            _by_pickle.pop(next(iter(_by_pickle)))
+        _by_pickle[function.bytes] = fn
+    return fn
+
+
+def check_panic(function: FunctionPath | Cloudpickle | None) -> None:
+    """The ``__test_panic`` path is a fatal error, for testing the fatal-error plumbing."""
+    if type(function) is FunctionPath and function.path == TEST_PANIC:
+        raise FatalError("__test_panic called")
+
+
+def _resolve_path(path: str) -> Callable:
+    allow = dask.config.get("dask_monarch.functions.allow", None)
+    if allow is not None and not any(path == m or path.startswith(m + ".") for m in allow):
+        raise InvalidRemoteFunction(
+            f"invalid remote function: {path} is not in the allow-list "
+            f"dask_monarch.functions.allow={list(allow)}"
+        )
+    if "." not in path:
+        raise InvalidRemoteFunction(
+            f"invalid remote function: invalid function path {path}: paths must be fully qualified"
+        )
+    try:
+        first, rest = path.split(".", 1)
+        if first == "torch":
+            obj: Any = torch
+            for part in rest.split("."):
+                obj = getattr(obj, part)
+            return obj
+        module_name, name = path.rsplit(".", 1)
+        obj = getattr(importlib.import_module(module_name), name)
+        return getattr(obj, "_remote_impl", obj)
+    except Exception as e:
+        raise InvalidRemoteFunction(
+            f"invalid remote function: failed to resolve function {path}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def resolve_args(lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = None
+                 ) -> tuple[tuple, dict]:
+    """Arguments with every Ref replaced: mesh, then listed process group, then stream value."""
+    if args_kwargs._payload is not None:
+        args, kwargs = pickle.loads(args_kwargs._payload)
+        flat = False
+    else:
+        args, kwargs, flat = args_kwargs._args, args_kwargs._kwargs, args_kwargs.flat
+    value_of = lane.value_of
+    if flat:
+        if groups is None:
+            args = tuple([value_of(a.id) if type(a) is Ref else a for a in args])
+            if kwargs:
+                kwargs = {k: value_of(v.id) if type(v) is Ref else v for k, v in kwargs.items()}
+            return args, kwargs
+    leaves, spec = tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if type(leaf) is Ref:
+            if groups is not None and leaf.id in groups:
+                leaves[i] = groups[leaf.id]
+            else:
+                leaves[i] = value_of(leaf.id)
+    return tree_unflatten(leaves, spec)
+
+
+def bind_results(env: dict, results: list[Ref | None], value: Any) -> None:
+    """Bind the flattened ``value`` to ``results`` (None is a leaf; counts must agree)."""
+    if len(results) == 1 and not isinstance(value, (list, tuple, dict)):
+        ref = results[0]
+        if ref is not None:
+            _bind(env, ref.id, value)
+        return
+    leaves = tree_leaves(value)
+    if len(leaves) != len(results):
+        raise ValueError(
+            f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
+        )
+    for ref, leaf in zip(results, leaves):
+        if ref is not None:
+            _bind(env, ref.id, leaf)
+
+
+def _bind(env: dict, ref_id: int, value: Any) -> None:
+    if ref_id in env:
+        raise FatalError(f"Duplicate write to reference r{ref_id}")
+    env[ref_id] = value
+
+
+def poison(env: dict, results: list[Ref | None], mutates: list[Ref], error: SeqError) -> None:
+    """Results and mutated inputs of a failed call all hold the same root error."""
+    for ref in results:
+        if ref is not None:
+            env[ref.id] = error
+    for ref in mutates:
+        env[ref.id] = error
+
+
+def lookup(env: dict, ref_id: int) -> Any:
+    """A stream value for a call: RefNotFound if absent, DependentError if poisoned."""
+    try:
+        value = env[ref_id]
+    except KeyError:
+        raise RefNotFound(ref_id) from None
+    if type(value) is SeqError:
+        raise DependentError(value)
+    return value
+
+
+def to_cpu(value: Any) -> Any:
+    """A copy-free view of ``value`` with every tensor on the CPU and detached."""
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            return x if x.device.type == "cpu" else x.cpu()
+        return x
+
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, (list, tuple, dict)):
+        from torch.utils._pytree import tree_map
+
+        return tree_map(move, value)
+    return value
+
+
+def pickle_value(value: Any) -> bytes:
+    """A snapshot of a fetched value (tensors on CPU), taken on the lane when it is computed."""
+    value = to_cpu(value)
+    try:
+        return pickle.dumps(value, protocol=5)
+    except Exception:
+        return cloudpickle.dumps(value, protocol=5)

@@ -1,0 +1,180 @@
+"""Handlers of the core messages: calls, fetches, refs, streams, meshes, status, exit.
+
+Borrows, collectives, recordings, pipes and actors register their handlers
+in their own modules. Semantics: monarch-semantics §3; error model §4.1.
+"""
+
+from __future__ import annotations
+
+from ..messages import (
+    CallFunction,
+    CommandGroup,
+    CreateDeviceMesh,
+    CreateStream,
+    DeleteRefs,
+    Exit,
+    GetRefUnitTestsOnly,
+    RemoteFunctionFailed,
+    SendValue,
+    SetRefUnitTestsOnly,
+    Status,
+)
+from ..wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
+from . import calls
+from .dispatch import handle, handles
+from .errors import DependentError, FatalError, SeqError
+from .mesh import DeviceMesh
+
+
+def fail_call(lane, seq: int, results, mutates, exc: Exception) -> SeqError:
+    """A fresh failure: one SeqError, reported once, poisoning results and mutates."""
+    error = SeqError.from_exception(seq, exc)
+    calls.poison(lane.env, results, mutates, error)
+    lane.rank.record_error(error)
+    lane.rank.report(RemoteFunctionFailed(seq, lane.rank.rank, error.error))
+    return error
+
+
+def call(lane, seq: int, function, args_kwargs, results, mutates, groups=None) -> None:
+    """Resolve, call and bind, turning failures into poisoned slots (shared by call paths)."""
+    try:
+        fn = calls.resolve_function(function)
+        args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
+        value = fn(*args, **kwargs)
+        calls.bind_results(lane.env, results, value)
+    except FatalError:
+        raise
+    except DependentError as e:
+        calls.poison(lane.env, results, mutates, e.root)
+    except Exception as e:
+        fail_call(lane, seq, results, mutates, e)
+
+
+@handles(CallFunction)
+def call_function(lane, msg: CallFunction) -> None:
+    """Call a function on the stream and bind its results (§3.3).
+
+    Fresh failures (bad path, missing ref, the function raising, a result
+    count mismatch) are reported once and poison results and mutates; an
+    errored input poisons them with the same root, unreported. A duplicate
+    result id and ``__test_panic`` are fatal.
+    """
+    calls.check_panic(msg.function)
+    lane.last_seq = msg.seq
+    groups = None
+    if msg.remote_process_groups:
+        from .comm import process_groups_for
+
+        groups = process_groups_for(lane, msg.remote_process_groups)
+    call(lane, msg.seq, msg.function, msg.args_kwargs, msg.results, msg.mutates, groups)
+
+
+@handles(SendValue)
+def send_value(lane, msg: SendValue) -> None:
+    """Compute a value and send it to the controller, or into a pipe (§3.20).
+
+    Without a function the single positional argument is the value. The
+    value is pickled here, so later changes on the stream cannot leak into
+    it. A fresh failure is reported (no FetchResult) and poisons ``mutates``;
+    a dependent one poisons them with the root and reports nothing.
+    """
+    calls.check_panic(msg.function)
+    lane.last_seq = msg.seq
+    try:
+        args, kwargs = calls.resolve_args(lane, msg.args_kwargs)
+        if msg.function is None:
+            if len(args) != 1 or kwargs:
+                raise ValueError(
+                    "expected only a single arg (and no kwargs) when no function is given: "
+                    f"{args!r}, {kwargs!r}"
+                )
+            value = args[0]
+        else:
+            value = calls.resolve_function(msg.function)(*args, **kwargs)
+        if msg.destination is not None:
+            from .pipe import pipe_for
+
+            pipe_for(lane, msg.destination).send(value)
+        else:
+            lane.rank.report(Fetched(msg.seq, lane.rank.rank, calls.pickle_value(value)))
+    except FatalError:
+        raise
+    except DependentError as e:
+        calls.poison(lane.env, (), msg.mutates, e.root)
+    except Exception as e:
+        fail_call(lane, msg.seq, (), msg.mutates, e)
+
+
+@handles(DeleteRefs)
+def delete_refs(lane, msg: DeleteRefs) -> None:
+    """Forget refs on this stream (fanned out to every stream; unknown ids are ignored)."""
+    env = lane.env
+    for ref in msg.refs:
+        env.pop(ref.id, None)
+
+
+@handles(CreateStream)
+def create_stream(lane, msg: CreateStream) -> None:
+    """Start (or restart, with an empty table) the stream; its lane already exists."""
+    lane.create(msg.stream_creation)
+
+
+@handles(StatusProbe)
+def status_probe(lane, probe: StatusProbe) -> None:
+    """This stream drained everything before a ``RequestStatus``; the last one answers (§3.6)."""
+    if lane.rank.arrive(probe.probe, probe.lanes):
+        lane.rank.report(Status(probe.seq + 1, lane.rank.rank))
+
+
+@handles(SetRefUnitTestsOnly)
+def set_ref(lane, msg: SetRefUnitTestsOnly) -> None:
+    """Bind a plain value on the stream (test hook)."""
+    lane.env[msg.reference.id] = msg.value
+
+
+@handles(ReadRef, GetRefUnitTestsOnly)
+def read_ref(lane, msg) -> None:
+    """Reply with a ref's value (tensors on CPU), its error text, or its absence."""
+    if type(msg) is ReadRef:
+        probe, ref = msg.probe, msg.ref
+    else:
+        probe, ref = -1, msg.value
+    value = lane.env.get(ref.id, _ABSENT)
+    if value is _ABSENT:
+        reply = RefValue(probe, lane.rank.rank, "absent", None)
+    elif type(value) is SeqError:
+        reply = RefValue(probe, lane.rank.rank, "error", value.error)
+    else:
+        reply = RefValue(probe, lane.rank.rank, "ok", calls.pickle_value(value))
+    lane.rank.report(reply)
+
+
+_ABSENT = object()
+
+
+@handles(CommandGroup)
+def command_group(lane, msg: CommandGroup) -> None:
+    """Handle each message in order; the first fatal error stops the rest (§3.4)."""
+    for message in msg.messages:
+        handle(lane, message)
+
+
+@handles(CreateDeviceMesh)
+def create_device_mesh(lane, msg: CreateDeviceMesh) -> None:
+    """Store the worker-side mesh (§3.2); fatal if this rank is not in it."""
+    state = lane.rank
+    try:
+        state.meshes[msg.result.id] = DeviceMesh(msg.names, msg.ranks, state.rank)
+    except ValueError as e:
+        raise FatalError(f"CreateDeviceMesh r{msg.result.id}: {e}") from None
+
+
+@handles(Exit)
+def exit_(lane, msg: Exit) -> None:
+    """Everything sent before has run: release the controller's state on this rank (§3.22).
+
+    The Dask worker keeps running; an error passed to Exit goes back to the
+    controller, which raises it.
+    """
+    lane.rank.report(Exited(lane.rank.rank, msg.error))
+    lane.rank.release()

@@ -1,0 +1,218 @@
+"""The WorkerPlugin that owns dask_monarch's state on a Dask worker.
+
+Installed once per worker (``LocalMeshCluster`` does it at start, the
+``plugins/`` preloads do it for ``dask worker``, and a controller installs it
+on workers that lack it). It holds one :class:`RankState` per controller that
+claimed the worker, serves each controller's report stream, and runs the
+tasks the compiler submits. Setup is cheap and never blocks the event loop:
+no torch import, no rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from distributed import WorkerPlugin, get_worker
+from distributed.batched import BatchedSend
+from distributed.comm.core import CommClosedError
+
+logger = logging.getLogger("dask_monarch.worker")
+
+PLUGIN_NAME = "dask_monarch"
+RESOURCE_PREFIX = "monarch-"
+# Pins tasks to the worker without limiting them: far more than any number of lanes.
+RESOURCE_CAPACITY = 1_000_000
+
+
+class MonarchWorkerPlugin(WorkerPlugin):
+    """Per-worker home of every controller's rank state (idempotent, named ``dask_monarch``)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, report_interval: str = "0.5ms"):
+        self.report_interval = report_interval
+
+    async def setup(self, worker) -> None:
+        self.worker = worker
+        self.ranks: dict = {}  # controller token -> RankState
+        self.extra_threads = 0
+        worker.handlers["dask_monarch_reports"] = self.serve_reports
+        worker.handlers["dask_monarch_state"] = self.state_snapshot
+
+    async def teardown(self, worker) -> None:
+        for state in list(self.ranks.values()):
+            state.release()
+        for handler in ("dask_monarch_reports", "dask_monarch_state"):
+            worker.handlers.pop(handler, None)
+
+    # -- claiming -----------------------------------------------------------------------------
+
+    async def ensure_resource(self) -> str:
+        """The resource that pins this worker's rank tasks (``monarch-<name>``)."""
+        for name in self.worker.state.total_resources:
+            if name.startswith(RESOURCE_PREFIX):
+                return name
+        name = f"{RESOURCE_PREFIX}{self.worker.name}"
+        await self.worker.set_resources(**{name: RESOURCE_CAPACITY})
+        return name
+
+    async def claim(self, token: str, rank: int, world_size: int, settings: dict) -> dict:
+        """Create controller ``token``'s state for ``rank`` (torch is imported off the loop)."""
+        if token in self.ranks:
+            raise ValueError(f"controller {token} already claimed this worker")
+        resource = await self.ensure_resource()
+        device = await asyncio.to_thread(_pick_device, settings.get("device", "auto"))
+        from .. import config
+        from .rank import RankState  # imports torch and the handlers
+
+        config.freeze_gc()
+        state = RankState(self, token, rank, world_size, device, settings)
+        self.ranks[token] = state
+        self._register(state.control)
+        return {"resource": resource, "device": str(device or "cpu"), "pid": os.getpid(),
+                "address": self.worker.address, "name": str(self.worker.name)}
+
+    def add_lanes(self, token: str, stream_ids: list[int]) -> None:
+        """Create lanes before any task names their executor (DESIGN decision 2)."""
+        state = self.ranks[token]
+        for stream_id in stream_ids:
+            lane = state.add_lane(stream_id)
+            if lane is not None:
+                self._register(lane)
+
+    def _register(self, lane) -> None:
+        """Give the lane an executor and a thread of the worker's budget (on the loop)."""
+        self.worker.executors[lane.executor_name] = lane.executor
+        self.extra_threads += 1
+        self.worker.state.nthreads += 1
+
+    def forget(self, state) -> None:
+        """Drop a released rank state and give its threads back (on the loop)."""
+        if self.ranks.get(state.token) is state:
+            del self.ranks[state.token]
+        names = {lane.executor_name for lane in state.all_lanes()} & set(self.worker.executors)
+        # a new dict: Worker.close may be iterating the old one
+        self.worker.executors = {
+            k: v for k, v in self.worker.executors.items() if k not in names
+        }
+        self.extra_threads -= len(names)
+        self.worker.state.nthreads -= len(names)
+
+    def release(self, token: str) -> bool:
+        state = self.ranks.get(token)
+        if state is None:
+            return False
+        state.release()
+        return True
+
+    def rank_state(self, token: str, rank: int):
+        state = self.ranks.get(token)
+        if state is None or state.rank != rank:
+            from .errors import ReplayRefused
+
+            raise ReplayRefused(
+                f"rank {rank} of controller {token} is not on worker {self.worker.address} "
+                "(the worker restarted or the controller left); refusing to run its messages"
+            )
+        return state
+
+    # -- comm handlers ------------------------------------------------------------------------
+
+    async def serve_reports(self, comm, token: str) -> None:
+        """Stream a controller's reports to it until it hangs up; then free its state.
+
+        The controller opens this stream right after claiming the worker. Its
+        end (``Controller.close``, or a notebook kernel that died) releases
+        everything the controller held on this worker.
+        """
+        state = self.ranks.get(token)
+        if state is None:
+            await comm.write({"error": f"controller {token} has no state on {self.worker.address}"})
+            return
+        stream = BatchedSend(interval=self.report_interval)
+        stream.start(comm)
+        state.attach(stream)
+        try:
+            await comm.read()  # returns or raises when the controller closes the stream
+        except (CommClosedError, OSError):
+            pass
+        finally:
+            state._stream = None
+            if not state.released:
+                logger.info("controller %s left without Exit; releasing rank %d", token, state.rank)
+                await asyncio.to_thread(state.release)
+            stream.abort()
+
+    def state_snapshot(self) -> list[dict]:
+        """Every rank this worker holds, for the dashboard."""
+        return [state.snapshot() for state in list(self.ranks.values())]
+
+
+def _pick_device(kind: str):
+    import torch
+
+    if kind == "cpu" or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# -- functions run through Client.run (async: they never block the worker's event loop) -------
+
+
+def _plugin(worker) -> MonarchWorkerPlugin:
+    return worker.plugins[PLUGIN_NAME]
+
+
+async def describe_worker(dask_worker=None) -> dict:
+    """What a controller needs to choose ranks: GPUs, an existing rank resource."""
+    gpus = await asyncio.to_thread(_gpu_count)
+    resource = next((r for r in dask_worker.state.total_resources
+                     if r.startswith(RESOURCE_PREFIX)), None)
+    return {"gpus": gpus, "resource": resource, "name": str(dask_worker.name),
+            "has_plugin": PLUGIN_NAME in dask_worker.plugins}
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+async def claim_rank(token: str, ranks: dict[str, int], world_size: int, settings: dict,
+                     dask_worker=None) -> dict:
+    """Make this worker rank ``ranks[address]`` of controller ``token`` (installs the plugin)."""
+    if PLUGIN_NAME not in dask_worker.plugins:
+        await dask_worker.plugin_add(MonarchWorkerPlugin(), name=PLUGIN_NAME)
+    rank = ranks[dask_worker.address]
+    return await _plugin(dask_worker).claim(token, rank, world_size, settings)
+
+
+async def create_lanes(token: str, stream_ids: list[int], dask_worker=None) -> None:
+    _plugin(dask_worker).add_lanes(token, stream_ids)
+
+
+async def release_controller(token: str, dask_worker=None) -> bool:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        return False
+    state = plugin.ranks.get(token)
+    if state is None:
+        return False
+    await asyncio.to_thread(state.release)
+    return True
+
+
+# -- the task the compiler submits -------------------------------------------------------------
+
+
+def run_segment(token: str, rank: int, lane: object, index: int, payload: bytes, *after) -> int:
+    """Run segment ``index`` of ``lane`` for controller ``token``'s ``rank``.
+
+    ``after`` holds the results of the tasks this one must follow (the lane's
+    previous segment, the rank's last control step); only their order matters.
+    """
+    state = _plugin(get_worker()).rank_state(token, rank)
+    return state.run_segment(lane, index, payload)

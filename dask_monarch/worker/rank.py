@@ -1,0 +1,232 @@
+"""Everything one controller holds on one rank, and how its segments run.
+
+A :class:`RankState` is created when a controller claims the worker and lives
+until ``Exit``, ``Controller.close`` or the controller's report stream drops
+(a dead notebook kernel): then every lane, table and communicator it owns is
+released, and the Dask worker carries on.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+from distributed.protocol.serialize import ToPickle
+
+from ..wire import CONTROL, Fatal, LaneDone
+from . import handlers  # noqa: F401  (registers the core message handlers)
+from .dispatch import HANDLERS
+from .errors import FatalError, SeqError, format_exception
+from .lane import Lane
+
+if TYPE_CHECKING:
+    from .plugin import MonarchWorkerPlugin
+
+WAIT_POLL_S = 0.05
+
+
+class RankState:
+    """One controller's rank on this worker: lanes, worker-level tables, reports."""
+
+    def __init__(self, plugin: MonarchWorkerPlugin, token: str, rank: int, world_size: int,
+                 device: torch.device | None, settings: dict):
+        self.plugin = plugin
+        self.loop = plugin.worker.loop
+        self.token = token
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.settings = settings
+        self.lanes: dict[int, Lane] = {}
+        self.control = Lane(self, CONTROL, f"monarch-{token}-control", device)
+        self.meshes: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.borrows: dict[int, Any] = {}
+        self.probes: dict[int, int] = {}
+        self.failed: str | None = None
+        self.released = False
+        self.abort = threading.Event()  # set on failure or release: blocking waits give up
+        self.recent_errors: deque[tuple[int, str]] = deque(maxlen=20)
+        self.created = time.time()
+        self.messages = 0
+        self._stream = None  # BatchedSend to the controller, once it subscribed
+        self._pending: list = []
+        self._closers: list = []
+
+    # -- lanes --------------------------------------------------------------------------------
+
+    def executor_name(self, stream_id: int) -> str:
+        return f"monarch-{self.token}-{stream_id}"
+
+    def add_lane(self, stream_id: int) -> Lane | None:
+        """Create the lane of a stream (on the event loop, before a task names it)."""
+        if stream_id in self.lanes:
+            return None
+        lane = self.lanes[stream_id] = Lane(
+            self, stream_id, self.executor_name(stream_id), self.device
+        )
+        return lane
+
+    def all_lanes(self) -> list[Lane]:
+        return [*self.lanes.values(), self.control]
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run_segment(self, label: Any, index: int, payload: bytes) -> int:
+        """Run one segment of steps on its lane, in order; called on the lane's thread."""
+        lane = self.control if label == CONTROL else self.lanes.get(label)
+        if lane is None:
+            raise FatalError(f"rank {self.rank}: no lane for stream {label}")
+        try:
+            lane.claim_index(index)
+            if self.failed is not None:
+                raise FatalError(f"controller already failed on rank {self.rank}: {self.failed}")
+            if self.released:
+                raise FatalError(f"rank {self.rank} was released (Exit or close)")
+            steps = pickle.loads(payload)
+            lane.state, lane.busy_since = "running", time.monotonic()
+            if lane.device is not None:
+                torch.cuda.set_device(lane.device)
+                with torch.cuda.stream(lane.cuda_stream or torch.cuda.default_stream(lane.device)):
+                    self._run_steps(lane, steps)
+            else:
+                self._run_steps(lane, steps)
+        except FatalError as e:
+            self.fail(f"stream {label}: {e}")
+            raise
+        except BaseException as e:
+            self.fail(f"stream {label}: internal error: {format_exception(e)}")
+            raise
+        finally:
+            lane.state, lane.doing = "idle", ""
+            lane.busy_seconds += time.monotonic() - lane.busy_since
+        lane.segments += 1
+        self.report(LaneDone(self.rank, label, index))
+        return len(steps)
+
+    def _run_steps(self, lane: Lane, steps: list) -> None:
+        table = HANDLERS
+        done = 0
+        try:
+            for step in steps:
+                table[type(step)](lane, step)
+                done += 1
+        except KeyError:
+            if type(steps[done]) not in table:
+                raise FatalError(f"no handler for {type(steps[done]).__name__}") from None
+            raise
+        finally:
+            lane.steps += done
+            self.messages += done
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def report(self, item: Any) -> None:
+        """Send ``item`` to the controller (thread-safe, in call order)."""
+        self.loop.add_callback(self._deliver, item)
+
+    def _deliver(self, item: Any) -> None:
+        if self._stream is not None:
+            self._stream.send(ToPickle(item))
+        else:
+            self._pending.append(item)
+
+    def attach(self, stream) -> None:
+        """The controller subscribed: flush what was reported before (on the event loop)."""
+        self._stream = stream
+        pending, self._pending = self._pending, []
+        for item in pending:
+            stream.send(ToPickle(item))
+
+    def record_error(self, error: SeqError) -> None:
+        self.recent_errors.append((error.seq, error.error))
+
+    # -- synchronisation ----------------------------------------------------------------------
+
+    def arrive(self, probe: int, lanes: int) -> bool:
+        """A lane passed status probe ``probe``; True for the last of its ``lanes`` lanes."""
+        with self.lock:
+            seen = self.probes.get(probe, 0) + 1
+            if seen >= lanes:
+                self.probes.pop(probe, None)
+                return True
+            self.probes[probe] = seen
+            return False
+
+    def wait(self, lane: Lane, event: threading.Event, what: str,
+             timeout: float | None = None) -> None:
+        """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves."""
+        if event.is_set():
+            return
+        before = (lane.state, lane.doing)
+        lane.set_waiting(what)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not event.wait(WAIT_POLL_S):
+                if self.abort.is_set():
+                    raise FatalError(
+                        f"stream {lane.label} stopped waiting for {what}: "
+                        f"{self.failed or 'the rank was released'}"
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    raise FatalError(
+                        f"stream {lane.label} timed out after {timeout}s waiting for {what}"
+                    )
+        finally:
+            lane.state, lane.doing = before
+
+    # -- failure and release ------------------------------------------------------------------
+
+    def fail(self, cause: str) -> None:
+        """The controller is broken on this rank: tell it, wake every blocked lane."""
+        with self.lock:
+            if self.failed is not None:
+                return
+            self.failed = cause
+        self.abort.set()
+        self.report(Fatal(self.rank, cause))
+
+    def release(self) -> None:
+        """Free everything this controller holds here (idempotent, any thread)."""
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.abort.set()
+        for close in self.closers():
+            try:
+                close()
+            except Exception:  # a half-built communicator must not keep the rest alive
+                pass
+        self.meshes.clear()
+        self.borrows.clear()
+        self.loop.add_callback(self.plugin.forget, self)
+
+    def closers(self) -> list:
+        """Release hooks of the rank's resources; lanes last so waits end first."""
+        return [*self._closers, *(lane.close for lane in self.all_lanes())]
+
+    def on_release(self, hook) -> None:
+        """Run ``hook`` when the rank is released (communicators, pipes, actors)."""
+        self._closers.append(hook)
+
+    # -- dashboard ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return {
+            "token": self.token,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "device": str(self.device or "cpu"),
+            "failed": self.failed,
+            "messages": self.messages,
+            "uptime": round(time.time() - self.created, 1),
+            "lanes": [lane.snapshot() for lane in self.all_lanes()],
+            "meshes": [repr(m) for m in self.meshes.values()],
+            "borrows": sorted(self.borrows),
+            "errors": [{"seq": s, "error": e} for s, e in self.recent_errors],
+        }

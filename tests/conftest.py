@@ -1,0 +1,58 @@
+"""Shared real clusters: starting one costs seconds, so tests share them per session.
+
+Tests that kill workers make their own throw-away cluster.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def cluster2():
+    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def client2(cluster2):
+    with Client(cluster2) as client:
+        client.wait_for_workers(2)
+        yield client
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    with dm.LocalMeshCluster(n_ranks=4, device="cpu") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def client4(cluster4):
+    with Client(cluster4) as client:
+        client.wait_for_workers(4)
+        yield client
+
+
+@pytest.fixture
+def ctrl(client2):
+    """A fresh raw controller on the 2-rank cluster (closed after the test)."""
+    controller = dm.Controller(client2, world_size=2)
+    yield controller
+    controller.close()
+
+
+@pytest.fixture
+def ctrl4(client4):
+    controller = dm.Controller(client4, world_size=4)
+    yield controller
+    controller.close()
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,0 +1,38 @@
+"""Short builders for raw protocol messages in tests."""
+
+from __future__ import annotations
+
+from dask_monarch import messages as m
+from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+
+S0, S1, S2, S3 = (StreamRef(i) for i in range(4))
+
+
+def call(seq, results, fn, *args, mutates=(), stream=S0, groups=(), **kwargs):
+    """CallFunction of ``fn`` (a path or callable); ``results`` a Ref, None or a list."""
+    if results is None or isinstance(results, Ref):
+        results = [results]
+    return m.CallFunction(seq, list(results), list(mutates), fn,
+                          ArgsKwargs.from_python(args, kwargs), stream, list(groups))
+
+
+def fetch(seq, value, stream=S0, fn=None, mutates=(), **kwargs):
+    """SendValue of ``value`` (a ref or args tuple) to the controller."""
+    args = value if isinstance(value, tuple) else (value,)
+    return m.SendValue(seq, None, list(mutates), fn, ArgsKwargs.from_python(args, kwargs), stream)
+
+
+def create_streams(ctrl, ranks, *streams):
+    modes = m.StreamCreationMode
+    for i, s in enumerate(streams):
+        mode = modes.UseDefaultStream if i == 0 else modes.CreateNewStream
+        ctrl.send(ranks, m.CreateStream(s, mode))
+
+
+def values(messages, kind=m.FetchResult):
+    """{(seq, rank): value} of the FetchResults (or other kind) in ``messages``."""
+    return {(x.seq, x.rank): getattr(x, "value", x) for x in messages if type(x) is kind}
+
+
+def failures(messages):
+    return [x for x in messages if type(x) is m.RemoteFunctionFailed]

@@ -1,0 +1,56 @@
+"""Importable functions the workers call by path in tests."""
+
+import os
+import time
+
+import torch
+
+
+def pair(x):
+    return x + 1, x * 2
+
+
+def nothing(x):
+    return None
+
+
+def number(x):
+    return int(x.numel()) * 10
+
+
+def as_dict(x):
+    return {"a": x + 1, "b": [x - 1, None]}
+
+
+def boom(x):
+    raise RuntimeError("boom from a remote function")
+
+
+def touch(path, *after):
+    """Append a line to ``path`` each time it runs (counts executions)."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return torch.zeros(1)
+
+
+def sleep_then(seconds, path=None):
+    if path:
+        touch(path)
+    time.sleep(seconds)
+    return torch.ones(1)
+
+
+class WithRemoteImpl:
+    """Resolution uses ``_remote_impl`` when an object has one (monarch-semantics §1.4)."""
+
+    @staticmethod
+    def _remote_impl(x):
+        return x * 100
+
+
+remote_impl_holder = WithRemoteImpl()
+
+
+def mix_(x, i):
+    """An order-sensitive in-place step: x = (3x + i) mod 1_000_003."""
+    x.mul_(3).add_(i).remainder_(1_000_003)

@@ -1,0 +1,180 @@
+"""Order holds by construction: per (rank, stream) execution order is message order."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dask
+import pytest
+import torch
+from distributed.utils import key_split
+from protocol import S0, S1, call, create_streams, fetch, values
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.graph import Compiler, ProtocolError
+from dask_monarch.messages import Ref
+from dask_monarch.ndslice import Slice
+
+
+def expected(n: int, offset: int) -> int:
+    x = 0
+    for i in range(n):
+        x = (3 * x + i + offset) % 1_000_003
+    return x
+
+
+def test_500_dependent_in_place_ops_on_two_streams_and_two_ranks(client2):
+    # tiny flushes: many segments per lane, chained across flushes
+    with dask.config.set({"dask_monarch.flush.size": 7, "dask_monarch.flush.idle": "1ms"}):
+        ctrl = dm.Controller(client2, world_size=2)
+    try:
+        create_streams(ctrl, [0, 1], S0, S1)
+        for stream in (S0, S1):
+            ctrl.send([0, 1], call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64,
+                                   stream=stream))
+        for i in range(500):
+            for stream, offset in ((S0, 0), (S1, 7)):
+                x = Ref(10 + stream.id)
+                ctrl.send([0, 1], call(1 + i, None, "remote_fns.mix_", x, i + offset,
+                                       mutates=[x], stream=stream))
+            if i % 37 == 0:
+                ctrl.flush()
+            if i % 101 == 0:
+                time.sleep(0.01)  # let the idle timer flush too
+        ctrl.send([0, 1], fetch(1000, Ref(10), stream=S0))
+        ctrl.send([0, 1], fetch(1001, Ref(11), stream=S1))
+        got = values(ctrl.sync(timeout=120))
+        for rank in (0, 1):
+            assert got[(1000, rank)].item() == expected(500, 0)
+            assert got[(1001, rank)].item() == expected(500, 7)
+    finally:
+        ctrl.close()
+
+
+def _wait_for_file(path, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_idle_timer_flushes_without_an_explicit_flush(client2, tmp_path):
+    with dask.config.set({"dask_monarch.flush.idle": "20ms"}):
+        with dm.Controller(client2, world_size=2) as ctrl:
+            create_streams(ctrl, [0], S0)
+            ctrl.send(0, call(0, Ref(1), "remote_fns.touch", str(tmp_path / "idle")))
+            assert _wait_for_file(tmp_path / "idle")
+
+
+def test_size_trigger_and_explicit_flush(client2, tmp_path):
+    with dask.config.set({"dask_monarch.flush.idle": "60s", "dask_monarch.flush.max-age": "60s",
+                          "dask_monarch.flush.size": 3}):
+        with dm.Controller(client2, world_size=2) as ctrl:
+            create_streams(ctrl, [0], S0)  # 1 message buffered
+            ctrl.send(0, call(0, Ref(1), "torch.ones", 1))
+            ctrl.send(0, call(1, Ref(2), "remote_fns.touch", str(tmp_path / "size")))  # 3rd
+            assert _wait_for_file(tmp_path / "size")
+            ctrl.send(0, call(2, Ref(3), "remote_fns.touch", str(tmp_path / "explicit")))
+            assert not _wait_for_file(tmp_path / "explicit", timeout=0.5)
+            ctrl.flush()
+            assert _wait_for_file(tmp_path / "explicit")
+
+
+# ---------------------------------------------------------------- the compiler, without a cluster
+
+
+def compile_(messages, world=2, compiler=None):
+    compiler = compiler or Compiler("tok", [f"monarch-rank{i}" for i in range(world)])
+    plan = compiler.compile([(tuple(range(world)), msg) for msg in messages])
+    return compiler, plan
+
+
+def _task_deps(plan, key):
+    graph = dict(plan.graph)
+    return {dep for dep in graph[key].dependencies}
+
+
+def test_segment_keys_name_their_work():
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.DeleteRefs([Ref(1)])])
+    assert {key_split(k) for k in plan.keys} == {"monarch_call"}
+    c, plan = compile_([create, fetch(0, Ref(1))])
+    assert {key_split(k) for k in plan.keys} == {"monarch_fetch"}
+    _, plan = compile_([create, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S0)])
+    assert {key_split(k) for k in plan.keys} == {"monarch_borrow"}
+    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), fetch(1, Ref(1))])
+    assert {key_split(k) for k in plan.keys} == {"monarch_segment"}
+    _, plan = compile_([m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))])
+    assert {key_split(k) for k in plan.keys} == {"monarch_mesh"}
+    _, plan = compile_([m.RequestStatus(0)])
+    assert {key_split(k) for k in plan.keys} == {"monarch_status"}
+
+
+def test_segments_are_pinned_and_chained():
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    compiler, first = compile_([create, call(0, Ref(1), "torch.ones", 1)])
+    assert first.new_lanes == {0: [0], 1: [0]}
+    annotations = {key: layer.annotations for layer in first.graph.layers.values()
+                   for key in layer}
+    for key, ann in annotations.items():
+        assert ann["resources"] == {f"monarch-rank{key[2]}": 1}
+        assert ann["executor"] == "monarch-tok-0"
+    _, second = compile_([call(1, Ref(2), "torch.ones", 1)], compiler=compiler)
+    assert second.new_lanes == {}
+    for key in second.keys:
+        (dep,) = _task_deps(second, key)
+        assert dep[2] == key[2] and dep[4] == key[4] - 1  # same rank, previous segment
+
+
+def test_lane_work_after_a_control_step_follows_it():
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    mesh = m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))
+    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), mesh,
+                        call(1, Ref(2), "torch.ones", 1)])
+    keys = [k for k in plan.keys if k[2] == 0]
+    assert [(k[3], k[4]) for k in keys] == [(0, 0), ("control", 0), (0, 1)]
+    assert _task_deps(plan, keys[2]) == {keys[0], keys[1]}
+    assert _task_deps(plan, keys[1]) == set()
+
+
+def test_exit_drains_every_lane():
+    create = [m.CreateStream(s, m.StreamCreationMode.UseDefaultStream) for s in (S0, S1)]
+    _, plan = compile_([*create, call(0, Ref(1), "torch.ones", 1, stream=S1), m.Exit()])
+    exit_key = next(k for k in plan.keys if k[3] == "control" and k[2] == 0)
+    assert {(d[3], d[4]) for d in _task_deps(plan, exit_key)} == {(0, 0), (1, 0)}
+
+
+def test_status_and_deletes_fan_out_to_every_lane():
+    create = [m.CreateStream(s, m.StreamCreationMode.UseDefaultStream) for s in (S0, S1)]
+    _, plan = compile_([*create, m.DeleteRefs([Ref(1)]), m.RequestStatus(3)], world=1)
+    assert sorted(k[3] for k in plan.keys) == [0, 1]
+
+
+@pytest.mark.parametrize("messages, text", [
+    ([call(0, Ref(1), "torch.ones", 1)], "stream 0, which was never created"),
+    ([m.BorrowFirstUse(4)], "unknown borrow 4"),
+    ([m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream),
+      m.BorrowCreate(Ref(2), 4, Ref(1), S0, S0), m.BorrowLastUse(4)],
+     "in state 'created' (expected 'first-used')"),
+    ([m.Exit(), m.RequestStatus(1)], "after Exit"),
+    ([m.CallRecording(1, Ref(5), [], [])], "not a completely defined recording"),
+    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 1)], "starts at chunk 1"),
+    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.RequestStatus(1)],
+     "RequestStatus while recording r5 is being defined"),
+    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.DefineRecording(Ref(6), 0, 0, [], 1, 0)],
+     "while r5 is being defined"),
+])
+def test_protocol_errors_found_while_routing(messages, text):
+    _, plan = compile_(messages)
+    assert isinstance(plan.error, ProtocolError)
+    assert text in plan.error.cause and plan.error.rank == 0
+
+
+def test_valid_prefix_is_kept_before_a_protocol_error():
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.BorrowDrop(3)])
+    assert plan.messages == 2 and plan.graph is not None and plan.error is not None
