@@ -54,3 +54,28 @@ remote_impl_holder = WithRemoteImpl()
 def mix_(x, i):
     """An order-sensitive in-place step: x = (3x + i) mod 1_000_003."""
     x.mul_(3).add_(i).remainder_(1_000_003)
+
+
+_barriers: dict = {}
+_barrier_lock = __import__("threading").Lock()
+
+
+def barrier_wait(name, parties=2, timeout=20.0):
+    """Wait on a process-wide barrier: it completes only if ``parties`` lanes run at once."""
+    import threading
+
+    with _barrier_lock:
+        barrier = _barriers.setdefault(name, threading.Barrier(parties))
+    barrier.wait(timeout)
+    return torch.ones(1)
+
+
+def thread_name(*after):
+    import threading
+
+    return threading.current_thread().name
+
+
+def slow_copy(x, seconds):
+    time.sleep(seconds)
+    return x.clone()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from distributed import WorkerPlugin, get_worker
 from distributed.batched import BatchedSend
@@ -24,6 +26,7 @@ PLUGIN_NAME = "dask_monarch"
 RESOURCE_PREFIX = "monarch-"
 # Pins tasks to the worker without limiting them: far more than any number of lanes.
 RESOURCE_CAPACITY = 1_000_000
+MAX_RELEASED = 256  # released controllers remembered per worker (their late tasks drain)
 
 
 class MonarchWorkerPlugin(WorkerPlugin):
@@ -38,7 +41,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
     async def setup(self, worker) -> None:
         self.worker = worker
         self.ranks: dict = {}  # controller token -> RankState
+        self.released: OrderedDict[str, None] = OrderedDict()  # tokens released on purpose
         self.extra_threads = 0
+        # Tasks a released controller had queued may still start: they find its lanes'
+        # names pointing here, and return without running anything.
+        self.drain = ThreadPoolExecutor(1, thread_name_prefix="monarch-drain")
         worker.handlers["dask_monarch_reports"] = self.serve_reports
         worker.handlers["dask_monarch_state"] = self.state_snapshot
 
@@ -93,13 +100,21 @@ class MonarchWorkerPlugin(WorkerPlugin):
         """Drop a released rank state and give its threads back (on the loop)."""
         if self.ranks.get(state.token) is state:
             del self.ranks[state.token]
-        names = {lane.executor_name for lane in state.all_lanes()} & set(self.worker.executors)
-        # a new dict: Worker.close may be iterating the old one
-        self.worker.executors = {
-            k: v for k, v in self.worker.executors.items() if k not in names
-        }
-        self.extra_threads -= len(names)
-        self.worker.state.nthreads -= len(names)
+        self.released[state.token] = None
+        while len(self.released) > MAX_RELEASED:
+            token, _ = self.released.popitem(last=False)
+            self.worker.executors = {  # a new dict: Worker.close may iterate the old one
+                k: v for k, v in self.worker.executors.items()
+                if not k.startswith(f"monarch-{token}-")
+            }
+        names = [lane.executor_name for lane in state.all_lanes()]
+        executors = dict(self.worker.executors)
+        for name in names:
+            if executors.get(name) is not self.drain and name in executors:
+                self.extra_threads -= 1
+                self.worker.state.nthreads -= 1
+            executors[name] = self.drain
+        self.worker.executors = executors
 
     def release(self, token: str) -> bool:
         state = self.ranks.get(token)
@@ -109,7 +124,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
         return True
 
     def rank_state(self, token: str, rank: int):
+        """The state a task runs against (None: its controller left on purpose)."""
         state = self.ranks.get(token)
+        if state is None and token in self.released:
+            return None
         if state is None or state.rank != rank:
             from .errors import ReplayRefused
 
@@ -215,4 +233,6 @@ def run_segment(token: str, rank: int, lane: object, index: int, payload: bytes,
     previous segment, the rank's last control step); only their order matters.
     """
     state = _plugin(get_worker()).rank_state(token, rank)
+    if state is None:  # queued before its controller released the rank: nothing to do
+        return 0
     return state.run_segment(lane, index, payload)

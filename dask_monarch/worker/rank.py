@@ -18,7 +18,7 @@ import torch
 from distributed.protocol.serialize import ToPickle
 
 from ..wire import CONTROL, Fatal, LaneDone
-from . import handlers  # noqa: F401  (registers the core message handlers)
+from . import borrow, handlers  # noqa: F401  (register their message handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane

@@ -1,0 +1,122 @@
+"""Borrows: a tensor crosses from one stream to another of the same rank (§3.7-§3.10).
+
+Both ends live on one worker, so the four steps synchronise through two
+in-process one-shot channels, plus CUDA events on GPU (DESIGN decision 5):
+
+* ``BorrowCreate`` (lender lane) puts ``(value, event)`` into the first-use channel;
+* ``BorrowFirstUse`` (borrower lane) blocks until it is there, makes its CUDA
+  stream wait on the event, and binds the *same* object (shared storage);
+* ``BorrowLastUse`` (borrower lane) removes the binding and puts an event into
+  the last-use channel;
+* ``BorrowDrop`` (lender lane) blocks until it is there and waits on the event.
+
+Happens-before: lender work before the create precedes borrower work after
+the first use; borrower work before the last use precedes lender work after
+the drop. The lent object is kept alive by the borrow until the drop, even if
+the lender deletes its ref meanwhile. An errored value travels as the same
+root error (no new report). The compiler has already checked the order of the
+steps (an unknown borrow or a step out of order never reaches a worker), so a
+borrow's two lanes can be created here by whichever side arrives first.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
+from .dispatch import handles
+from .errors import FatalError
+
+_MISSING = object()
+
+
+class Borrow:
+    """The two one-shot channels of one borrow."""
+
+    __slots__ = ("id", "result", "from_stream", "value", "created", "lent_event",
+                 "last_used", "returned_event")
+
+    def __init__(self, borrow_id: int):
+        self.id = borrow_id
+        self.result: int | None = None
+        self.from_stream: Any = None
+        self.value: Any = None  # the lent object: alive until the drop
+        self.created = threading.Event()
+        self.lent_event = None
+        self.last_used = threading.Event()
+        self.returned_event = None
+
+
+def _borrow(lane, borrow_id: int) -> Borrow:
+    state = lane.rank
+    with state.lock:
+        borrow = state.borrows.get(borrow_id)
+        if borrow is None:
+            borrow = state.borrows[borrow_id] = Borrow(borrow_id)
+        return borrow
+
+
+def _record(lane):
+    """A CUDA event marking the lane's work so far (None on CPU)."""
+    if lane.device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(lane.cuda_stream)
+    return event
+
+
+def _wait_event(lane, event) -> None:
+    if event is not None:
+        lane.cuda_stream.wait_event(event)
+
+
+@handles(BorrowCreate)
+def borrow_create(lane, msg: BorrowCreate) -> None:
+    """Lend ``tensor`` to ``to_stream`` (lender lane; never blocks).
+
+    Fatal if the tensor is not on this stream. An errored value is lent as is.
+    """
+    value = lane.env.get(msg.tensor.id, _MISSING)
+    if value is _MISSING:
+        raise FatalError(f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on stream "
+                         f"{lane.label}")
+    borrow = _borrow(lane, msg.borrow)
+    borrow.result, borrow.from_stream, borrow.value = msg.result.id, lane.label, value
+    borrow.lent_event = _record(lane)
+    borrow.created.set()
+
+
+@handles(BorrowFirstUse)
+def borrow_first_use(lane, msg: BorrowFirstUse) -> None:
+    """Bind the lent object on the borrower lane; blocks until the lender ran the create."""
+    borrow = _borrow(lane, msg.borrow)
+    lane.rank.wait(lane, borrow.created, f"borrow {msg.borrow} (the lender's BorrowCreate)")
+    _wait_event(lane, borrow.lent_event)
+    if borrow.result in lane.env:
+        raise FatalError(f"Duplicate write to reference r{borrow.result} (borrow {msg.borrow})")
+    lane.env[borrow.result] = borrow.value
+
+
+@handles(BorrowLastUse)
+def borrow_last_use(lane, msg: BorrowLastUse) -> None:
+    """Give the object back: unbind it on the borrower lane (fatal if it is gone)."""
+    borrow = _borrow(lane, msg.borrow)
+    if lane.env.pop(borrow.result, _MISSING) is _MISSING:
+        raise FatalError(f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on stream "
+                         f"{lane.label}")
+    borrow.returned_event = _record(lane)
+    borrow.last_used.set()
+
+
+@handles(BorrowDrop)
+def borrow_drop(lane, msg: BorrowDrop) -> None:
+    """End the borrow on the lender lane; blocks until the borrower passed its last use."""
+    borrow = _borrow(lane, msg.borrow)
+    lane.rank.wait(lane, borrow.last_used, f"borrow {msg.borrow} (the borrower's BorrowLastUse)")
+    _wait_event(lane, borrow.returned_event)
+    with lane.rank.lock:
+        lane.rank.borrows.pop(msg.borrow, None)
+    borrow.value = None

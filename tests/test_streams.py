@@ -1,0 +1,222 @@
+"""Streams run concurrently on every rank; borrows synchronise them (issue: streams)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from conftest import requires_cuda
+from protocol import S0, S1, S2, S3, call, create_streams, failures, fetch, values
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import Ref
+
+BOTH = [0, 1]
+
+
+def borrow(ctrl, ranks, bid, result, tensor, src, dst):
+    ctrl.send(ranks, m.BorrowCreate(result, bid, tensor, src, dst))
+
+
+def test_streams_of_a_rank_run_at_once(ctrl):
+    """Two streams wait on one 2-party barrier: it completes only if both run together."""
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S0))
+    ctrl.send(BOTH, call(1, Ref(2), "remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S1))
+    assert ctrl.sync(timeout=60) == []
+    for rank in BOTH:
+        assert torch.equal(ctrl.get_ref(rank, Ref(1), S0), torch.ones(1))
+        assert torch.equal(ctrl.get_ref(rank, Ref(2), S1), torch.ones(1))
+
+
+def test_each_stream_has_its_own_thread(ctrl):
+    create_streams(ctrl, [0], S0, S1)
+    ctrl.send(0, call(0, Ref(1), "remote_fns.thread_name", stream=S0))
+    ctrl.send(0, call(1, Ref(2), "remote_fns.thread_name", stream=S1))
+    ctrl.sync()
+    names = {ctrl.get_ref(0, Ref(1), S0), ctrl.get_ref(0, Ref(2), S1)}
+    assert len(names) == 2 and all(ctrl.token in name for name in names)
+
+
+def test_borrow_shares_storage_and_in_place_changes_come_back(ctrl):
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
+    borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
+    ctrl.send(BOTH, m.BorrowFirstUse(1))
+    ctrl.send(BOTH, call(1, None, "torch.ops.aten.sub_.Tensor", Ref(2), Ref(2), mutates=[Ref(2)],
+                         stream=S1))
+    ctrl.send(BOTH, m.BorrowLastUse(1))
+    ctrl.send(BOTH, m.BorrowDrop(1))
+    ctrl.send(BOTH, fetch(2, Ref(1), stream=S0))
+    got = values(ctrl.sync())
+    assert torch.equal(got[(2, 0)], torch.zeros(4)) and torch.equal(got[(2, 1)], torch.zeros(4))
+    assert ctrl.get_ref(0, Ref(2), S1) is None  # the borrower's binding is gone
+
+
+def test_borrowing_an_errored_value_reports_once(ctrl):
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.boom", 1))
+    borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
+    ctrl.send(BOTH, m.BorrowFirstUse(1))
+    ctrl.send(BOTH, call(1, Ref(3), "torch.ops.aten.neg.default", Ref(2), stream=S1))
+    ctrl.send(BOTH, m.BorrowLastUse(1))
+    ctrl.send(BOTH, m.BorrowDrop(1))
+    reports = failures(ctrl.sync())
+    assert sorted((r.seq, r.rank) for r in reports) == [(0, 0), (0, 1)]
+    with pytest.raises(dm.RemoteException, match="boom from a remote function"):
+        ctrl.get_ref(1, Ref(3), S1)
+
+
+def test_lender_may_delete_its_ref_while_lent(ctrl):
+    create_streams(ctrl, [0], S0, S1)
+    ctrl.send(0, call(0, Ref(1), "torch.full", [2], 5.0))
+    borrow(ctrl, 0, 1, Ref(2), Ref(1), S0, S1)
+    ctrl.send(0, m.DeleteRefs([Ref(1)]))  # the borrow keeps the object alive
+    ctrl.send(0, m.BorrowFirstUse(1))
+    ctrl.send(0, fetch(1, Ref(2), stream=S1))
+    ctrl.send(0, m.BorrowLastUse(1))
+    ctrl.send(0, m.DeleteRefs([Ref(2)]))  # after the last use: a no-op
+    ctrl.send(0, m.BorrowDrop(1))
+    got = values(ctrl.sync())
+    assert torch.equal(got[(1, 0)], torch.full((2,), 5.0))
+    assert ctrl.get_ref(0, Ref(1), S0) is None
+
+
+def test_borrow_spanning_flushes(ctrl):
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
+    borrow(ctrl, BOTH, 7, Ref(2), Ref(1), S0, S1)
+    ctrl.flush()
+    ctrl.send(BOTH, m.BorrowFirstUse(7))
+    ctrl.send(BOTH, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 3, mutates=[Ref(2)],
+                         stream=S1))
+    ctrl.sync()
+    ctrl.send(BOTH, m.BorrowLastUse(7))
+    ctrl.flush()
+    ctrl.send(BOTH, m.BorrowDrop(7))
+    ctrl.send(BOTH, fetch(2, Ref(1)))
+    got = values(ctrl.sync())
+    assert torch.equal(got[(2, 1)], torch.full((2,), 3.0))
+
+
+def test_wrong_stream_use_without_borrow_is_a_user_error(ctrl):
+    create_streams(ctrl, [0], S0, S1)
+    ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
+    ctrl.send(0, call(1, Ref(2), "torch.ops.aten.neg.default", Ref(1), stream=S1))
+    reports = failures(ctrl.sync())
+    assert len(reports) == 1 and "ref not found: r1" in reports[0].error
+
+
+def test_four_streams_with_interleaved_borrows_do_not_deadlock(ctrl):
+    """Every lane lends to the next and borrows from the previous, in a ring.
+
+    Each lane's segment holds create, first use, slow work, last use and drop:
+    a drop blocks its lane until the next lane passed its last use, so the ring
+    finishes only if all four lanes run at once (a pool with fewer threads, or
+    one shared thread, deadlocks here).
+    """
+    streams = [S0, S1, S2, S3]
+    create_streams(ctrl, BOTH, *streams)
+    for i, s in enumerate(streams):
+        ctrl.send(BOTH, call(i, Ref(10 + i), "torch.full", [2], float(i), stream=s))
+    for i, s in enumerate(streams):  # lane i lends its tensor to lane i+1
+        borrow(ctrl, BOTH, 100 + i, Ref(20 + i), Ref(10 + i), s, streams[(i + 1) % 4])
+    for i in range(4):
+        ctrl.send(BOTH, m.BorrowFirstUse(100 + i))
+    for i in range(4):  # lane i+1 copies slowly what lane i lent it
+        ctrl.send(BOTH, call(10 + i, Ref(30 + i), "remote_fns.slow_copy", Ref(20 + i), 0.2,
+                             stream=streams[(i + 1) % 4]))
+    for i in range(4):
+        ctrl.send(BOTH, m.BorrowLastUse(100 + i))
+    for i in range(4):
+        ctrl.send(BOTH, m.BorrowDrop(100 + i))
+    ctrl.send(BOTH, m.RequestStatus(20))
+    start = time.monotonic()
+    reports = ctrl.sync(timeout=60)
+    assert sorted((r.seq, r.rank) for r in reports) == [(21, 0), (21, 1)]
+    assert time.monotonic() - start < 30
+    for i in range(4):
+        copied = ctrl.get_ref(1, Ref(30 + i), streams[(i + 1) % 4])
+        assert torch.equal(copied, torch.full((2,), float(i)))
+
+
+def test_request_status_waits_for_a_stream_blocked_at_first_use(ctrl):
+    create_streams(ctrl, [0], S0, S1)
+    ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
+    ctrl.send(0, call(1, Ref(2), "remote_fns.slow_copy", Ref(1), 1.0))  # the lender is busy
+    borrow(ctrl, 0, 1, Ref(3), Ref(2), S0, S1)
+    ctrl.send(0, m.BorrowFirstUse(1))  # S1 blocks here for about a second
+    ctrl.send(0, fetch(2, Ref(3), stream=S1))
+    ctrl.send(0, m.RequestStatus(2))
+    start = time.monotonic()
+    reports = ctrl.sync(timeout=60)
+    assert time.monotonic() - start >= 0.9
+    assert [type(r) for r in reports] == [m.FetchResult, m.Status]
+    assert reports[1].seq == 3
+
+
+def test_lanes_raise_the_workers_thread_budget(ctrl, client2):
+    before = client2.run(lambda dask_worker: dask_worker.state.nthreads)
+    create_streams(ctrl, BOTH, S0, S1, S2)
+    ctrl.sync()
+    after = client2.run(lambda dask_worker: dask_worker.state.nthreads)
+    assert all(after[a] == before[a] + 3 for a in ctrl.workers)
+    ctrl.close()
+    time.sleep(0.5)
+    final = client2.run(lambda dask_worker: dask_worker.state.nthreads)
+    assert all(final[a] == before[a] - 1 for a in ctrl.workers)  # minus the control lane
+
+
+@pytest.mark.parametrize("case, text", [
+    ("unknown-borrow", "unknown borrow 9"),
+    ("first-use-twice", "in state 'first-used' (expected 'created')"),
+    ("drop-before-last-use", "in state 'first-used' (expected 'last-used')"),
+    ("unknown-stream", "stream 5, which was never created"),
+    ("missing-tensor", "r42 is not on stream 0"),
+    ("last-use-of-deleted", "r2 is not on stream 1"),
+])
+def test_borrow_misuse_is_fatal(client2, case, text):
+    ctrl = dm.Controller(client2, world_size=2)
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
+    if case == "unknown-borrow":
+        ctrl.send(BOTH, m.BorrowFirstUse(9))
+    elif case == "first-use-twice":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
+        ctrl.send(BOTH, m.BorrowFirstUse(1))
+        ctrl.send(BOTH, m.BorrowFirstUse(1))
+    elif case == "drop-before-last-use":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
+        ctrl.send(BOTH, m.BorrowFirstUse(1))
+        ctrl.send(BOTH, m.BorrowDrop(1))
+    elif case == "unknown-stream":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, m.StreamRef(5))
+    elif case == "missing-tensor":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(42), S0, S1)
+    elif case == "last-use-of-deleted":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
+        ctrl.send(BOTH, m.BorrowFirstUse(1))
+        ctrl.send(BOTH, m.DeleteRefs([Ref(2)]))
+        ctrl.send(BOTH, m.BorrowLastUse(1))
+    with pytest.raises(dm.DeviceException, match=re.escape(text)):
+        ctrl.sync(timeout=30)
+    ctrl.close()
+
+
+@requires_cuda
+def test_borrow_on_cuda_streams_orders_work_with_events(client2):
+    with dm.Controller(client2, world_size=1, device="cuda") as ctrl:
+        create_streams(ctrl, [0], S0, S1)
+        ctrl.send(0, call(0, Ref(1), "torch.ones", 1 << 20, device="cuda"))
+        borrow(ctrl, 0, 1, Ref(2), Ref(1), S0, S1)
+        ctrl.send(0, m.BorrowFirstUse(1))
+        ctrl.send(0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)],
+                             stream=S1))
+        ctrl.send(0, m.BorrowLastUse(1))
+        ctrl.send(0, m.BorrowDrop(1))
+        ctrl.send(0, fetch(2, (Ref(1),), fn="torch.ops.aten.sum.default"))
+        got = values(ctrl.sync())
+        assert got[(2, 0)].item() == 2 * (1 << 20)
