@@ -25,7 +25,10 @@ def fresh_cluster():
 
 
 def _lines(path) -> int:
-    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return len(f.read().splitlines())
 
 
 def test_killed_worker_raises_device_exception_and_nothing_reruns(fresh_cluster, tmp_path):
