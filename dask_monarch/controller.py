@@ -38,7 +38,13 @@ from .messages import (
 )
 from .ndslice import Slice
 from .wire import Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
-from .worker.plugin import claim_rank, create_lanes, describe_worker
+from .worker.plugin import (
+    claim_rank,
+    create_lanes,
+    describe_worker,
+    set_rendezvous,
+    start_rendezvous,
+)
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -84,6 +90,7 @@ class Controller:
         self._broken: DeviceException | None = None
         self._closed = False
         self._comms: dict[int, Any] = {}
+        self._rendezvous: tuple[str, int] | None = None
         self.exited: set[int] = set()
 
         config.freeze_gc()
@@ -201,6 +208,8 @@ class Controller:
 
     def _submit(self, buffer: list) -> None:
         plan = self._compiler.compile(buffer)
+        if plan.rendezvous and self._rendezvous is None:
+            self._start_rendezvous()
         if plan.new_lanes:
             self._client.run(
                 _create_lanes_by_address, self.token,
@@ -216,6 +225,13 @@ class Controller:
                 self._tails[lane] = by_key[key]
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
+
+    def _start_rendezvous(self) -> None:
+        """Start the store collectives rendezvous through, on rank 0's worker (never here)."""
+        first = self.workers[0]
+        host, port = self._client.run(start_rendezvous, self.token, workers=[first])[first]
+        self._client.run(set_rendezvous, self.token, host, port, workers=self.workers)
+        self._rendezvous = (host, port)
 
     def _flush_loop(self) -> None:
         """Flush once the buffer has been idle for a moment (a busy sender flushes itself)."""

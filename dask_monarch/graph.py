@@ -311,6 +311,7 @@ class Plan:
     counts: dict[tuple, int]  # (rank, lane) -> index of the newest segment
     messages: int
     error: ProtocolError | None = None
+    rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
 
 
 class Compiler:
@@ -334,6 +335,7 @@ class Compiler:
         routers = self.routers
         error = None
         count = 0
+        rendezvous = False
         for ranks, msg in buffer:
             try:
                 if type(msg) in _STREAM_MESSAGES:  # the hot path: one lane per rank, no fan-out
@@ -354,6 +356,8 @@ class Compiler:
                             if lane == CONTROL:
                                 seg = self._control(rank, open_control, open_lanes, segments,
                                                     drains)
+                                if type(step) is m.BackendNetworkInit:
+                                    rendezvous = True
                             else:
                                 seg = self._lane(rank, lane, open_lanes, open_control, segments,
                                                  new_lanes)
@@ -362,7 +366,9 @@ class Compiler:
                 error = e
                 break
             count += 1
-        return self._plan(segments, new_lanes, count, error)
+        plan = self._plan(segments, new_lanes, count, error)
+        plan.rendezvous = rendezvous
+        return plan
 
     def _lane(self, rank, lane, open_lanes, open_control, segments, new_lanes) -> Segment:
         per_rank = open_lanes.setdefault(rank, {})

@@ -79,3 +79,35 @@ def thread_name(*after):
 def slow_copy(x, seconds):
     time.sleep(seconds)
     return x.clone()
+
+
+def per_rank(mesh, *shape, dtype=torch.float32):
+    """A tensor that differs on every rank: arange + 10 * (rank + 1)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n) + 10 * (mesh.own_rank + 1)).to(dtype).reshape(shape)
+
+
+def pg_collectives(x, pg, mesh):
+    """Use a real torch ProcessGroup from a user function."""
+    import torch.distributed as dist
+
+    total = x.clone()
+    dist.all_reduce(total, group=pg)
+    gathered = [torch.empty_like(x) for _ in range(pg.size())]
+    dist.all_gather(gathered, x, group=pg)
+    first = x.clone()
+    ranks = sorted(dist.get_process_group_ranks(pg))
+    dist.broadcast(first, ranks[0], group=pg)
+    dist.barrier(group=pg)
+    me = mesh.own_rank
+    peer = ranks[1] if me == ranks[0] else ranks[0]
+    received = torch.empty_like(x)
+    if me == ranks[0]:
+        dist.send(x, peer, group=pg)
+        dist.recv(received, peer, group=pg)
+    else:
+        dist.recv(received, peer, group=pg)
+        dist.send(x, peer, group=pg)
+    return total, torch.stack(gathered), first, received, pg.rank(), pg.size()

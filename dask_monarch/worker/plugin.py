@@ -212,6 +212,19 @@ async def create_lanes(token: str, stream_ids: list[int], dask_worker=None) -> N
     _plugin(dask_worker).add_lanes(token, stream_ids)
 
 
+async def start_rendezvous(token: str, dask_worker=None) -> tuple[str, int]:
+    """Start controller ``token``'s store on this worker (its rank 0)."""
+    from .comm import start_rendezvous as start
+
+    return await asyncio.to_thread(start, _plugin(dask_worker).ranks[token])
+
+
+async def set_rendezvous(token: str, host: str, port: int, dask_worker=None) -> None:
+    from .comm import set_rendezvous as set_
+
+    set_(_plugin(dask_worker).ranks[token], host, port)
+
+
 async def release_controller(token: str, dask_worker=None) -> bool:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:

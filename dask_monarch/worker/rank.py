@@ -18,7 +18,7 @@ import torch
 from distributed.protocol.serialize import ToPickle
 
 from ..wire import CONTROL, Fatal, LaneDone
-from . import borrow, handlers  # noqa: F401  (register their message handlers)
+from . import borrow, comm, handlers  # noqa: F401  (register their message handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane
@@ -56,6 +56,7 @@ class RankState:
         self._stream = None  # BatchedSend to the controller, once it subscribed
         self._pending: list = []
         self._closers: list = []
+        self.comms = None  # worker.comm.Comms, made on first use
 
     # -- lanes --------------------------------------------------------------------------------
 

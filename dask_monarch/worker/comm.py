@@ -1,0 +1,379 @@
+"""Collectives and point-to-point sends over torch.distributed (§3.11-§3.15, §3.19).
+
+Monarch does these with NCCL only; here CPU tensors go over gloo and CUDA
+tensors over NCCL (:mod:`.groups`). The controller starts a TCPStore on rank
+0's worker when it first sends ``BackendNetworkInit`` and tells every rank
+where it is; each group is then built over that store under its own prefix:
+
+* the world group (``BackendNetworkInit``), warmed up with a 1-element all-reduce;
+* one group per (mesh, stream, sorted dims) for ``Reduce`` (``SplitComm``);
+* one group per (from stream, to stream) for ``SendTensor``
+  (``BackendNetworkPointToPointInit``);
+* one group per (remote process group, stream) for user functions
+  (``SplitCommForProcessGroup``).
+
+Each stream has groups of its own, so collectives on two streams of a rank
+never share a communicator and cannot pair the wrong operations. On gloo they
+may interleave freely. NCCL's rule for concurrent communicators also holds:
+a rank issues each communicator's operations in message order, but two
+streams' communicators progress independently, so their kernels must be able
+to run at once; keep collectives of different streams off the same GPU
+resources or give each stream's work a consistent order across ranks.
+
+A rank whose input errored still takes part with zeros (its peers never
+hang); Reduce and SendTensor report nothing. A failure inside a collective
+(a peer gone, a timeout) is fatal: the controller fails with DeviceException.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed.comm.addressing import get_address_host
+
+from ..messages import (
+    BackendNetworkInit,
+    BackendNetworkPointToPointInit,
+    CreateRemoteProcessGroup,
+    Reduce,
+    ReduceOp,
+    SendTensor,
+    SplitComm,
+    SplitCommForProcessGroup,
+)
+from . import groups
+from .dispatch import handles
+from .errors import FatalError, SeqError
+
+_MISSING = object()
+_TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
+
+
+class Comms:
+    """The rendezvous and communicators one controller holds on one rank."""
+
+    def __init__(self, state):
+        self.state = state
+        self.server = None  # the TCPStore server, on rank 0
+        self.rendezvous: tuple[str, int] | None = None
+        self.store = None
+        self.prefix = ""
+        self.world = None
+        self.splits: dict[tuple, Any] = {}  # (mesh, stream, dims) -> group
+        self.p2p: dict[tuple[int, int], Any] = {}
+        self.remote_defs: dict[int, tuple[int, tuple[str, ...]]] = {}  # group ref -> (mesh, dims)
+        self.remote: dict[tuple[int, Any], Any] = {}  # (group ref, stream) -> group
+        self.handoffs: dict[int, tuple[threading.Event, list]] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def host(self) -> str:
+        return get_address_host(self.state.plugin.worker.address)
+
+    @property
+    def timeout(self) -> float:
+        return float(self.state.settings.get("collective_timeout") or 60.0)
+
+    def group(self, key: str, ranks: list[int]):
+        """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix."""
+        state = self.state
+        return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
+                                host=self.host, timeout=self.timeout,
+                                cuda=state.device is not None)
+
+    def handoff(self, key: int) -> tuple[threading.Event, list]:
+        """A one-shot channel between two lanes of this rank (same-rank copies)."""
+        with self.lock:
+            return self.handoffs.setdefault(key, (threading.Event(), []))
+
+    def close(self) -> None:
+        for pg in [self.world, *self.splits.values(), *self.p2p.values(), *self.remote.values()]:
+            if pg is not None:
+                groups.release_group(pg)
+        self.world = self.store = self.server = None
+        self.splits.clear()
+        self.p2p.clear()
+        self.remote.clear()
+
+
+def comms_of(state) -> Comms:
+    comms = getattr(state, "comms", None)
+    if comms is None:
+        comms = state.comms = Comms(state)
+        state.on_release(comms.close)
+    return comms
+
+
+# -- rendezvous (called through Client.run by the controller) ----------------------------------
+
+
+def start_rendezvous(state) -> tuple[str, int]:
+    """Start the controller's store on this worker (rank 0); returns ``(host, port)``."""
+    comms = comms_of(state)
+    if comms.server is None:
+        comms.server, port = groups.start_store(comms.host, comms.timeout)
+        comms.rendezvous = (comms.host, port)
+    return comms.rendezvous
+
+
+def set_rendezvous(state, host: str, port: int) -> None:
+    comms_of(state).rendezvous = (host, port)
+
+
+# -- worker-level messages (control lane) -------------------------------------------------------
+
+
+def _fatal_call(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except FatalError:
+        raise
+    except Exception as e:
+        raise FatalError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+@handles(BackendNetworkInit)
+def backend_network_init(lane, msg: BackendNetworkInit) -> None:
+    """Join the world group of every rank (blocks until all ranks arrive; idempotent)."""
+    comms = comms_of(lane.rank)
+    if comms.world is not None:
+        return
+    if comms.rendezvous is None:
+        raise FatalError("BackendNetworkInit: the controller set up no rendezvous")
+    host, port = comms.rendezvous
+    if comms.server is not None:
+        comms.store = comms.server
+    else:
+        comms.store = _fatal_call("connecting to the controller's store", groups.connect_store,
+                                  host, port, comms.timeout)
+    comms.prefix = f"{msg.unique_id or 'world'}/"
+    world = list(range(lane.rank.world_size))
+    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world)
+    warm_up = torch.ones(1, device=lane.rank.device or "cpu")
+    _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
+
+
+@handles(SplitComm)
+def split_comm(lane, msg: SplitComm) -> None:
+    """Create the communicator Reduce uses for (mesh, stream, sorted dims).
+
+    Sent to every rank; a no-op without a world group or on a rank outside
+    the mesh. Members rendezvous among themselves.
+    """
+    comms = comms_of(lane.rank)
+    mesh = lane.rank.meshes.get(msg.device_mesh.id)
+    if comms.world is None or mesh is None:
+        return
+    dims = tuple(sorted(msg.dims))
+    key = (msg.device_mesh.id, msg.stream.id, dims)
+    if key in comms.splits:
+        raise FatalError(f"SplitComm: stream {msg.stream.id} already has a communicator for "
+                         f"dims {list(dims)} of mesh r{msg.device_mesh.id}")
+    unknown = [d for d in dims if d not in mesh.dims]
+    if unknown:
+        raise FatalError(f"SplitComm: mesh r{msg.device_mesh.id} has no dims {unknown}")
+    ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
+    name = f"split/{msg.device_mesh.id}/{msg.stream.id}/{','.join(dims)}/{_ranks_key(ranks)}"
+    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks)
+
+
+@handles(BackendNetworkPointToPointInit)
+def point_to_point_init(lane, msg: BackendNetworkPointToPointInit) -> None:
+    """Create the communicator SendTensor uses from ``from_stream`` to ``to_stream``."""
+    comms = comms_of(lane.rank)
+    key = (msg.from_stream.id, msg.to_stream.id)
+    if comms.world is None or key in comms.p2p:
+        return
+    world = list(range(lane.rank.world_size))
+    comms.p2p[key] = _fatal_call("BackendNetworkPointToPointInit", comms.group,
+                                 f"p2p/{key[0]}/{key[1]}", world)
+
+
+@handles(CreateRemoteProcessGroup)
+def create_remote_process_group(lane, msg: CreateRemoteProcessGroup) -> None:
+    """Remember a process group over some dims of a mesh (§3.14); fatal on a duplicate id."""
+    comms = comms_of(lane.rank)
+    if msg.device_mesh.id not in lane.rank.meshes:
+        raise FatalError(f"CreateRemoteProcessGroup r{msg.result.id}: unknown device mesh "
+                         f"r{msg.device_mesh.id}")
+    if msg.result.id in comms.remote_defs:
+        raise FatalError(f"CreateRemoteProcessGroup: r{msg.result.id} already exists")
+    comms.remote_defs[msg.result.id] = (msg.device_mesh.id, tuple(sorted(msg.dims)))
+
+
+@handles(SplitCommForProcessGroup)
+def split_comm_for_process_group(lane, msg: SplitCommForProcessGroup) -> None:
+    """Create the torch ProcessGroup a user function gets for a remote group on a stream."""
+    comms = comms_of(lane.rank)
+    if comms.world is None:
+        return
+    definition = comms.remote_defs.get(msg.remote_process_group.id)
+    if definition is None:
+        raise FatalError(f"SplitCommForProcessGroup: unknown process group "
+                         f"r{msg.remote_process_group.id}")
+    key = (msg.remote_process_group.id, msg.stream.id)
+    if key in comms.remote:
+        return
+    mesh_id, dims = definition
+    mesh = lane.rank.meshes[mesh_id]
+    ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
+    name = f"pg/{key[0]}/{key[1]}/{_ranks_key(ranks)}"
+    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks)
+
+
+def process_groups_for(lane, refs) -> dict[int, Any]:
+    """The torch groups a CallFunction lists, for this lane's stream (fatal if missing)."""
+    comms = comms_of(lane.rank)
+    found = {}
+    for ref in refs:
+        pg = comms.remote.get((ref.id, lane.label))
+        if pg is None:
+            raise FatalError(f"process group r{ref.id} has no communicator on stream "
+                             f"{lane.label} (SplitCommForProcessGroup was not sent)")
+        found[ref.id] = pg
+    return found
+
+
+def _ranks_key(ranks: list[int]) -> str:
+    return "-".join(map(str, ranks))
+
+
+# -- stream messages -----------------------------------------------------------------------------
+
+
+def _input(lane, ref, what: str):
+    value = lane.env.get(ref.id, _MISSING)
+    if value is _MISSING:
+        raise FatalError(f"{what}: r{ref.id} is not on stream {lane.label}")
+    return value
+
+
+@handles(Reduce)
+def reduce(lane, msg: Reduce) -> None:
+    """A collective over the mesh dims (§3.11); every member takes part, even with an error.
+
+    An errored input is replaced by zeros from the factory (``out`` is then
+    ignored) and the result is a valid tensor; nothing is reported. Missing
+    inputs, a missing communicator and failures inside the collective are fatal.
+    """
+    dims = tuple(sorted(msg.dims))
+    pg = comms_of(lane.rank).splits.get((msg.mesh.id, lane.label, dims))
+    if pg is None:
+        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream {lane.label} "
+                         "has no communicator for them (SplitComm was not sent)")
+    value = _input(lane, msg.tensor, "Reduce")
+    out = _input(lane, msg.out, "Reduce out") if msg.out is not None else None
+    if type(value) is SeqError:
+        value, out = msg.factory.zeros(), None
+    if type(out) is SeqError:
+        out = None
+    lane.set_running(f"reduce {msg.reduction!r} over {list(dims)}")
+    output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
+    lane.env[msg.result.id] = output
+
+
+def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    n = pg.size()
+    if msg.reduction == "stack":
+        if not msg.scatter:  # all-gather: [n, *shape]
+            if msg.in_place:
+                raise FatalError("Reduce: an in-place stack is not possible (the shape grows)")
+            output = value.new_empty((n, *value.shape))
+            dist.all_gather_into_tensor(output.view(-1), value.contiguous().view(-1), group=pg)
+        else:  # all-to-all: chunks along dim 0
+            output = value if msg.in_place else out if out is not None else value.clone()
+            source = value.clone() if output is value else value.contiguous()
+            gathered = output if output.is_contiguous() else torch.empty_like(output)
+            dist.all_to_all_single(gathered, source, group=pg)
+            if gathered is not output:
+                output.copy_(gathered)
+            return output
+    else:
+        op = _TORCH_OPS[msg.reduction]
+        if msg.scatter:  # reduce-scatter: shape[1:]
+            if msg.in_place:
+                raise FatalError("Reduce: an in-place scatter is not possible (the shape shrinks)")
+            if value.dim() == 0 or value.shape[0] != n:
+                raise FatalError(f"Reduce: scattering needs dim 0 of size {n}, got "
+                                 f"{tuple(value.shape)}")
+            output = value.new_empty(value.shape[1:])
+            dist.reduce_scatter_tensor(output.view(-1), value.contiguous().view(-1), op=op,
+                                       group=pg)
+        else:  # all-reduce
+            if msg.in_place:
+                output = value
+            elif out is not None:
+                out.copy_(value)
+                output = out
+            else:
+                output = value.clone()
+            dist.all_reduce(output, op=op, group=pg)
+            return output
+    if out is not None:
+        out.copy_(output)
+        return out
+    return output
+
+
+@handles(SendTensor)
+def send_tensor(lane, msg: SendTensor) -> None:
+    """Copy tensors between two equally sized rank slices, paired in row-major order (§3.19).
+
+    A sender sends its tensor (zeros if it errored); a receiver binds a fresh
+    buffer and receives into it. A rank sending to itself binds a deep copy
+    (an error is copied as the error); when the two streams differ, the copy
+    crosses from the sending lane to the receiving lane inside the rank.
+    """
+    state = lane.rank
+    me = state.rank
+    sending = lane.label == msg.from_stream.id and me in msg.from_ranks
+    receiving = lane.label == msg.to_stream.id and me in msg.to_ranks
+    if not sending and not receiving:
+        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on stream {lane.label}")
+    to_rank = msg.to_ranks.get(msg.from_ranks.index(me)) if sending else None
+    from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
+    comms = comms_of(state)
+    value = _input(lane, msg.tensor, "SendTensor") if sending else None
+
+    if to_rank == me:  # a copy that stays on this rank: never shares storage with the source
+        copy = value if type(value) is SeqError else value.clone()
+        if receiving:
+            lane.env[msg.result.id] = copy
+        else:
+            event, box = comms.handoff(msg.result.id)
+            box.append(copy)
+            event.set()
+    if from_rank == me and not sending:
+        event, box = comms.handoff(msg.result.id)
+        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}")
+        lane.env[msg.result.id] = box[0]
+        with comms.lock:
+            comms.handoffs.pop(msg.result.id, None)
+
+    remote_send = sending and to_rank != me
+    remote_recv = receiving and from_rank != me
+    if not (remote_send or remote_recv):
+        return
+    pg = comms.p2p.get((msg.from_stream.id, msg.to_stream.id))
+    if pg is None:
+        raise FatalError(f"SendTensor from stream {msg.from_stream.id} to {msg.to_stream.id}: no "
+                         "communicator (BackendNetworkPointToPointInit was not sent)")
+    tag = msg.result.id % (2**31 - 1)
+    lane.set_running(f"send r{msg.tensor.id}" if remote_send else f"receive r{msg.result.id}")
+
+    def exchange():
+        works = []
+        if remote_send:
+            tensor = msg.factory.zeros() if type(value) is SeqError else value.contiguous()
+            works.append(pg.send([tensor], to_rank, tag))
+        if remote_recv:
+            buffer = msg.factory.empty()
+            lane.env[msg.result.id] = buffer
+            works.append(pg.recv([buffer], from_rank, tag))
+        for work in works:
+            work.wait()
+
+    _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)

@@ -1,0 +1,77 @@
+"""torch.distributed process groups without a default group (DESIGN decision 6).
+
+A worker process may hold ranks of many meshes, but ``init_process_group``
+works once per process, so every group here is built directly over a
+prefixed store: a ``ProcessGroup`` whose CPU backend is gloo and, on GPU
+workers, whose CUDA backend is NCCL (dask-notes §12). The group is entered in
+torch's global-to-group rank table so that user functions can call
+``dist.send(t, dst, group=pg)`` with controller ranks; ``dist.get_rank(pg)``
+still wants a default group, so use ``pg.rank()`` and ``pg.size()``.
+
+These are private torch APIs, kept in this one module; ``tests/test_groups.py``
+pins the torch versions they are known to work with.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+SUPPORTED_TORCH = ("2.4", "2.14")  # inclusive range of tested minor versions
+
+
+def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server listening on ``host`` only (a port of its own choosing)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.bind((host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=listener.detach())
+    return store, port
+
+
+def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def new_group(store: dist.Store, prefix: str, ranks: list[int], rank: int, *, host: str,
+              timeout: float, cuda: bool) -> dist.ProcessGroup:
+    """The group of global ``ranks`` as seen by global ``rank`` (a blocking rendezvous).
+
+    ``ranks`` is the group in group-rank order; every member must call this
+    with the same ``prefix`` and ``ranks``.
+    """
+    group_rank, size = ranks.index(rank), len(ranks)
+    prefixed = dist.PrefixStore(prefix, store)
+    delta = datetime.timedelta(seconds=timeout)
+    pg = dist.ProcessGroup(prefixed, group_rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = delta
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    gloo = dist.ProcessGroupGloo(prefixed, group_rank, size, options)
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    if cuda:
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = delta
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), group_rank, size,
+                                     nccl_options)
+        nccl._set_sequence_number_for_group()
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+    c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+    return pg
+
+
+def release_group(pg: dist.ProcessGroup) -> None:
+    """Forget the group and stop its backends (a thread blocked in it ends at its timeout)."""
+    c10d._world.pg_group_ranks.pop(pg, None)
+    try:
+        pg.shutdown()
+    except Exception:
+        pass
