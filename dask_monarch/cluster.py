@@ -26,10 +26,16 @@ Every setting that matters for torch ranks is chosen here, not inherited:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import sys
+import time
 
+import dask
+import psutil
 from distributed import Nanny, Scheduler, SpecCluster
+from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
@@ -39,20 +45,46 @@ logger = logging.getLogger("dask_monarch.cluster")
 
 
 class SchedulerProcess(SubprocessScheduler):
-    """A scheduler in a subprocess whose log lines are forwarded (a full pipe would block it)."""
+    """A scheduler in a subprocess that imports what the client imports.
+
+    The scheduler unpickles task graphs, so it gets the client's ``sys.path``
+    (an in-process scheduler would have it too); its log lines are forwarded
+    to the ``dask_monarch.cluster`` logger, as a full pipe would block it.
+    """
 
     async def _start(self) -> None:
-        await super()._start()
+        cmd = [sys.executable, "-m", "dask", "spec", "--spec",
+               json.dumps({"cls": "distributed.Scheduler", "opts": self.scheduler_kwargs})]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        self.process = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE,
+                                                            env=env)
         self._logs = asyncio.ensure_future(self._forward_logs())
+        scheduler_file = self.scheduler_kwargs["scheduler_file"]
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline and self.process.returncode is None:
+            try:
+                with open(scheduler_file) as f:
+                    self.address = json.load(f)["address"]
+                return
+            except (OSError, json.JSONDecodeError):
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"the scheduler process did not start within {self.timeout}s "
+                           f"(exit code {self.process.returncode})")
 
     async def close(self) -> None:
-        process = self.process
+        """Stop forwarding logs, kill the process, wait for it and close its pipes."""
         logs = getattr(self, "_logs", None)
-        await super().close()
         if logs is not None:
             logs.cancel()
-        if process is not None:  # or its pipes are closed by __del__, after the loop is gone
-            process._transport.close()
+        process, self.process = self.process, None
+        if process is not None:
+            if process.returncode is None:
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    child.kill()
+                process.kill()
+                await process.wait()
+            process._transport.close()  # or __del__ closes it after the loop is gone
+        await ProcessInterface.close(self)
 
     async def _forward_logs(self) -> None:
         stream = self.process.stderr if self.process else None
@@ -61,6 +93,19 @@ class SchedulerProcess(SubprocessScheduler):
             if not line:
                 return
             logger.debug("scheduler: %s", line.decode(errors="replace").rstrip())
+
+
+class RankNanny(Nanny):
+    """A nanny whose worker process may have children (pipes, data loaders).
+
+    Nanny reads ``distributed.worker.daemon`` from the global config of its
+    own process each time it (re)starts the worker, not from its ``config``
+    option, so the setting is applied around every start.
+    """
+
+    async def instantiate(self):
+        with dask.config.set({"distributed.worker.daemon": False}):
+            return await super().instantiate()
 
 
 def _visible_gpus() -> list[str]:
@@ -121,7 +166,6 @@ class LocalMeshCluster(SpecCluster):
                 "memory_limit": memory_limit,
                 "env": env,
                 "config": {
-                    "distributed.worker.daemon": False,
                     "distributed.worker.memory.target": False,
                     "distributed.worker.memory.spill": False,
                     "distributed.worker.memory.pause": False,
@@ -132,7 +176,7 @@ class LocalMeshCluster(SpecCluster):
                 "silence_logs": silence_logs,
                 **(worker_options or {}),
             }
-            workers[f"rank{i}"] = {"cls": Nanny, "options": options}
+            workers[f"rank{i}"] = {"cls": RankNanny, "options": options}
         scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
                              "dashboard_address": dashboard_address}
         if scheduler_process:

@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distributed import Client
+import cloudpickle
+from distributed import Client, wait
 from distributed.comm import connect
 from distributed.comm.core import CommClosedError
 
@@ -30,18 +31,22 @@ from .exceptions import DeviceException, RemoteException
 from .graph import Compiler, InternalStep
 from .messages import (
     WORKER_MESSAGES,
+    ArgsKwargs,
     FetchResult,
+    GetRefUnitTestsOnly,
     Ref,
     RemoteFunctionFailed,
     Status,
     StreamRef,
 )
 from .ndslice import Slice
-from .wire import Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
+from .wire import ActorCall, Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
+from .worker.actor import construct_actor
 from .worker.plugin import (
     claim_rank,
     create_lanes,
     describe_worker,
+    register_actor,
     set_rendezvous,
     start_rendezvous,
 )
@@ -91,6 +96,8 @@ class Controller:
         self._closed = False
         self._comms: dict[int, Any] = {}
         self._rendezvous: tuple[str, int] | None = None
+        self._actor_ids = itertools.count()
+        self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = set()
 
         config.freeze_gc()
@@ -304,8 +311,7 @@ class Controller:
         if stream.id not in self._compiler.routers[rank].streams:
             raise ValueError(f"rank {rank} has no stream {stream.id}")
         probe = next(self._probes)
-        with self._lock:
-            self._buffer.append(((rank,), InternalStep(stream.id, ReadRef(probe, ref))))
+        self._send_internal((rank,), stream, ReadRef(probe, GetRefUnitTestsOnly(ref, stream)))
         self.flush()
         self._wait(lambda: probe in self._replies, timeout,
                    lambda: f"rank {rank} stream {stream.id} to reach the read of {ref}")
@@ -316,6 +322,62 @@ class Controller:
         if reply.state == "error":
             raise RemoteException(reply.value, rank=rank, traceback=reply.value)
         return pickle.loads(reply.value)
+
+    # -- actors -------------------------------------------------------------------------------
+
+    def spawn_actor(self, ranks: Ranks, name: str, cls: type, *args: Any,
+                    **kwargs: Any) -> tuple[str, int]:
+        """An instance of ``cls(*args, **kwargs)`` on each of ``ranks``; returns its broker id.
+
+        The instances are Dask actors pinned to the ranks' workers; messages
+        name them by the broker id (``ActorCallParams.broker_id``).
+        """
+        self._check_usable()
+        ranks = self._ranks(ranks)
+        broker = (name, next(self._actor_ids))
+        # the class travels by value: only the workers need to import it
+        payload = cloudpickle.dumps((cls, args, kwargs))
+        futures = {
+            rank: self._client.submit(
+                construct_actor, payload, actor=True, pure=False,
+                key=f"monarch_actor-{name}-{self.token}-{broker[1]}-{rank}",
+                resources={self.resources[rank]: 1})
+            for rank in ranks
+        }
+        wait(list(futures.values()), timeout=config.seconds("timeouts.claim"))
+        for future in futures.values():
+            if future.status == "error":
+                raise future.exception()
+        keys = {self.workers[rank]: future.key for rank, future in futures.items()}
+        self._client.run(register_actor, self.token, broker, keys, workers=list(keys))
+        self._actors.extend(futures.values())
+        return broker
+
+    def call_actor(self, ranks: Ranks, broker_id: tuple[str, int], seq: int, stream: StreamRef,
+                   method: str, args: tuple = (), kwargs: dict | None = None) -> None:
+        """Say which method the actor-call message ``seq`` on ``stream`` runs, and with what.
+
+        Send it before the ``SendResultOfActorCall``/``CallActorMethod`` of
+        ``seq``; Refs in ``args``/``kwargs`` stand for that message's
+        ``local_state`` values.
+        """
+        step = ActorCall(tuple(broker_id), seq, method, ArgsKwargs.from_python(args, kwargs))
+        self._send_internal(self._ranks(ranks), stream, step)
+
+    def _send_internal(self, ranks: tuple[int, ...], stream: StreamRef, step: Any) -> None:
+        self._check_usable()
+        with self._lock:
+            self._buffer.append((ranks, InternalStep(stream.id, step)))
+            self._last_send = time.monotonic()
+            if len(self._buffer) == 1:
+                self._first_send = self._last_send
+                self._wake.set()
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise RuntimeError("the controller is closed")
 
     # -- reports ------------------------------------------------------------------------------
 
@@ -402,6 +464,7 @@ class Controller:
                 await self._client._cancel(futures)
             except Exception:
                 pass
+        self._actors.clear()
         comms = list(self._comms.values())
         self._comms.clear()
         for comm in comms:

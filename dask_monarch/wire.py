@@ -26,17 +26,20 @@ class StatusProbe(NamedTuple):
 
 
 class ReadRef(NamedTuple):
-    """Read ``ref`` on this lane for :meth:`Controller.get_ref` (``probe`` names the reply)."""
+    """A ``GetRefUnitTestsOnly`` whose reply goes to :meth:`Controller.get_ref` (``probe``)."""
 
     probe: int
-    ref: Any
+    message: Any
 
 
-class Rendezvous(NamedTuple):
-    """Where a rank finds the controller's store: ``host:port`` and a key prefix."""
+class ActorCall(NamedTuple):
+    """The method an actor runs for the actor-call message of ``seq`` (see Controller.call_actor);
+    Refs in the arguments stand for the message's ``local_state`` values."""
 
-    address: str
-    prefix: str
+    broker_id: tuple
+    seq: int
+    method: str
+    args_kwargs: Any
 
 
 # --------------------------------------------------------------------------- reports

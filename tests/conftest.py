@@ -56,3 +56,8 @@ def ctrl4(client4):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "exercises(*messages): worker messages whose effect the test checks")

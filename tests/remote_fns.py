@@ -111,3 +111,50 @@ def pg_collectives(x, pg, mesh):
         dist.recv(received, peer, group=pg)
         dist.send(x, peer, group=pg)
     return total, torch.stack(gathered), first, received, pg.rank(), pg.size()
+
+
+def loader(pipe, batches, path=None):
+    """A data loader: batch i is full of (i + 100 * coordinate on 'dp')."""
+    offset = 100 * pipe.ranks.get("dp", 0)
+    for i in range(batches):
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{i}\n")
+        pipe.send((torch.full((2,), float(i + offset)), i))
+
+
+def crashing_loader(pipe):
+    pipe.send(torch.zeros(1))
+    raise ValueError("the loader ran out of luck")
+
+
+def echo_loader(pipe):
+    while True:
+        x = pipe.recv()
+        pipe.send((x * 2, pipe.ranks["dp"], pipe.sizes["dp"]))
+
+
+class Accumulator:
+    """An actor that sums what it is given, in the order calls arrive."""
+
+    def __init__(self, start=0.0):
+        self.total = torch.tensor(start)
+        self.calls = []
+
+    def add(self, t, label=""):
+        self.total = self.total + t.sum()
+        self.calls.append(label)
+        return self.total.clone()
+
+    def history(self):
+        return list(self.calls)
+
+    def scale_(self, t, factor):
+        t.mul_(factor)
+        return t
+
+    def fail(self, t):
+        raise KeyError("the actor refused")
+
+    def __call__(self, *tensors):
+        return sum(float(t.sum()) for t in tensors)

@@ -60,6 +60,7 @@ ALL_REDUCE = [
 ]
 
 
+@pytest.mark.exercises("CreateDeviceMesh", "BackendNetworkInit", "SplitComm", "Reduce")
 def test_every_all_reduce_op_on_two_ranks(ctrl):
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     make_inputs(ctrl, [0, 1], Ref(1), (3,))
@@ -141,6 +142,7 @@ def test_collectives_on_two_streams_interleave_without_deadlock(ctrl):
             assert torch.equal(got[stream][(Ref(109), rank)], base * 2**9)
 
 
+@pytest.mark.exercises("BackendNetworkPointToPointInit", "SendTensor")
 def test_send_tensor_between_ranks_and_copy_on_the_same_rank(ctrl):
     setup_mesh(ctrl, [2], ["gpu"])
     ctrl.send([0, 1], m.BackendNetworkPointToPointInit(S0, S0))
@@ -241,6 +243,7 @@ def test_broadcast_with_one_send_per_destination(ctrl4):
         assert torch.equal(got[(Ref(2), dest)], expected_input(0, (3,)))
 
 
+@pytest.mark.exercises("CreateRemoteProcessGroup", "SplitCommForProcessGroup")
 def test_process_group_udf(ctrl4):
     world = [0, 1, 2, 3]
     setup_mesh(ctrl4, [2, 2], ["host", "gpu"])

@@ -13,6 +13,7 @@ from dask_monarch.messages import Ref
 BOTH = [0, 1]
 
 
+@pytest.mark.exercises("CreateStream", "CallFunction", "GetRefUnitTestsOnly")
 def test_chain_with_in_place_mutation(ctrl):
     create_streams(ctrl, BOTH, S0)
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 3))
@@ -106,6 +107,7 @@ def test_dtype_device_layout_and_none_arguments(ctrl):
     assert ctrl.get_ref(1, Ref(3), S0).dtype == torch.bool
 
 
+@pytest.mark.exercises("DeleteRefs")
 def test_delete_refs_reaches_every_stream(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
     for stream in (S0, S1):
@@ -119,6 +121,7 @@ def test_delete_refs_reaches_every_stream(ctrl):
             assert ctrl.get_ref(rank, Ref(2), stream) is not None
 
 
+@pytest.mark.exercises("RequestStatus")
 def test_request_status_after_100_calls_on_two_streams(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
     for seq in range(100):
@@ -135,6 +138,7 @@ def test_request_status_with_no_streams_answers_at_once(ctrl):
     assert sorted((r.seq, r.rank) for r in ctrl.sync()) == [(5, 0), (5, 1)]
 
 
+@pytest.mark.exercises("SendValue")
 def test_send_value_with_and_without_function_and_failing(ctrl):
     create_streams(ctrl, BOTH, S0)
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 3))
@@ -164,6 +168,7 @@ def test_fetched_value_is_a_snapshot(ctrl):
     assert torch.equal(got[(1, 0)], torch.zeros(2))
 
 
+@pytest.mark.exercises("CommandGroup")
 def test_command_group_runs_in_order(ctrl):
     create_streams(ctrl, BOTH, S0)
     group = m.CommandGroup([
@@ -177,6 +182,7 @@ def test_command_group_runs_in_order(ctrl):
     assert torch.equal(got[(2, 1)], torch.full((2,), 3.0))
 
 
+@pytest.mark.exercises("SetRefUnitTestsOnly")
 def test_set_and_get_ref_test_hooks(ctrl):
     create_streams(ctrl, [1], S0)
     ctrl.send(1, m.SetRefUnitTestsOnly(Ref(5), {"a": [1, 2]}, S0))
@@ -212,6 +218,7 @@ def test_test_panic_breaks_only_this_controller(client2):
         assert fresh.sync() == []
 
 
+@pytest.mark.exercises("Exit")
 def test_exit_releases_the_rank_and_workers_stay_usable(client2):
     ctrl = dm.Controller(client2, world_size=2)
     create_streams(ctrl, BOTH, S0)

@@ -41,6 +41,7 @@ def test_each_stream_has_its_own_thread(ctrl):
     assert len(names) == 2 and all(ctrl.token in name for name in names)
 
 
+@pytest.mark.exercises("BorrowCreate", "BorrowFirstUse", "BorrowLastUse", "BorrowDrop")
 def test_borrow_shares_storage_and_in_place_changes_come_back(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))

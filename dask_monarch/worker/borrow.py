@@ -28,7 +28,7 @@ import torch
 
 from ..messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
 from .dispatch import handles
-from .errors import FatalError
+from .errors import FatalError, SeqError
 
 _MISSING = object()
 
@@ -50,12 +50,18 @@ class Borrow:
         self.returned_event = None
 
 
+def _key(lane, borrow_id: int):
+    """Borrows made inside a recording are new on every replay: key them by its seq."""
+    return borrow_id if lane.recording is None else (lane.recording.seq, borrow_id)
+
+
 def _borrow(lane, borrow_id: int) -> Borrow:
     state = lane.rank
+    key = _key(lane, borrow_id)
     with state.lock:
-        borrow = state.borrows.get(borrow_id)
+        borrow = state.borrows.get(key)
         if borrow is None:
-            borrow = state.borrows[borrow_id] = Borrow(borrow_id)
+            borrow = state.borrows[key] = Borrow(borrow_id)
         return borrow
 
 
@@ -83,6 +89,8 @@ def borrow_create(lane, msg: BorrowCreate) -> None:
     if value is _MISSING:
         raise FatalError(f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on stream "
                          f"{lane.label}")
+    if lane.recording is not None and type(value) is SeqError:
+        lane.recording.dependent(value)
     borrow = _borrow(lane, msg.borrow)
     borrow.result, borrow.from_stream, borrow.value = msg.result.id, lane.label, value
     borrow.lent_event = _record(lane)
@@ -118,5 +126,5 @@ def borrow_drop(lane, msg: BorrowDrop) -> None:
     lane.rank.wait(lane, borrow.last_used, f"borrow {msg.borrow} (the borrower's BorrowLastUse)")
     _wait_event(lane, borrow.returned_event)
     with lane.rank.lock:
-        lane.rank.borrows.pop(msg.borrow, None)
+        lane.rank.borrows.pop(_key(lane, msg.borrow), None)
     borrow.value = None

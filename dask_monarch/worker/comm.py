@@ -66,7 +66,7 @@ class Comms:
         self.p2p: dict[tuple[int, int], Any] = {}
         self.remote_defs: dict[int, tuple[int, tuple[str, ...]]] = {}  # group ref -> (mesh, dims)
         self.remote: dict[tuple[int, Any], Any] = {}  # (group ref, stream) -> group
-        self.handoffs: dict[int, tuple[threading.Event, list]] = {}
+        self.handoffs: dict[Any, tuple[threading.Event, list]] = {}
         self.lock = threading.Lock()
 
     @property
@@ -84,7 +84,7 @@ class Comms:
                                 host=self.host, timeout=self.timeout,
                                 cuda=state.device is not None)
 
-    def handoff(self, key: int) -> tuple[threading.Event, list]:
+    def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
         with self.lock:
             return self.handoffs.setdefault(key, (threading.Event(), []))
@@ -267,6 +267,8 @@ def reduce(lane, msg: Reduce) -> None:
     value = _input(lane, msg.tensor, "Reduce")
     out = _input(lane, msg.out, "Reduce out") if msg.out is not None else None
     if type(value) is SeqError:
+        if lane.recording is not None:
+            lane.recording.dependent(value)
         value, out = msg.factory.zeros(), None
     if type(out) is SeqError:
         out = None
@@ -337,21 +339,24 @@ def send_tensor(lane, msg: SendTensor) -> None:
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)
     value = _input(lane, msg.tensor, "SendTensor") if sending else None
+    if type(value) is SeqError and lane.recording is not None:
+        lane.recording.dependent(value)
+    handoff_key = msg.result.id if lane.recording is None else (lane.recording.seq, msg.result.id)
 
     if to_rank == me:  # a copy that stays on this rank: never shares storage with the source
         copy = value if type(value) is SeqError else value.clone()
         if receiving:
             lane.env[msg.result.id] = copy
         else:
-            event, box = comms.handoff(msg.result.id)
+            event, box = comms.handoff(handoff_key)
             box.append(copy)
             event.set()
     if from_rank == me and not sending:
-        event, box = comms.handoff(msg.result.id)
+        event, box = comms.handoff(handoff_key)
         state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}")
         lane.env[msg.result.id] = box[0]
         with comms.lock:
-            comms.handoffs.pop(msg.result.id, None)
+            comms.handoffs.pop(handoff_key, None)
 
     remote_send = sending and to_rank != me
     remote_recv = receiving and from_rank != me

@@ -27,7 +27,15 @@ from .mesh import DeviceMesh
 
 
 def fail_call(lane, seq: int, results, mutates, exc: Exception) -> SeqError:
-    """A fresh failure: one SeqError, reported once, poisoning results and mutates."""
+    """A fresh failure: one SeqError, reported once, poisoning results and mutates.
+
+    Inside a recording's replay the failure belongs to the replay instead,
+    which reports it once for the CallRecording.
+    """
+    if lane.recording is not None:
+        error = lane.recording.fresh_error(lane.rank, exc)
+        calls.poison(lane.env, results, mutates, error)
+        return error
     error = SeqError.from_exception(seq, exc)
     calls.poison(lane.env, results, mutates, error)
     lane.rank.record_error(error)
@@ -45,9 +53,16 @@ def call(lane, seq: int, function, args_kwargs, results, mutates, groups=None) -
     except FatalError:
         raise
     except DependentError as e:
-        calls.poison(lane.env, results, mutates, e.root)
+        dependent_failure(lane, results, mutates, e.root)
     except Exception as e:
         fail_call(lane, seq, results, mutates, e)
+
+
+def dependent_failure(lane, results, mutates, root: SeqError) -> None:
+    """An input held an error: poison with the same root, report nothing."""
+    calls.poison(lane.env, results, mutates, root)
+    if lane.recording is not None:
+        lane.recording.dependent(root)
 
 
 @handles(CallFunction)
@@ -100,7 +115,7 @@ def send_value(lane, msg: SendValue) -> None:
     except FatalError:
         raise
     except DependentError as e:
-        calls.poison(lane.env, (), msg.mutates, e.root)
+        dependent_failure(lane, (), msg.mutates, e.root)
     except Exception as e:
         fail_call(lane, msg.seq, (), msg.mutates, e)
 
@@ -136,8 +151,8 @@ def set_ref(lane, msg: SetRefUnitTestsOnly) -> None:
 def read_ref(lane, msg) -> None:
     """Reply with a ref's value (tensors on CPU), its error text, or its absence."""
     if type(msg) is ReadRef:
-        probe, ref = msg.probe, msg.ref
-    else:
+        probe, ref = msg.probe, msg.message.value
+    else:  # no reply port: the reply is dropped by the controller
         probe, ref = -1, msg.value
     value = lane.env.get(ref.id, _ABSENT)
     if value is _ABSENT:

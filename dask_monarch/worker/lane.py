@@ -47,6 +47,7 @@ class Lane:
         self.mode: StreamCreationMode | None = None
         self.cuda_stream = None
         self.next_index = 0
+        self.recording = None  # the ReplayState while a CallRecording replays on this lane
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""

@@ -225,6 +225,15 @@ async def set_rendezvous(token: str, host: str, port: int, dask_worker=None) -> 
     set_(_plugin(dask_worker).ranks[token], host, port)
 
 
+async def register_actor(token: str, broker_id: tuple, keys: dict[str, str],
+                         dask_worker=None) -> None:
+    """Let controller ``token`` call the Dask actor ``keys[address]`` as ``broker_id``."""
+    from .actor import register_actor as register
+
+    actor = dask_worker.state.actors[keys[dask_worker.address]]
+    register(_plugin(dask_worker).ranks[token], broker_id, actor)
+
+
 async def release_controller(token: str, dask_worker=None) -> bool:
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:

@@ -18,7 +18,7 @@ import torch
 from distributed.protocol.serialize import ToPickle
 
 from ..wire import CONTROL, Fatal, LaneDone
-from . import borrow, comm, handlers  # noqa: F401  (register their message handlers)
+from . import actor, borrow, comm, handlers, pipe, recording  # noqa: F401  (handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane
@@ -57,6 +57,12 @@ class RankState:
         self._pending: list = []
         self._closers: list = []
         self.comms = None  # worker.comm.Comms, made on first use
+        self.recordings: dict[int, Any] = {}
+        self.defining = None  # a recording whose chunks are arriving
+        self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
+        self.pipes: dict[int, Any] = {}
+        self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
+        self.actor_calls: dict[tuple, Any] = {}  # (broker id, seq) -> ActorCall
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -205,6 +211,8 @@ class RankState:
                 pass
         self.meshes.clear()
         self.borrows.clear()
+        self.actors.clear()
+        self.actor_calls.clear()
         self.loop.add_callback(self.plugin.forget, self)
 
     def closers(self) -> list:

@@ -1,0 +1,106 @@
+"""Actor calls: methods of per-rank actors fed with tensors from a stream (§3.23).
+
+``Controller.spawn_actor`` creates one instance per rank with Dask's own
+actors (``Client.submit(cls, actor=True)``, pinned to the rank's worker), so
+the instances live, and show, where Dask keeps actors. Calls do not go
+through Dask's actor channel, though: that channel runs methods on its own
+executor, unordered with the stream's tensor work. Instead the actor-call
+message runs on the stream's lane: it looks up the ``local_state`` tensors in
+the stream's table, calls the method in-process and either sends the value
+back (``SendResultOfActorCall``) or binds it like a call's results
+(``CallActorMethod``). Actor calls and tensor-engine messages of a stream are
+therefore ordered exactly as sent.
+
+Which method runs is given by an :class:`~dask_monarch.wire.ActorCall` the
+controller places before the message (``Controller.call_actor``); Refs in its
+arguments stand for the ``local_state`` values. Without one, the actor
+itself is called with the ``local_state`` values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+from torch.utils._pytree import tree_map
+
+from ..messages import ActorCallParams, CallActorMethod, Ref, SendResultOfActorCall
+from ..wire import ActorCall, Fetched
+from . import calls
+from .dispatch import handles
+from .errors import DependentError, FatalError
+
+
+@handles(ActorCall)
+def actor_call_info(lane, info: ActorCall) -> None:
+    """Remember which method the actor-call message of ``seq`` runs."""
+    lane.rank.actor_calls[(tuple(info.broker_id), info.seq)] = info
+
+
+def _run(lane, call: ActorCallParams) -> Any:
+    state = lane.rank
+    broker = tuple(call.broker_id)
+    actor = state.actors.get(broker)
+    if actor is None:
+        raise FatalError(f"actor {broker} was not spawned on rank {state.rank}")
+    info = state.actor_calls.pop((broker, call.seq), None)
+    values = [calls.lookup(lane.env, ref.id) for ref in call.local_state]
+    if info is None:
+        return actor(*values)
+    by_ref = {ref.id: value for ref, value in zip(call.local_state, values)}
+
+    def substitute(leaf):
+        if type(leaf) is Ref:
+            if leaf.id not in by_ref:
+                raise ValueError(f"r{leaf.id} is an argument of {info.method} but not in the "
+                                 "call's local_state")
+            return by_ref[leaf.id]
+        return leaf
+
+    args, kwargs = tree_map(substitute, info.args_kwargs.to_python())
+    return getattr(actor, info.method)(*args, **kwargs)
+
+
+def _actor_call(lane, call: ActorCallParams, results) -> None:
+    from .handlers import dependent_failure, fail_call
+
+    lane.last_seq = call.seq
+    try:
+        value = _run(lane, call)
+        if results is None:
+            lane.rank.report(Fetched(call.seq, lane.rank.rank, calls.pickle_value(value)))
+        else:
+            calls.bind_results(lane.env, results, value)
+    except FatalError:
+        raise
+    except DependentError as e:
+        dependent_failure(lane, results or (), call.mutates, e.root)
+    except Exception as e:
+        fail_call(lane, call.seq, results or (), call.mutates, e)
+
+
+@handles(SendResultOfActorCall)
+def send_result_of_actor_call(lane, msg: SendResultOfActorCall) -> None:
+    """Call the actor with the stream's tensors and send the value to the controller.
+
+    An actor exception is a fresh error (reported, ``mutates`` poisoned); an
+    errored local-state tensor poisons ``mutates`` with its root, unreported.
+    """
+    call = ActorCallParams(msg.seq, msg.broker_id, msg.local_state, msg.mutates, msg.stream)
+    _actor_call(lane, call, None)
+
+
+@handles(CallActorMethod)
+def call_actor_method(lane, msg: CallActorMethod) -> None:
+    """Call the actor with the stream's tensors and bind what it returns to ``results``."""
+    _actor_call(lane, msg.call, msg.results)
+
+
+def construct_actor(payload: bytes) -> Any:
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
+    cls, args, kwargs = cloudpickle.loads(payload)
+    return cls(*args, **kwargs)
+
+
+def register_actor(state, broker_id: tuple, actor: Any) -> None:
+    state.actors[tuple(broker_id)] = actor

@@ -1,0 +1,198 @@
+"""Pipes: a producer per rank feeding a stream through a bounded buffer (§3.20, §3.21).
+
+Monarch dropped pipes; they are how data loaders feed a mesh, so they are
+here. ``CreatePipe`` starts ``function(pipe, *args, **kwargs)`` on every rank
+of the mesh; the producer sees ``pipe.ranks`` (its coordinates) and
+``pipe.sizes``, sends values with ``pipe.send(x)`` (blocking once
+``max_messages`` are waiting: back-pressure) and reads what the controller
+sends it with ``pipe.recv()``. ``PipeRecv`` binds the next value on a stream
+like a call's results; a producer that raised or died becomes a user error
+reported for that ``PipeRecv``.
+
+The producer runs in a process of its own (spawned, so a loader doing real
+CPU work does not hold the worker's GIL; ``LocalMeshCluster`` makes workers
+non-daemonic for this). On a daemonic worker, which may not have children,
+it runs in a thread instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+from typing import Any
+
+import torch.multiprocessing as tmp
+
+from ..messages import CreatePipe, PipeRecv, Ref
+from . import calls
+from .dispatch import handles
+from .errors import FatalError, format_exception
+
+logger = logging.getLogger("dask_monarch.worker.pipe")
+POLL_S = 0.05
+
+
+class _Ended:
+    pass
+
+
+class _Failed:
+    def __init__(self, text: str):
+        self.text = text
+
+
+class _Close:
+    """The worker read the producer's last value: the producer may exit."""
+
+
+class PipeEnd:
+    """What the producer function gets: its coordinates, and the two directions of the pipe."""
+
+    def __init__(self, ranks: dict[str, int], sizes: dict[str, int], out_queue, in_queue):
+        self.ranks = ranks
+        self.sizes = sizes
+        self._out = out_queue
+        self._in = in_queue
+
+    def send(self, value: Any) -> None:
+        """Hand a value to the stream; blocks while ``max_messages`` values wait."""
+        self._out.put(value)
+
+    def recv(self) -> Any:
+        """The next value the controller sent into the pipe."""
+        return self._in.get()
+
+
+def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue) -> None:
+    """Run a producer to its end; its failure travels down the pipe as a value.
+
+    The producer then waits for the worker to read that last value: tensors
+    cross the queue as shared memory whose descriptors the worker fetches from
+    this process, so it must outlive every value it sent.
+    """
+    try:
+        fn = calls.resolve_function(function)
+        fn(PipeEnd(ranks, sizes, out_queue, in_queue), *args, **kwargs)
+        out_queue.put(_Ended())
+    except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
+        out_queue.put(_Failed(format_exception(e)))
+    while not isinstance(in_queue.get(), _Close):
+        pass
+
+
+class Pipe:
+    """The worker side of one pipe: the producer and its two queues."""
+
+    def __init__(self, state, msg: CreatePipe, args: tuple, kwargs: dict, ranks, sizes):
+        self.state = state
+        self.ref = msg.result.id
+        self.key = msg.key
+        self.ended: str | None = None
+        if multiprocessing.current_process().daemon:
+            logger.warning("pipe %r runs its producer in a thread: this Dask worker is "
+                           "daemonic and may not start processes "
+                           "(distributed.worker.daemon: false allows it)", msg.key)
+            self.out_queue = queue.Queue(msg.max_messages)
+            self.in_queue = queue.Queue()
+            self.process = None
+            self.thread = threading.Thread(
+                target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
+                args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
+            self.thread.start()
+        else:
+            ctx = tmp.get_context("spawn")
+            self.out_queue = ctx.Queue(msg.max_messages)
+            self.in_queue = ctx.Queue()
+            self.thread = None
+            self.process = ctx.Process(
+                target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
+                args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
+            self.process.start()
+
+    def recv(self, lane) -> Any:
+        """The next value (blocks the lane); raises PipeFailed when the producer cannot give one."""
+        if self.ended is not None:
+            raise PipeFailed(self.ended)
+        lane.set_waiting(f"pipe {self.key!r}")
+        try:
+            while True:
+                try:
+                    value = self.out_queue.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    if self.state.abort.is_set():
+                        raise FatalError(f"stream {lane.label} stopped waiting for pipe "
+                                         f"{self.key!r}: {self.state.failed or 'released'}"
+                                         ) from None
+                    if self.process is not None and not self.process.is_alive():
+                        self.ended = (f"the producer of pipe {self.key!r} died with exit code "
+                                      f"{self.process.exitcode}")
+                        raise PipeFailed(self.ended) from None
+        finally:
+            lane.set_running()
+        if isinstance(value, (_Failed, _Ended)):
+            self.in_queue.put(_Close())
+            self.ended = (f"the producer of pipe {self.key!r} failed:\n{value.text}"
+                          if isinstance(value, _Failed)
+                          else f"the producer of pipe {self.key!r} has finished")
+            raise PipeFailed(self.ended)
+        return value
+
+    def send(self, value: Any) -> None:
+        self.in_queue.put(value)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        for q in (self.out_queue, self.in_queue):
+            if hasattr(q, "cancel_join_thread"):
+                q.cancel_join_thread()
+                q.close()
+
+
+class PipeFailed(Exception):
+    """The producer raised, ended or died: a user error for the receiving seq."""
+
+
+def pipe_for(lane, ref: Ref) -> Pipe:
+    pipe = lane.rank.pipes.get(ref.id)
+    if pipe is None:
+        raise FatalError(f"r{ref.id} is not a pipe on rank {lane.rank.rank}")
+    return pipe
+
+
+@handles(CreatePipe)
+def create_pipe(lane, msg: CreatePipe) -> None:
+    """Start this rank's producer (control lane); fatal if the mesh or the id is wrong."""
+    state = lane.rank
+    mesh = state.meshes.get(msg.mesh.id)
+    if mesh is None:
+        raise FatalError(f"CreatePipe r{msg.result.id}: unknown device mesh r{msg.mesh.id}")
+    if msg.result.id in state.pipes:
+        raise FatalError(f"CreatePipe: r{msg.result.id} already exists")
+    args, kwargs = msg.args_kwargs.to_python()
+    if any(type(a) is Ref for a in (*args, *kwargs.values())):
+        raise FatalError(f"CreatePipe r{msg.result.id}: producer arguments cannot be refs")
+    ranks = {name: d.rank for name, d in mesh.dims.items()}
+    sizes = {name: d.size for name, d in mesh.dims.items()}
+    pipe = state.pipes[msg.result.id] = Pipe(state, msg, args, kwargs, ranks, sizes)
+    state.on_release(pipe.close)
+
+
+@handles(PipeRecv)
+def pipe_recv(lane, msg: PipeRecv) -> None:
+    """Bind the producer's next value like a call's results; blocks until there is one."""
+    from .handlers import fail_call
+
+    lane.last_seq = msg.seq
+    pipe = pipe_for(lane, msg.pipe)
+    try:
+        value = pipe.recv(lane)
+        calls.bind_results(lane.env, msg.results, value)
+    except FatalError:
+        raise
+    except Exception as e:
+        fail_call(lane, msg.seq, msg.results, (), e)

@@ -1,0 +1,286 @@
+"""Recordings: a trace defined once per rank, replayed per stream with one message (§3.16-§3.18).
+
+``DefineRecording`` chunks arrive in order on the rank's control lane; with
+the last one the commands are split by stream and checked (borrows created
+inside must be dropped inside, no worker-level messages inside). Each
+``CallRecording`` is fanned out to the lanes of the recording's streams, and
+each lane replays its commands on objects it already holds: formals alias
+the actual arguments, results are bound at the end, and every ref defined
+inside is deleted afterwards. Replay costs a type dispatch and the handler of
+each command: no unpickling, no graph, no scheduler.
+
+Errors: the first fresh failure inside a replay is reported once, as
+``RemoteFunctionFailed`` for the ``CallRecording`` seq with a text starting
+``recording failed:``; from then on function calls are skipped (their slots
+poisoned) while borrows, collectives and sends still run, since peers and
+other streams wait on them. A dependent failure (an input already held an
+error) marks the replay failed silently. A failed replay poisons all its
+results and every ref it mutated. Misuse is fatal.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .. import messages as m
+from .calls import poison
+from .dispatch import HANDLERS, handles
+from .errors import FatalError, SeqError, format_exception
+
+_NOT_ALLOWED = (m.RequestStatus, m.Exit, m.DefineRecording, m.CallRecording, m.CreateDeviceMesh,
+                m.CreateRemoteProcessGroup, m.BackendNetworkInit, m.BackendNetworkPointToPointInit,
+                m.SplitComm, m.SplitCommForProcessGroup, m.CreatePipe, m.CreateStream)
+# Commands a failed replay skips; everything else (borrows, collectives, sends) still runs.
+_CALLS = (m.CallFunction, m.SendValue, m.PipeRecv, m.SendResultOfActorCall, m.CallActorMethod)
+
+
+@dataclass
+class StreamRecording:
+    """What one stream replays: its commands, and the refs they define and mutate."""
+
+    commands: list = field(default_factory=list)
+    formals: dict[int, int] = field(default_factory=dict)  # formal ref -> argument index
+    internal: set[int] = field(default_factory=set)  # refs defined inside: deleted after a call
+    mutated: list[int] = field(default_factory=list)  # formal or captured refs changed in place
+    results: list[tuple[int, int]] = field(default_factory=list)  # (output index, inner ref)
+
+
+@dataclass
+class Recording:
+    ref: int
+    streams: dict[int, StreamRecording]
+
+
+class Definition:
+    """Chunks of a recording still arriving on the control lane."""
+
+    def __init__(self, msg: m.DefineRecording):
+        self.ref = msg.result.id
+        self.total = msg.ntotal_messages
+        self.next_index = 0
+        self.commands: list = []
+
+
+class ReplayState:
+    """One CallRecording on one rank, shared by the lanes that replay it."""
+
+    def __init__(self, seq: int, lanes: int):
+        self.seq = seq
+        self.error: SeqError | None = None
+        self.lanes_left = lanes
+        self.lock = threading.Lock()
+
+    def fresh_error(self, rank_state, exc: BaseException) -> SeqError:
+        """A command failed: the first failure becomes the replay's error, reported once."""
+        with self.lock:
+            if self.error is not None:
+                return self.error
+            self.error = SeqError(self.seq, f"recording failed: {format_exception(exc)}")
+        rank_state.record_error(self.error)
+        rank_state.report(m.RemoteFunctionFailed(self.seq, rank_state.rank, self.error.error))
+        return self.error
+
+    def dependent(self, root: SeqError) -> None:
+        """An input already held an error: the replay fails with it, silently."""
+        with self.lock:
+            if self.error is None:
+                self.error = root
+
+
+# -- definition ------------------------------------------------------------------------------
+
+
+@handles(m.DefineRecording)
+def define_recording(lane, msg: m.DefineRecording) -> None:
+    """Collect a chunk; with the last one, split the commands by stream and check them."""
+    state = lane.rank
+    d = state.defining
+    if d is None:
+        if msg.index != 0:
+            raise FatalError(f"DefineRecording r{msg.result.id} starts at chunk {msg.index}")
+        if msg.result.id in state.recordings:
+            raise FatalError(f"DefineRecording r{msg.result.id}: already defined")
+        d = state.defining = Definition(msg)
+    elif d.ref != msg.result.id:
+        raise FatalError(f"DefineRecording r{msg.result.id} while r{d.ref} is being defined")
+    if msg.index != d.next_index:
+        raise FatalError(f"DefineRecording r{d.ref}: chunk {msg.index} arrived when "
+                         f"{d.next_index} was expected")
+    d.commands.extend(msg.commands)
+    d.next_index += 1
+    if d.next_index == d.total:
+        state.defining = None
+        state.recordings[d.ref] = _build(state, d.ref, d.commands)
+
+
+def _flatten(commands):
+    for c in commands:
+        if type(c) is m.CommandGroup:
+            yield from _flatten(c.messages)
+        else:
+            yield c
+
+
+def _build(state, ref: int, commands: list) -> Recording:
+    streams: dict[int, StreamRecording] = {}
+    borrows: dict[int, list] = {}  # id -> [from, to, state]
+
+    def on(stream_id: int) -> StreamRecording:
+        if stream_id not in state.lanes:
+            raise FatalError(f"recording r{ref} uses stream {stream_id}, which does not exist")
+        return streams.setdefault(stream_id, StreamRecording())
+
+    for cmd in _flatten(commands):
+        t = type(cmd)
+        if t in _NOT_ALLOWED:
+            raise FatalError(f"recording r{ref}: {t.__name__} is not allowed in a recording"
+                             + (" (request_status not allowed in recording)"
+                                if t is m.RequestStatus else ""))
+        if t is m.RecordingFormal:
+            s = on(cmd.stream.id)
+            s.formals[cmd.result.id] = cmd.argument_index
+            s.internal.add(cmd.result.id)
+            s.commands.append(cmd)
+        elif t is m.RecordingResult:
+            s = on(cmd.stream.id)
+            s.results.append((cmd.output_index, cmd.result.id))
+            s.commands.append(cmd)
+        elif t is m.BorrowCreate:
+            if cmd.borrow in borrows:
+                raise FatalError(f"recording r{ref}: borrow {cmd.borrow} created twice")
+            borrows[cmd.borrow] = [cmd.from_stream.id, cmd.to_stream.id, "created"]
+            on(cmd.to_stream.id).internal.add(cmd.result.id)
+            on(cmd.from_stream.id).commands.append(cmd)
+        elif t in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop):
+            b = borrows.get(cmd.borrow)
+            if b is None:
+                raise FatalError(f"recording r{ref}: {t.__name__} of borrow {cmd.borrow}, "
+                                 "which was not created within the recording")
+            expected = {m.BorrowFirstUse: "created", m.BorrowLastUse: "first-used",
+                        m.BorrowDrop: "last-used"}[t]
+            if b[2] != expected:
+                raise FatalError(f"recording r{ref}: {t.__name__} of borrow {cmd.borrow} in "
+                                 f"state '{b[2]}'")
+            b[2] = {m.BorrowFirstUse: "first-used", m.BorrowLastUse: "last-used",
+                    m.BorrowDrop: "dropped"}[t]
+            on(b[0] if t is m.BorrowDrop else b[1]).commands.append(cmd)
+        elif t is m.DeleteRefs:
+            for s in streams.values():
+                s.commands.append(cmd)
+        elif t is m.SendTensor:
+            me = state.rank
+            sending, receiving = me in cmd.from_ranks, me in cmd.to_ranks
+            if sending:
+                on(cmd.from_stream.id).commands.append(cmd)
+            if receiving:
+                s = on(cmd.to_stream.id)
+                s.internal.add(cmd.result.id)
+                if not sending or cmd.to_stream.id != cmd.from_stream.id:
+                    s.commands.append(cmd)
+        else:
+            stream = cmd.call.stream if t is m.CallActorMethod else cmd.stream
+            s = on(stream.id)
+            s.commands.append(cmd)
+            results = getattr(cmd, "results", None)
+            if results is not None:
+                s.internal.update(r.id for r in results if r is not None)
+            if t is m.Reduce:
+                s.internal.add(cmd.result.id)
+                if cmd.in_place:
+                    s.mutated.append(cmd.tensor.id)
+                if cmd.out is not None:
+                    s.mutated.append(cmd.out.id)
+            mutates = cmd.call.mutates if t is m.CallActorMethod else getattr(cmd, "mutates", ())
+            s.mutated.extend(r.id for r in mutates)
+    open_borrows = [b for b, v in borrows.items() if v[2] != "dropped"]
+    if open_borrows:
+        raise FatalError(f"recording r{ref}: all borrows created within recording must be "
+                         f"dropped within recording (open: {open_borrows})")
+    for s in streams.values():
+        s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
+    return Recording(ref, streams)
+
+
+@handles(m.RecordingFormal, m.RecordingResult)
+def outside_recording(lane, msg) -> None:
+    """Formals and results only exist inside a recording."""
+    name = "recording_formal" if type(msg) is m.RecordingFormal else "recording_result"
+    raise FatalError(f"{name} called outside of recording")
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+
+@handles(m.CallRecording)
+def call_recording(lane, msg: m.CallRecording) -> None:
+    """Replay this stream's part of a recording with ``actuals``; bind ``results``."""
+    state = lane.rank
+    recording = state.recordings.get(msg.recording.id)
+    if recording is None:
+        raise FatalError(f"CallRecording of r{msg.recording.id}, which is not a defined recording")
+    part = recording.streams.get(lane.label)
+    if part is None:
+        return
+    with state.lock:
+        replay = state.replays.get(msg.seq)
+        if replay is None:
+            replay = state.replays[msg.seq] = ReplayState(msg.seq, len(recording.streams))
+    env = lane.env
+    actuals, results = msg.actuals, msg.results
+    handlers = HANDLERS
+    lane.recording = replay
+    lane.last_seq = msg.seq
+    try:
+        for cmd in part.commands:
+            t = type(cmd)
+            if t is m.RecordingFormal:
+                if cmd.argument_index >= len(actuals):
+                    raise FatalError(f"CallRecording r{msg.recording.id}: too few arguments "
+                                     f"({len(actuals)}) for formal {cmd.argument_index}")
+                env[cmd.result.id] = _value_or_error(lane, replay, actuals[cmd.argument_index].id)
+            elif t is m.RecordingResult:
+                if cmd.output_index >= len(results):
+                    raise FatalError(f"CallRecording r{msg.recording.id}: too few results "
+                                     f"({len(results)}) for output {cmd.output_index}")
+                env[results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
+            elif replay.error is not None and t in _CALLS:
+                _skip(lane, cmd, replay.error)
+            else:
+                handlers[t](lane, cmd)
+    finally:
+        lane.recording = None
+    for ref in part.internal:
+        env.pop(ref, None)
+    error = replay.error
+    if error is not None:
+        for index, _ in part.results:
+            env[results[index].id] = error
+        for ref in part.mutated:
+            index = part.formals.get(ref)
+            env[actuals[index].id if index is not None else ref] = error
+    with state.lock:
+        replay.lanes_left -= 1
+        if replay.lanes_left <= 0:
+            state.replays.pop(msg.seq, None)
+
+
+def _value_or_error(lane, replay: ReplayState, ref_id: int):
+    value = lane.env.get(ref_id, _MISSING)
+    if value is _MISSING:
+        from .errors import RefNotFound
+
+        return replay.fresh_error(lane.rank, RefNotFound(ref_id))
+    if type(value) is SeqError:
+        replay.dependent(value)
+    return value
+
+
+def _skip(lane, cmd, error: SeqError) -> None:
+    if type(cmd) is m.CallActorMethod:
+        poison(lane.env, cmd.results, cmd.call.mutates, error)
+    else:
+        poison(lane.env, getattr(cmd, "results", ()), getattr(cmd, "mutates", ()), error)
+
+
+_MISSING = object()

@@ -1,0 +1,184 @@
+"""Pipes feed streams from per-rank producers; actors are called with a stream's tensors."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from protocol import S0, S1, call, create_streams, failures, fetch, values
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import ActorCallParams, ArgsKwargs, Ref
+from dask_monarch.ndslice import Slice
+
+BOTH = [0, 1]
+MESH, PIPE = Ref(900), Ref(901)
+
+
+def create_pipe(ctrl, ranks, fn, *args, max_messages=2, mesh=MESH, pipe=PIPE, names=("dp",),
+                **kwargs):
+    ctrl.send(ranks, m.CreateDeviceMesh(mesh, list(names), Slice.row_major([len(ranks)])))
+    ctrl.send(ranks, m.CreatePipe(pipe, "loader", fn, max_messages, mesh,
+                                  ArgsKwargs.from_python(args, kwargs)))
+
+
+@pytest.mark.exercises("CreatePipe", "PipeRecv")
+def test_loader_pipe_yields_batches_in_order(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    create_pipe(ctrl, BOTH, "remote_fns.loader", 5)
+    for i in range(5):
+        ctrl.send(BOTH, m.PipeRecv(i, [Ref(10 + i), Ref(20 + i)], PIPE, S0))
+        ctrl.send(BOTH, fetch(100 + i, ((Ref(10 + i), Ref(20 + i)),)))
+    ctrl.send(BOTH, m.PipeRecv(5, [Ref(30), Ref(31)], PIPE, S0))  # the loader has finished
+    reports = ctrl.sync(timeout=120)
+    got = values(reports, m.FetchResult)
+    for i in range(5):
+        for rank in BOTH:
+            batch, index = got[(100 + i, rank)]
+            assert index == i and torch.equal(batch, torch.full((2,), float(i + 100 * rank)))
+    assert [(f.seq, "has finished" in f.error) for f in failures(reports)] == [(5, True)] * 2
+
+
+def test_back_pressure_with_max_messages_1(ctrl, tmp_path):
+    create_streams(ctrl, [0], S0)
+    path = str(tmp_path / "produced")
+    create_pipe(ctrl, [0], "remote_fns.loader", 10, path=path, max_messages=1)
+    ctrl.sync(timeout=60)
+
+    def produced():
+        if not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            return len(f.read().splitlines())
+
+    deadline = time.monotonic() + 60  # the producer process starts, then fills the buffer
+    while produced() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
+    assert produced() == 2  # one waiting in the buffer, one blocked in send
+    ctrl.send(0, m.PipeRecv(0, [Ref(1), Ref(2)], PIPE, S0))
+    ctrl.send(0, m.PipeRecv(1, [Ref(3), Ref(4)], PIPE, S0))
+    ctrl.sync(timeout=60)
+    deadline = time.monotonic() + 10
+    while produced() < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 3 <= produced() <= 4
+
+
+def test_crashing_producer_is_a_reported_user_error(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    create_pipe(ctrl, BOTH, "remote_fns.crashing_loader")
+    ctrl.send(BOTH, m.PipeRecv(0, [Ref(1)], PIPE, S0))
+    ctrl.send(BOTH, m.PipeRecv(1, [Ref(2)], PIPE, S0))
+    ctrl.send(BOTH, call(2, Ref(3), "torch.ones", 1))  # the worker carries on
+    reports = ctrl.sync(timeout=120)
+    assert sorted((f.seq, f.rank) for f in failures(reports)) == [(1, 0), (1, 1)]
+    assert "the loader ran out of luck" in failures(reports)[0].error
+    assert torch.equal(ctrl.get_ref(0, Ref(1), S0), torch.zeros(1))
+    assert torch.equal(ctrl.get_ref(0, Ref(3), S0), torch.ones(1))
+    with pytest.raises(dm.RemoteException, match="ran out of luck"):
+        ctrl.get_ref(1, Ref(2), S0)
+
+
+def test_send_value_into_a_pipe_and_rank_coordinates(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    create_pipe(ctrl, BOTH, "remote_fns.echo_loader")
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
+    ctrl.send(BOTH, m.SendValue(1, PIPE, [], None, ArgsKwargs.from_python((Ref(1),)), S0))
+    ctrl.send(BOTH, m.PipeRecv(2, [Ref(2), Ref(3), Ref(4)], PIPE, S0))
+    ctrl.send(BOTH, fetch(3, ((Ref(2), Ref(3), Ref(4)),)))
+    got = values(ctrl.sync(timeout=120))
+    for rank in BOTH:
+        doubled, coordinate, size = got[(3, rank)]
+        assert torch.equal(doubled, torch.full((2,), 2.0))
+        assert (coordinate, size) == (rank, 2)
+
+
+def test_pipe_producer_runs_in_its_own_process(ctrl, client2):
+    create_streams(ctrl, [0], S0)
+    create_pipe(ctrl, [0], "remote_fns.loader", 1)
+    ctrl.sync(timeout=60)
+    address = ctrl.workers[0]
+    worker_pid = client2.run(os.getpid, workers=[address])[address]
+
+    def producer_pids(dask_worker, token=ctrl.token):
+        state = dask_worker.plugins["dask_monarch"].ranks[token]
+        return [p.process.pid for p in state.pipes.values() if p.process is not None]
+
+    pids = client2.run(producer_pids, workers=[address])[address]
+    assert pids and worker_pid not in pids
+
+
+# ------------------------------------------------------------------------------- actors
+
+
+def actor_message(seq, broker, local_state, results=None, mutates=(), stream=S0):
+    if results is None:
+        return m.SendResultOfActorCall(seq, broker, list(local_state), list(mutates), stream)
+    params = ActorCallParams(seq, broker, list(local_state), list(mutates), stream)
+    return m.CallActorMethod(list(results), params)
+
+
+@pytest.mark.exercises("SendResultOfActorCall", "CallActorMethod")
+def test_actor_calls_with_tensors_in_order_with_tensor_work(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    broker = ctrl.spawn_actor(BOTH, "acc", _accumulator())
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 3))
+    ctrl.call_actor(BOTH, broker, 1, S0, "add", (Ref(1),), {"label": "first"})
+    ctrl.send(BOTH, actor_message(1, broker, [Ref(1)], results=[Ref(2)]))
+    ctrl.send(BOTH, call(2, None, "torch.ops.aten.mul_.Scalar", Ref(1), 10, mutates=[Ref(1)]))
+    ctrl.call_actor(BOTH, broker, 3, S0, "add", (Ref(1),), {"label": "second"})
+    ctrl.send(BOTH, actor_message(3, broker, [Ref(1)]))
+    ctrl.call_actor(BOTH, broker, 4, S0, "history")
+    ctrl.send(BOTH, actor_message(4, broker, []))
+    ctrl.send(BOTH, actor_message(5, broker, [Ref(1), Ref(1)]))  # no method: __call__
+    got = values(ctrl.sync(timeout=60))
+    for rank in BOTH:
+        assert got[(3, rank)].item() == 3.0 + 30.0
+        assert got[(4, rank)] == ["first", "second"]
+        assert got[(5, rank)] == 60.0
+        assert ctrl.get_ref(rank, Ref(2), S0).item() == 3.0
+
+
+def test_actor_failure_is_reported_and_poisons_mutates(ctrl):
+    create_streams(ctrl, [0], S0, S1)
+    broker = ctrl.spawn_actor([0], "acc", _accumulator())
+    ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
+    ctrl.call_actor([0], broker, 1, S0, "fail", (Ref(1),))
+    ctrl.send(0, actor_message(1, broker, [Ref(1)], results=[Ref(2)], mutates=[Ref(1)]))
+    ctrl.call_actor([0], broker, 2, S0, "scale_", (Ref(1), 2.0))
+    ctrl.send(0, actor_message(2, broker, [Ref(1)], results=[Ref(3)]))  # depends on the failure
+    reports = ctrl.sync(timeout=60)
+    assert [(f.seq, f.rank) for f in failures(reports)] == [(1, 0)]
+    assert "the actor refused" in failures(reports)[0].error
+    for ref in (Ref(1), Ref(2), Ref(3)):
+        with pytest.raises(dm.RemoteException, match="the actor refused"):
+            ctrl.get_ref(0, ref, S0)
+
+
+def test_actor_mutating_a_stream_tensor(ctrl):
+    create_streams(ctrl, [1], S0)
+    broker = ctrl.spawn_actor([1], "acc", _accumulator())
+    ctrl.send(1, call(0, Ref(1), "torch.ones", 2))
+    ctrl.call_actor([1], broker, 1, S0, "scale_", (Ref(1), 3.0))
+    ctrl.send(1, actor_message(1, broker, [Ref(1)], results=[Ref(2)], mutates=[Ref(1)]))
+    ctrl.sync(timeout=60)
+    assert torch.equal(ctrl.get_ref(1, Ref(1), S0), torch.full((2,), 3.0))
+
+
+def test_spawn_actor_errors_come_back(ctrl):
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("cannot start")
+
+    with pytest.raises(RuntimeError, match="cannot start"):
+        ctrl.spawn_actor([0], "broken", Broken)
+
+
+def _accumulator():
+    import remote_fns
+
+    return remote_fns.Accumulator

@@ -1,0 +1,183 @@
+"""Recordings: define once per rank, replay per stream with one CallRecording."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from protocol import S0, S1, call, create_streams, failures, fetch, values
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import Factory, ReduceOp, Ref
+from dask_monarch.ndslice import Slice
+
+BOTH = [0, 1]
+REC = Ref(500)
+
+
+def define(ctrl, ranks, commands, ref=REC, nresults=0, nformals=0, chunks=1):
+    size = -(-len(commands) // chunks)
+    for i in range(chunks):
+        ctrl.send(ranks, m.DefineRecording(ref, nresults, nformals,
+                                           commands[i * size:(i + 1) * size], chunks, i))
+
+
+@pytest.mark.exercises("DefineRecording", "RecordingFormal", "RecordingResult", "CallRecording")
+def test_swap_recording(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    fx, fy = Ref(10), Ref(11)
+    define(ctrl, BOTH, [m.RecordingFormal(fx, 0, S0), m.RecordingFormal(fy, 1, S0),
+                        m.RecordingResult(fy, 0, S0), m.RecordingResult(fx, 1, S0)],
+           nresults=2, nformals=2)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.zeros", 2))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.ones", 2))
+    ctrl.send(BOTH, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1), Ref(2)]))
+    assert ctrl.sync() == []
+    for rank in BOTH:
+        assert torch.equal(ctrl.get_ref(rank, Ref(3), S0), torch.ones(2))
+        assert torch.equal(ctrl.get_ref(rank, Ref(4), S0), torch.zeros(2))
+        assert ctrl.get_ref(rank, fx, S0) is None and ctrl.get_ref(rank, fy, S0) is None
+
+
+def _captured_recording(ctrl, ranks):
+    """w = x + y; z.add_(1); return w + z   (z is captured, x and y are formals)."""
+    fx, fy, w, out, z = Ref(10), Ref(11), Ref(12), Ref(13), Ref(3)
+    define(ctrl, ranks, [
+        m.RecordingFormal(fx, 0, S0), m.RecordingFormal(fy, 1, S0),
+        call(0, w, "torch.ops.aten.add.Tensor", fx, fy),
+        call(0, None, "torch.ops.aten.add_.Scalar", z, 1, mutates=[z]),
+        call(0, out, "torch.ops.aten.add.Tensor", w, z),
+        m.RecordingResult(out, 0, S0),
+    ], nresults=1, nformals=2)
+
+
+def test_recording_with_a_captured_tensor_mutated_in_place(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.tensor", [1.0, 2.0, 3.0]))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.tensor", [4.0, 5.0, 6.0]))
+    ctrl.send(BOTH, call(2, Ref(3), "torch.tensor", [7.0, 8.0, 9.0]))
+    _captured_recording(ctrl, BOTH)
+    ctrl.send(BOTH, m.CallRecording(3, REC, [Ref(4)], [Ref(1), Ref(2)]))
+    assert ctrl.sync() == []
+    assert torch.equal(ctrl.get_ref(1, Ref(4), S0), torch.tensor([13.0, 16.0, 19.0]))
+    assert torch.equal(ctrl.get_ref(1, Ref(3), S0), torch.tensor([8.0, 9.0, 10.0]))
+    ctrl.send(BOTH, m.CallRecording(4, REC, [Ref(5)], [Ref(1), Ref(2)]))  # replays again
+    ctrl.sync()
+    assert torch.equal(ctrl.get_ref(0, Ref(5), S0), torch.tensor([14.0, 17.0, 20.0]))
+    assert ctrl.get_ref(0, Ref(12), S0) is None  # intermediates are deleted
+
+
+def test_failing_recording_reports_once_and_poisons_capture_and_result(ctrl):
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.tensor", [1.0, 2.0, 3.0]))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.tensor", [4.0, 5.0, 6.0]))
+    ctrl.send(BOTH, call(2, Ref(3), "torch.tensor", [7.0, 8.0]))  # a bad shape
+    _captured_recording(ctrl, BOTH)
+    ctrl.send(BOTH, m.CallRecording(3, REC, [Ref(4)], [Ref(1), Ref(2)]))
+    reports = failures(ctrl.sync())
+    assert sorted((r.seq, r.rank) for r in reports) == [(3, 0), (3, 1)]
+    assert all(r.error.startswith("recording failed") for r in reports)
+    assert "The size of tensor" in reports[0].error
+    for ref in (Ref(4), Ref(3)):
+        with pytest.raises(dm.RemoteException, match="recording failed"):
+            ctrl.get_ref(0, ref, S0)
+    ctrl.send(BOTH, m.CallRecording(4, REC, [Ref(5)], [Ref(1), Ref(2)]))  # z still errored
+    assert failures(ctrl.sync()) == []
+    with pytest.raises(dm.RemoteException):
+        ctrl.get_ref(1, Ref(5), S0)
+
+
+def test_later_calls_are_skipped_after_a_failure(ctrl, tmp_path):
+    create_streams(ctrl, [0], S0)
+    marker = str(tmp_path / "ran")
+    define(ctrl, [0], [
+        call(0, Ref(10), "remote_fns.boom", 1),
+        call(0, Ref(11), "remote_fns.touch", marker),
+        m.RecordingResult(Ref(11), 0, S0),
+    ], nresults=1)
+    ctrl.send(0, m.CallRecording(1, REC, [Ref(1)], []))
+    assert len(failures(ctrl.sync())) == 1
+    assert not (tmp_path / "ran").exists()
+
+
+def test_recording_with_a_borrow_and_a_reduce(ctrl):
+    create_streams(ctrl, BOTH, S0, S1)
+    mesh = Ref(900)
+    ctrl.send(BOTH, m.CreateDeviceMesh(mesh, ["gpu"], Slice.row_major([2])))
+    ctrl.send(BOTH, m.BackendNetworkInit())
+    ctrl.send(BOTH, m.SplitComm(["gpu"], mesh, S1))
+    fx, borrowed, reduced, out = Ref(10), Ref(11), Ref(12), Ref(13)
+    factory = Factory((3,), torch.float32, torch.strided, "cpu")
+    define(ctrl, BOTH, [
+        m.RecordingFormal(fx, 0, S0),
+        m.BorrowCreate(borrowed, 7, fx, S0, S1),
+        m.BorrowFirstUse(7),
+        m.Reduce(reduced, borrowed, factory, mesh, S1, ["gpu"], ReduceOp.SUM, False, False, None),
+        m.BorrowLastUse(7),
+        m.BorrowDrop(7),
+        call(0, out, "torch.ops.aten.mul.Tensor", reduced, 2, stream=S1),
+        m.RecordingResult(out, 0, S1),
+    ], nresults=1, nformals=1)
+    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.per_rank", mesh, 3))
+    for seq in (1, 2):  # borrows inside are new on every replay
+        ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 + 10 * seq)], [Ref(1)]))
+    ctrl.send(BOTH, fetch(3, Ref(20), stream=S1))
+    ctrl.send(BOTH, fetch(4, Ref(30), stream=S1))
+    got = values(ctrl.sync(timeout=60))
+    expected = 2 * ((torch.arange(3.) + 10) + (torch.arange(3.) + 20))
+    for seq in (3, 4):
+        for rank in BOTH:
+            assert torch.equal(got[(seq, rank)], expected)
+
+
+def test_chunked_definition(ctrl):
+    create_streams(ctrl, [0], S0)
+    commands = [m.RecordingFormal(Ref(10), 0, S0)]
+    for i in range(6):
+        commands.append(call(0, Ref(11 + i), "torch.ops.aten.add.Scalar", Ref(10 + i), 1))
+    commands.append(m.RecordingResult(Ref(16), 0, S0))
+    define(ctrl, [0], commands, nresults=1, nformals=1, chunks=3)
+    ctrl.send(0, call(0, Ref(1), "torch.zeros", 1))
+    ctrl.send(0, m.CallRecording(1, REC, [Ref(2)], [Ref(1)]))
+    ctrl.sync()
+    assert ctrl.get_ref(0, Ref(2), S0).item() == 6.0
+
+
+@pytest.mark.parametrize("case, text", [
+    ("second-while-defining", "while r500 is being defined"),
+    ("gap-in-chunks", "chunk 2 arrived when 1 was expected"),
+    ("formal-outside", "recording_formal called outside of recording"),
+    ("too-few-arguments", "too few arguments"),
+    ("borrow-not-dropped", "all borrows created within recording must be dropped"),
+    ("status-between-chunks", "RequestStatus while recording r500 is being defined"),
+    ("status-inside", "request_status not allowed in recording"),
+    ("call-undefined", "not a completely defined recording"),
+])
+def test_recording_misuse_is_fatal(client2, case, text):
+    ctrl = dm.Controller(client2, world_size=2)
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 1))
+    formal = m.RecordingFormal(Ref(10), 0, S0)
+    if case == "second-while-defining":
+        ctrl.send(BOTH, m.DefineRecording(REC, 0, 1, [formal], 2, 0))
+        ctrl.send(BOTH, m.DefineRecording(Ref(501), 0, 0, [], 1, 0))
+    elif case == "gap-in-chunks":
+        ctrl.send(BOTH, m.DefineRecording(REC, 0, 1, [formal], 3, 0))
+        ctrl.send(BOTH, m.DefineRecording(REC, 0, 1, [], 3, 2))
+    elif case == "formal-outside":
+        ctrl.send(BOTH, formal)
+    elif case == "too-few-arguments":
+        define(ctrl, BOTH, [formal, m.RecordingFormal(Ref(11), 1, S0)], nformals=2)
+        ctrl.send(BOTH, m.CallRecording(1, REC, [], [Ref(1)]))
+    elif case == "borrow-not-dropped":
+        define(ctrl, BOTH, [formal, m.BorrowCreate(Ref(11), 3, Ref(10), S0, S1)], nformals=1)
+    elif case == "status-between-chunks":
+        ctrl.send(BOTH, m.DefineRecording(REC, 0, 1, [formal], 2, 0))
+        ctrl.send(BOTH, m.RequestStatus(1))
+    elif case == "status-inside":
+        define(ctrl, BOTH, [formal, m.RequestStatus(1)], nformals=1)
+    elif case == "call-undefined":
+        ctrl.send(BOTH, m.CallRecording(1, REC, [], []))
+    with pytest.raises(dm.DeviceException, match=text):
+        ctrl.sync(timeout=30)
+    ctrl.close()
