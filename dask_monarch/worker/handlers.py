@@ -52,10 +52,16 @@ def call(lane, seq: int, function, args_kwargs, results, mutates, groups=None) -
         calls.bind_results(lane.env, results, value)
     except FatalError:
         raise
-    except DependentError as e:
-        dependent_failure(lane, results, mutates, e.root)
     except Exception as e:
-        fail_call(lane, seq, results, mutates, e)
+        call_failed(lane, seq, results, mutates, e)
+
+
+def call_failed(lane, seq: int, results, mutates, exc: Exception) -> None:
+    """A call raised: a dependent failure reuses its root, anything else is fresh."""
+    if isinstance(exc, DependentError):
+        dependent_failure(lane, results, mutates, exc.root)
+    else:
+        fail_call(lane, seq, results, mutates, exc)
 
 
 def dependent_failure(lane, results, mutates, root: SeqError) -> None:

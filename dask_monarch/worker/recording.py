@@ -24,9 +24,10 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import messages as m
-from .calls import poison
+from .calls import TEST_PANIC, bind_results, poison, resolve_function
 from .dispatch import HANDLERS, handles
-from .errors import FatalError, SeqError, format_exception
+from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
+from .handlers import call_failed
 
 _NOT_ALLOWED = (m.RequestStatus, m.Exit, m.DefineRecording, m.CallRecording, m.CreateDeviceMesh,
                 m.CreateRemoteProcessGroup, m.BackendNetworkInit, m.BackendNetworkPointToPointInit,
@@ -37,9 +38,15 @@ _CALLS = (m.CallFunction, m.SendValue, m.PipeRecv, m.SendResultOfActorCall, m.Ca
 
 @dataclass
 class StreamRecording:
-    """What one stream replays: its commands, and the refs they define and mutate."""
+    """What one stream replays: its commands, and the refs they define and mutate.
+
+    ``plan`` is ``commands`` with simple calls (flat arguments, one result,
+    a function that resolves) compiled into :class:`FastCall` tuples: the
+    function resolved and the argument positions of refs worked out once.
+    """
 
     commands: list = field(default_factory=list)
+    plan: list = field(default_factory=list)
     formals: dict[int, int] = field(default_factory=dict)  # formal ref -> argument index
     internal: set[int] = field(default_factory=set)  # refs defined inside: deleted after a call
     mutated: list[int] = field(default_factory=list)  # formal or captured refs changed in place
@@ -50,6 +57,41 @@ class StreamRecording:
 class Recording:
     ref: int
     streams: dict[int, StreamRecording]
+
+
+class FastCall(tuple):
+    """``(function, argument template, (position, ref) slots, kwargs, result ref, message)``."""
+
+    __slots__ = ()
+
+
+def _compile(state, cmd):
+    """A FastCall for a simple CallFunction, else the message itself (handled generically)."""
+    if (type(cmd) is not m.CallFunction or cmd.remote_process_groups or len(cmd.results) != 1
+            or cmd.args_kwargs._payload is not None or not cmd.args_kwargs.flat
+            or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)):
+        return cmd
+    try:
+        fn = resolve_function(cmd.function)
+    except Exception:  # reported when the call is replayed
+        return cmd
+    args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
+    if any(type(v) is m.Ref for v in kwargs.values()):
+        return cmd
+    template, slots = [], []
+    for i, a in enumerate(args):
+        if type(a) is m.Ref:
+            mesh = state.meshes.get(a.id)
+            if mesh is not None:
+                template.append(mesh)
+            else:
+                template.append(None)
+                slots.append((i, a.id))
+        else:
+            template.append(a)
+    result = cmd.results[0]
+    return FastCall((fn, template, tuple(slots), kwargs, None if result is None else result.id,
+                     cmd))
 
 
 class Definition:
@@ -199,6 +241,7 @@ def _build(state, ref: int, commands: list) -> Recording:
                          f"dropped within recording (open: {open_borrows})")
     for s in streams.values():
         s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
+        s.plan = [_compile(state, cmd) for cmd in s.commands]
     return Recording(ref, streams)
 
 
@@ -232,9 +275,32 @@ def call_recording(lane, msg: m.CallRecording) -> None:
     lane.recording = replay
     lane.last_seq = msg.seq
     try:
-        for cmd in part.commands:
+        for cmd in part.plan:
             t = type(cmd)
-            if t is m.RecordingFormal:
+            if t is FastCall:
+                if replay.error is not None:
+                    _skip(lane, cmd[5], replay.error)
+                    continue
+                fn, template, slots, kwargs, result, message = cmd
+                try:
+                    args = template.copy()
+                    for position, ref in slots:
+                        value = env.get(ref, _MISSING)
+                        if type(value) is SeqError:
+                            raise DependentError(value)
+                        if value is _MISSING:
+                            raise RefNotFound(ref)
+                        args[position] = value
+                    value = fn(*args, **kwargs) if kwargs else fn(*args)
+                    if isinstance(value, (list, tuple, dict)):
+                        bind_results(env, message.results, value)
+                    elif result is not None:
+                        env[result] = value
+                except FatalError:
+                    raise
+                except Exception as e:
+                    call_failed(lane, message.seq, message.results, message.mutates, e)
+            elif t is m.RecordingFormal:
                 if cmd.argument_index >= len(actuals):
                     raise FatalError(f"CallRecording r{msg.recording.id}: too few arguments "
                                      f"({len(actuals)}) for formal {cmd.argument_index}")
@@ -268,8 +334,6 @@ def call_recording(lane, msg: m.CallRecording) -> None:
 def _value_or_error(lane, replay: ReplayState, ref_id: int):
     value = lane.env.get(ref_id, _MISSING)
     if value is _MISSING:
-        from .errors import RefNotFound
-
         return replay.fresh_error(lane.rank, RefNotFound(ref_id))
     if type(value) is SeqError:
         replay.dependent(value)
