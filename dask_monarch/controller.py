@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +55,12 @@ from .worker.plugin import (
 logger = logging.getLogger("dask_monarch.controller")
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_controllers() -> list[Controller]:
+    """The controllers of this process that are not closed (for progress displays)."""
+    return [c for c in list(_live) if not c._closed]
 
 Ranks = int | Iterable[int] | Slice
 
@@ -110,6 +117,9 @@ class Controller:
         self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
                                          name=f"dask_monarch-flush-{self.token}")
         self._flusher.start()
+        self.messages_sent = 0  # messages handed to Dask (each counted once)
+        self.flushes = 0
+        _live.add(self)
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -223,6 +233,8 @@ class Controller:
                 {self.workers[r]: ids for r, ids in plan.new_lanes.items()},
                 workers=[self.workers[r] for r in plan.new_lanes],
             )
+        self.messages_sent += plan.messages
+        self.flushes += 1
         if plan.graph is not None:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
@@ -437,6 +449,16 @@ class Controller:
                 listener(msg)
 
     # -- failure and shutdown -----------------------------------------------------------------
+
+    def progress(self) -> dict:
+        """Segments submitted and finished so far, and messages sent (cheap; any thread)."""
+        with self._progress:
+            expected = sum(index + 1 for index in self._expected.values())
+            done = sum(min(self._done.get(lane, -1), index) + 1
+                       for lane, index in self._expected.items())
+        return {"token": self.token, "messages": self.messages_sent, "flushes": self.flushes,
+                "segments": expected, "segments_done": done,
+                "state": "broken" if self._broken else "closed" if self._closed else "running"}
 
     @property
     def broken(self) -> DeviceException | None:
