@@ -20,7 +20,9 @@ Every setting that matters for torch ranks is chosen here, not inherited:
   12 % on a 2-core machine;
 * the scheduler runs in its own process: a dask_monarch client is a busy
   Python loop, and a scheduler sharing its GIL answers late (measured: chain
-  hops of 250 ms instead of 10 ms while the client sends messages).
+  hops of 250 ms instead of 10 ms while the client sends messages);
+* with a dashboard, the scheduler preloads :mod:`dask_monarch.dashboard`, so
+  ``<dashboard>/monarch/`` shows every mesh, rank and stream.
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class LocalMeshCluster(SpecCluster):
             workers[f"rank{i}"] = {"cls": RankNanny, "options": options}
         scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
                              "dashboard_address": dashboard_address}
+        if dashboard_address is not None:  # the /monarch/ page (a preload reaches a subprocess)
+            scheduler_options["preload"] = ["dask_monarch.dashboard"]
         if scheduler_process:
             scheduler = {"cls": SchedulerProcess,
                          "options": {"scheduler_kwargs": scheduler_options}}

@@ -19,6 +19,7 @@ the rank, so a blocked lane never outlives its controller.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,14 @@ from .errors import ReplayRefused, SeqError
 
 if TYPE_CHECKING:
     from .rank import RankState
+
+
+_current = threading.local()
+
+
+def current_lane() -> Lane:
+    """The lane running on this thread (for functions that need to block it, like pipe.peek)."""
+    return _current.lane
 
 
 class Lane:
@@ -51,7 +60,8 @@ class Lane:
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""
-        self.last_seq = -1
+        self.last_seq = -1  # the newest seq a handler started (set by the handlers)
+        self.done_seq = -1  # last_seq when the lane last finished a segment
         self.steps = 0
         self.segments = 0
         self.busy_since = 0.0
@@ -60,13 +70,15 @@ class Lane:
     # -- values -------------------------------------------------------------------------------
 
     def value_of(self, ref_id: int) -> Any:
-        """An argument's value: a device mesh if the id names one, else this stream's value."""
-        meshes = self.rank.meshes
-        if meshes and ref_id in meshes:
-            return meshes[ref_id]
+        """An argument's value: a device mesh or pipe if the id names one, else the stream's."""
+        rank = self.rank
+        if rank.meshes and ref_id in rank.meshes:
+            return rank.meshes[ref_id]
+        if rank.pipes and ref_id in rank.pipes:
+            return rank.pipes[ref_id]
         return lookup(self.env, ref_id)
 
-    # -- lifecycle ------------------------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------------
 
     def create(self, mode: StreamCreationMode) -> None:
         """``CreateStream``: a fresh, empty stream (re-creating an id replaces it)."""
@@ -93,18 +105,35 @@ class Lane:
     def set_running(self, what: str = "") -> None:
         self.state, self.doing = "running", what
 
-    def snapshot(self) -> dict:
-        """What the dashboard shows for this lane."""
-        tensors = [v for v in self.env.values() if isinstance(v, torch.Tensor)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    def storages(self) -> dict[int, int]:
+        """The tensors' storages this lane's table holds: data pointer -> bytes."""
+        # list(): one C-level copy, safe while the lane thread changes the table
+        out = {}
+        for v in list(self.env.values()):
+            if isinstance(v, torch.Tensor):
+                storage = v.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+        return out
+
+    def snapshot(self, storages: dict[int, int] | None = None) -> dict:
+        """What the dashboard shows for this lane (read from the event loop, never locks).
+
+        Reads plain attributes that the lane's thread writes; a snapshot may
+        mix two moments of a running lane, which a progress display tolerates.
+        """
+        values = list(self.env.values())
+        if storages is None:
+            storages = self.storages()
+        state = self.state
         return {
             "stream": self.label,
-            "state": self.state,
+            "state": state,
             "doing": self.doing,
-            "busy_for": round(time.monotonic() - self.busy_since, 3) if self.state != "idle" else 0,
+            "busy_for": round(time.monotonic() - self.busy_since, 3) if state != "idle" else 0,
             "last_seq": self.last_seq,
-            "refs": len(self.env),
-            "errors": sum(1 for v in self.env.values() if type(v) is SeqError),
+            "done_seq": self.done_seq,
+            "refs": len(values),
+            "errors": sum(1 for v in values if type(v) is SeqError),
             "tensor_bytes": sum(storages.values()),
             "steps": self.steps,
             "segments": self.segments,

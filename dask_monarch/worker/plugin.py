@@ -35,11 +35,15 @@ class MonarchWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, report_interval: str = "0.5ms"):
-        self.report_interval = report_interval
+    def __init__(self, report_interval: str | None = None):
+        self.report_interval = report_interval  # None: dask_monarch.comm.report-interval
 
     async def setup(self, worker) -> None:
+        from .. import config
+
         self.worker = worker
+        if self.report_interval is None:  # read here: the worker's config, not the client's
+            self.report_interval = config.get("comm.report-interval", "0.5ms")
         self.ranks: dict = {}  # controller token -> RankState
         self.released: OrderedDict[str, None] = OrderedDict()  # tokens released on purpose
         self.extra_threads = 0
@@ -177,7 +181,7 @@ def _pick_device(kind: str):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-# -- functions run through Client.run (async: they never block the worker's event loop) -------
+# -- functions run through Client.run (async: they never block the worker's event loop) ------
 
 
 def _plugin(worker) -> MonarchWorkerPlugin:
@@ -245,7 +249,7 @@ async def release_controller(token: str, dask_worker=None) -> bool:
     return True
 
 
-# -- the task the compiler submits -------------------------------------------------------------
+# -- the task the compiler submits -----------------------------------------------------------
 
 
 def run_segment(token: str, rank: int, lane: object, index: int, payload: bytes, *after) -> int:

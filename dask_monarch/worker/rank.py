@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from distributed.protocol.serialize import ToPickle
 
+from .. import config
 from ..wire import CONTROL, Fatal, LaneDone
 from . import actor, borrow, comm, handlers, pipe, recording  # noqa: F401  (handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
-from .lane import Lane
+from .lane import Lane, _current
 
 if TYPE_CHECKING:
     from .plugin import MonarchWorkerPlugin
@@ -50,9 +51,10 @@ class RankState:
         self.failed: str | None = None
         self.released = False
         self.abort = threading.Event()  # set on failure or release: blocking waits give up
-        self.recent_errors: deque[tuple[int, str]] = deque(maxlen=20)
+        # (seq, traceback text, time) of the latest fresh failures, for the dashboard
+        self.recent_errors: deque[tuple[int, str, float]] = deque(
+            maxlen=int(config.get("dashboard.errors", 20)))
         self.created = time.time()
-        self.messages = 0
         self._stream = None  # BatchedSend to the controller, once it subscribed
         self._pending: list = []
         self._closers: list = []
@@ -96,6 +98,7 @@ class RankState:
                 raise FatalError(f"rank {self.rank} was released (Exit or close)")
             steps = pickle.loads(payload)
             lane.state, lane.busy_since = "running", time.monotonic()
+            _current.lane = lane
             if lane.device is not None:
                 torch.cuda.set_device(lane.device)
                 with torch.cuda.stream(lane.cuda_stream or torch.cuda.default_stream(lane.device)):
@@ -112,6 +115,7 @@ class RankState:
             lane.state, lane.doing = "idle", ""
             lane.busy_seconds += time.monotonic() - lane.busy_since
         lane.segments += 1
+        lane.done_seq = lane.last_seq
         self.report(LaneDone(self.rank, label, index))
         return len(steps)
 
@@ -128,7 +132,6 @@ class RankState:
             raise
         finally:
             lane.steps += done
-            self.messages += done
 
     # -- reports ------------------------------------------------------------------------------
 
@@ -150,7 +153,8 @@ class RankState:
             stream.send(ToPickle(item))
 
     def record_error(self, error: SeqError) -> None:
-        self.recent_errors.append((error.seq, error.error))
+        """Keep a fresh failure for the dashboard (the latest ``dashboard.errors`` of them)."""
+        self.recent_errors.append((error.seq, error.error, time.time()))
 
     # -- synchronisation ----------------------------------------------------------------------
 
@@ -225,17 +229,40 @@ class RankState:
 
     # -- dashboard ----------------------------------------------------------------------------
 
+    @property
+    def messages(self) -> int:
+        """Messages run so far on every lane (each lane counts its own: no shared counter)."""
+        return sum(lane.steps for lane in self.all_lanes())
+
     def snapshot(self) -> dict:
+        """What the dashboard shows for this rank (on the event loop; reads, never locks).
+
+        ``time`` is this worker's clock, so that a reader can turn successive
+        ``messages``/``steps`` counts into rates; tensor bytes count each
+        storage once, even when a borrow shares it between two lanes.
+        """
+        lanes = self.all_lanes()
+        storages: dict[int, int] = {}
+        views = []
+        for lane in lanes:
+            own = lane.storages()
+            storages.update(own)
+            views.append(lane.snapshot(own))
         return {
             "token": self.token,
             "rank": self.rank,
             "world_size": self.world_size,
             "device": str(self.device or "cpu"),
             "failed": self.failed,
-            "messages": self.messages,
+            "released": self.released,
+            "time": time.time(),
+            "messages": sum(view["steps"] for view in views),
+            "last_done_seq": max((lane.done_seq for lane in lanes), default=-1),
+            "refs": sum(view["refs"] for view in views),
+            "tensor_bytes": sum(storages.values()),
             "uptime": round(time.time() - self.created, 1),
-            "lanes": [lane.snapshot() for lane in self.all_lanes()],
-            "meshes": [repr(m) for m in self.meshes.values()],
-            "borrows": sorted(self.borrows),
-            "errors": [{"seq": s, "error": e} for s, e in self.recent_errors],
+            "lanes": views,
+            "meshes": [repr(m) for m in list(self.meshes.values())],
+            "borrows": sorted(map(str, list(self.borrows))),
+            "errors": [{"seq": s, "error": e, "time": t} for s, e, t in list(self.recent_errors)],
         }

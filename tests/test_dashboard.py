@@ -1,0 +1,169 @@
+"""The /monarch/ dashboard page: JSON from the rank workers, rendered by headless Chromium.
+
+The browser test saves a screenshot to tests/artifacts/dashboard.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from protocol import S0, S1, call, create_streams, fetch
+
+from dask_monarch import messages as m
+from dask_monarch.messages import Ref
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+BOTH = [0, 1]
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def state(base: str) -> dict:
+    return json.loads(get(f"{base}/monarch/state.json"))
+
+
+def mesh(base: str, token: str) -> dict:
+    (found,) = [c for c in state(base)["controllers"] if c["token"] == token]
+    return found
+
+
+def lane(entry: dict, rank: int, stream) -> dict:
+    (r,) = [r for r in entry["ranks"] if r["rank"] == rank]
+    (found,) = [x for x in r["lanes"] if x["stream"] == stream]
+    return found
+
+
+@pytest.fixture(scope="module")
+def dashboard(client2) -> str:
+    """The scheduler's dashboard root (the LocalMeshCluster preloads the page)."""
+    return client2.dashboard_link.rsplit("/", 1)[0]
+
+
+def wait_until(predicate, timeout=30.0, what="a condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_state_json_has_ranks_last_completed_seq_and_rates(ctrl, dashboard):
+    create_streams(ctrl, BOTH, S0, S1)
+    for seq in range(20):
+        ctrl.send(BOTH, call(seq, Ref(seq + 1), "torch.ones", 256, stream=S0 if seq % 2 else S1))
+    assert ctrl.sync() == []
+    first = mesh(dashboard, ctrl.token)
+    assert first["world_size"] == 2 and first["state"] == "running"
+    assert [r["rank"] for r in first["ranks"]] == [0, 1]
+    assert first["last_done_seq"] == 19
+    rank0 = first["ranks"][0]
+    assert rank0["worker"] == ctrl.workers[0] and rank0["refs"] == 20
+    assert rank0["tensor_bytes"] == 20 * 256 * 4
+    assert lane(first, 0, 0)["done_seq"] == 19 and lane(first, 0, 1)["done_seq"] == 18
+    time.sleep(0.2)
+    for seq in range(20, 60):
+        ctrl.send(BOTH, call(seq, Ref(seq + 1), "torch.ones", 1))
+    ctrl.sync()
+    second = mesh(dashboard, ctrl.token)
+    assert second["last_done_seq"] == 59
+    assert second["messages"] >= first["messages"] + 80
+    assert second["rate"] is not None and second["rate"] > 0
+    assert all(r["rate"] > 0 for r in second["ranks"])
+
+
+def test_failures_and_fatal_errors_are_reported_with_tracebacks(ctrl, dashboard):
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))
+    ctrl.sync()
+    (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
+    (error,) = rank1["errors"]
+    assert error["seq"] == 0 and "Traceback" in error["error"]
+    assert "boom from a remote function" in error["error"]
+
+
+def test_page_routes_and_more_menu(dashboard):
+    page = get(f"{dashboard}/monarch/")
+    assert "<title>dask_monarch</title>" in page and "__INTERVAL_MS__" not in page
+    assert "http://" not in page and "https://" not in page  # nothing from the network
+    assert get(f"{dashboard}/monarch") == page  # redirected
+    assert "monarch/state.json" in get(f"{dashboard}/individual-monarch")
+    plots = json.loads(get(f"{dashboard}/individual-plots.json"))
+    assert "/individual-monarch" in plots.values()
+    assert "individual-monarch" in get(f"{dashboard}/status")  # the "More..." menu
+
+
+def chromium(tmp_path: Path, *args: str, timeout: float = 90) -> str:
+    """Run headless Chromium once (no network but loopback; a throw-away profile)."""
+    profile = tmp_path / "chromium-profile"
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+               "--no-first-run", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio",
+               f"--user-data-dir={profile}", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def mesh_dom(tmp_path: Path, url: str, token: str) -> str:
+    """The rendered DOM of one mesh's section of the page."""
+    dom = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
+    start = dom.find(f'<section class="mesh" id="mesh-{token}"')
+    assert start >= 0, f"mesh {token} is not on the page:\n{dom[-3000:]}"
+    return dom[start:dom.index("</section>", start)]
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM) or shutil.which(CHROMIUM) is None,
+                    reason=f"headless browser test needs {CHROMIUM} (apt-get install chromium)")
+@pytest.mark.timeout(240)
+def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dashboard, tmp_path):
+    gate = tmp_path / "gate"
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 1000))
+    ctrl.send(1, call(1, Ref(2), "remote_fns.boom", Ref(1)))
+    ctrl.sync()
+    try:
+        # rank 0: the lender is held busy, so the borrower stream waits at its first use
+        ctrl.send(0, call(2, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(0, m.BorrowCreate(Ref(3), 1, Ref(1), S0, S1))
+        ctrl.send(0, m.BorrowFirstUse(1))
+        ctrl.send(0, fetch(3, Ref(3), stream=S1))
+        ctrl.send(0, m.BorrowLastUse(1))
+        ctrl.send(0, m.BorrowDrop(1))
+        ctrl.flush()
+        wait_until(lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
+                   what="stream 1 of rank 0 to wait at the borrow")
+        url = f"{dashboard}/monarch/"
+        dom = mesh_dom(tmp_path, url, ctrl.token)
+        assert '<span class="last-done-seq">1</span>' in dom  # rank 1 finished seq 1
+        waiting = f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="waiting"'
+        assert waiting in dom
+        assert "borrow 1 (the lender's BorrowCreate)" in dom
+        assert 'data-stream="0" data-state="running"' in dom
+        assert 'raise RuntimeError("boom from a remote function")' in dom  # the traceback
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        shot.unlink(missing_ok=True)
+        chromium(tmp_path, "--window-size=1400,1000", "--virtual-time-budget=4000",
+                 f"--screenshot={shot}", url)
+        assert shot.stat().st_size > 10_000
+        print(f"dashboard screenshot: {shot}")
+    finally:
+        gate.touch()
+    reports = ctrl.sync(timeout=60)
+    assert [type(r) for r in reports] == [m.FetchResult]
+    dom = mesh_dom(tmp_path, url, ctrl.token)
+    assert waiting not in dom
+    assert f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="idle"' in dom
+    assert '<span class="last-done-seq">3</span>' in dom
