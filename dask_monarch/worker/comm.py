@@ -107,7 +107,7 @@ def comms_of(state) -> Comms:
     return comms
 
 
-# -- rendezvous (called through Client.run by the controller) ----------------------------------
+# -- rendezvous (called through Client.run by the controller) --------------------------------
 
 
 def start_rendezvous(state) -> tuple[str, int]:
@@ -123,7 +123,7 @@ def set_rendezvous(state, host: str, port: int) -> None:
     comms_of(state).rendezvous = (host, port)
 
 
-# -- worker-level messages (control lane) -------------------------------------------------------
+# -- worker-level messages (control lane) ----------------------------------------------------
 
 
 def _fatal_call(what: str, fn, *args, **kwargs):
@@ -241,7 +241,7 @@ def _ranks_key(ranks: list[int]) -> str:
     return "-".join(map(str, ranks))
 
 
-# -- stream messages -----------------------------------------------------------------------------
+# -- stream messages -------------------------------------------------------------------------
 
 
 def _input(lane, ref, what: str):

@@ -23,6 +23,7 @@ import queue
 import threading
 from typing import Any
 
+import torch
 import torch.multiprocessing as tmp
 
 from ..messages import CreatePipe, PipeRecv, Ref
@@ -90,6 +91,7 @@ class Pipe:
         self.ref = msg.result.id
         self.key = msg.key
         self.ended: str | None = None
+        self.held: list = []  # a value read ahead by peek(), handed to the next recv
         if multiprocessing.current_process().daemon:
             logger.warning("pipe %r runs its producer in a thread: this Dask worker is "
                            "daemonic and may not start processes "
@@ -113,6 +115,8 @@ class Pipe:
 
     def recv(self, lane) -> Any:
         """The next value (blocks the lane); raises PipeFailed when the producer cannot give one."""
+        if self.held:
+            return self.held.pop()
         if self.ended is not None:
             raise PipeFailed(self.ended)
         lane.set_waiting(f"pipe {self.key!r}")
@@ -155,6 +159,24 @@ class Pipe:
 
 class PipeFailed(Exception):
     """The producer raised, ended or died: a user error for the receiving seq."""
+
+
+def peek(pipe: Pipe) -> tuple:
+    """Read the next value ahead (kept for the next PipeRecv); return what its leaves look like.
+
+    The client calls it through a fetch the first time it receives from a
+    pipe without a ``propagate``: it learns the structure of the values.
+    """
+    from torch.utils._pytree import tree_flatten, treespec_dumps
+
+    from .lane import current_lane
+
+    value = pipe.recv(current_lane())
+    pipe.held.append(value)
+    leaves, spec = tree_flatten(value)
+    packed = [("tensor", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype,
+               str(x.device)) if isinstance(x, torch.Tensor) else ("value", None) for x in leaves]
+    return packed, treespec_dumps(spec)
 
 
 def pipe_for(lane, ref: Ref) -> Pipe:

@@ -252,7 +252,7 @@ def outside_recording(lane, msg) -> None:
     raise FatalError(f"{name} called outside of recording")
 
 
-# -- replay ------------------------------------------------------------------------------------
+# -- replay ----------------------------------------------------------------------------------
 
 
 @handles(m.CallRecording)

@@ -1,0 +1,39 @@
+"""``coalescing()``: buffer every message of a block and send one CommandGroup per rank (§1.9)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+
+from . import messages as m
+from .tensor import active_mesh
+
+
+@contextlib.contextmanager
+def coalescing(mesh=None) -> Iterator[None]:
+    """Inside the block, messages are held back; at its end each rank gets one CommandGroup.
+
+    Fetching inside the block is not possible (``NotImplementedError``).
+    """
+    mesh = mesh or active_mesh()
+    if mesh is None:
+        raise RuntimeError("coalescing() needs an active mesh (or mesh=)")
+    client = mesh._client
+    if client.capture is not None:  # nested: the outer block sends everything
+        yield
+        return
+    from .mesh_client import _Capture
+
+    capture = client.capture = _Capture("coalescing")
+    try:
+        yield
+    finally:
+        client.capture = None
+        by_rank: dict[int, list] = defaultdict(list)
+        for ranks, message in capture.messages:
+            for rank in ranks:
+                by_rank[rank].append(message)
+        with client.lock:  # straight to the controller: deletes queued meanwhile go after
+            for rank in sorted(by_rank):
+                client.controller.send((rank,), m.CommandGroup(by_rank[rank]))

@@ -1,0 +1,98 @@
+"""Collectives on mesh tensors: ``reduce`` and ``reduce_`` (monarch-semantics §1.7).
+
+``t.reduce("gpu", "sum")`` all-reduces over a mesh dim; ``"stack"`` gathers
+(``[n, *shape]``); ``scatter=True`` reduce-scatters (``shape[1:]``, dim 0 must
+be the group size) or, with ``"stack"``, exchanges chunks (all-to-all);
+``out=`` writes into an existing tensor; ``reduce_`` works in place. The
+communicators are created on the ranks the first time a (mesh, stream, dims)
+is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils._pytree import tree_map
+
+from .messages import ReduceOp
+from .stream import get_active_stream
+from .tensor import Tensor, check_usable
+
+REDUCTIONS: dict[str, ReduceOp | str] = {
+    "sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
+    "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "band": ReduceOp.BAND,
+    "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR, "stack": "stack",
+}
+
+
+def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool, mesh: Any,
+            out: Tensor | None, in_place: bool) -> Tensor:
+    if mesh is not None:
+        raise NotImplementedError("reduce(mesh=...) is not supported: reduce over dims of the "
+                                  "tensor's own mesh")
+    if not isinstance(t, Tensor):
+        raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
+    check_usable(t)
+    own = t._mesh
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    if not names:
+        names = own.dims
+    for d in names:
+        if d not in own.dims:
+            raise KeyError(f"{d!r} is not a dimension of {own!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"repeated dimension in {list(names)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
+    op = REDUCTIONS[reduction]
+    if len(names) > 1 and (op == "stack" or scatter):
+        kind = "stack" if op == "stack" else "scatter"
+        raise ValueError(f"{kind} is not valid for multiple dimensions {list(names)}")
+    n = own.size(names)
+    shape = tuple(t.shape)
+    if scatter and (len(shape) == 0 or shape[0] != n):
+        raise TypeError(f"When scattering, the first dimension of the tensor must be the size "
+                        f"of the reduced dims ({n}), got shape {list(shape)}")
+    if out is not None and in_place:
+        raise ValueError("reduce_ works in place: it takes no out=")
+    if in_place and (scatter or op == "stack"):
+        raise ValueError("an in-place reduce cannot stack or scatter (the shape changes)"
+                         if not (op == "stack" and scatter) else
+                         "an in-place all-to-all is not supported; use out=")
+    if op == "stack":
+        result_shape = shape if scatter else (n, *shape)
+    else:
+        result_shape = shape[1:] if scatter else shape
+    if out is not None:
+        check_usable(out)
+        if tuple(out.shape) != result_shape:
+            raise ValueError(f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
+                             f"got {list(out.shape)}")
+    stream = get_active_stream()
+    for x in (t, out):
+        if x is not None and x._stream is not stream:
+            raise TypeError(f"WRONG_STREAM: {x!r} belongs to stream {x._stream.name!r}, but "
+                            f"stream {stream.name!r} is active")
+    handle = own._client.reduce(t, own, stream, tuple(sorted(names)), op, scatter, in_place,
+                                out, result_shape)
+    if in_place:
+        return t
+    return out if out is not None else handle
+
+
+def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
+           scatter: bool = False, mesh: Any = None, out: Any = None) -> Any:
+    """A collective over mesh ``dims`` of every mesh tensor in ``tensors`` (a pytree)."""
+    if out is not None:
+        return tree_map(lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False),
+                        tensors, out)
+    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, None, False)
+                    if isinstance(t, Tensor) else t, tensors)
+
+
+def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
+            scatter: bool = False, mesh: Any = None) -> Any:
+    """In-place :func:`reduce`: each tensor holds the result afterwards."""
+    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, None, True)
+                    if isinstance(t, Tensor) else t, tensors)

@@ -1,0 +1,217 @@
+"""``compile``: trace a function once into a recording, replay it with one message (§1.9).
+
+The first call with given argument metadata runs the function with stand-in
+("formal") tensors while the mesh client captures every message instead of
+sending it; the capture becomes a ``DefineRecording`` per rank. Later calls
+with the same metadata send a single ``CallRecording``. The cache is keyed by
+the non-tensor arguments and, for tensors, their sizes, strides, dtype,
+device, mesh, stream, ``requires_grad`` and which ones share storage.
+``verify=True`` traces again on the first reuse and compares the messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import messages as m
+from .mesh_client import _Capture
+from .tensor import Tensor, active_mesh, check_usable
+
+CHUNK = 1000  # commands per DefineRecording message
+TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
+
+
+class _Trace:
+    """One traced call: what to send to replay it, and what it returns."""
+
+    def __init__(self, ref, ranks, formals, outputs, template, out_spec, captured, mutated,
+                 messages):
+        self.ref = ref
+        self.ranks = ranks
+        self.formals = formals  # argument index -> formal handle (for aliasing of outputs)
+        self.outputs = outputs  # per output: (shape, stride, offset, dtype, device, stream,
+        #                          index of the formal it is, or None)
+        self.template = template  # the output leaves, TENSOR_SLOT where a tensor goes
+        self.out_spec = out_spec
+        self.captured = captured  # weakrefs to captured outside tensors
+        self.mutated = mutated  # (formal index or None, outside ref id) changed in place
+        self.messages = messages
+        self.verified = False
+
+    def alive(self) -> bool:
+        return all(ref() is not None and ref()._dropped is None for ref in self.captured)
+
+
+class Compiled:
+    """A function traced once per argument signature and replayed with CallRecording."""
+
+    def __init__(self, fn: Callable, verify: bool = False):
+        self.fn = fn
+        self.verify = verify
+        self._traces: dict[Any, _Trace] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        mesh = tensors[0][1]._mesh if tensors else active_mesh()
+        if mesh is None:
+            raise RuntimeError("a compiled function needs mesh tensor arguments or an active mesh")
+        for _, t in tensors:
+            check_usable(t)
+            if t.requires_grad:
+                raise ValueError("inputs of a compiled function may not require grad")
+            if t._mesh != mesh:
+                raise TypeError(f"WRONG_MESH: {t!r} is not on {mesh!r}")
+        key = _signature(leaves, spec, tensors)
+        trace = self._traces.get(key)
+        if trace is not None and not trace.alive():
+            trace = None
+        if trace is None:
+            trace = self._traces[key] = self._trace(mesh, leaves, spec, tensors)
+        elif self.verify and not trace.verified:
+            again = self._trace(mesh, leaves, spec, tensors, define=False)
+            _compare(self.fn, trace.messages, again.messages)
+            trace.verified = True
+        return mesh._client.call_recording(trace, mesh, [t for _, t in tensors])
+
+    def _trace(self, mesh, leaves, spec, tensors, define: bool = True) -> _Trace:
+        client = mesh._client
+        with client.lock:
+            if client.capture is not None:
+                raise RuntimeError("compiled functions cannot run inside coalescing() or "
+                                   "another compiled function")
+            capture = client.capture = _Capture("recording", client.new_id())
+            first_id = capture.first_id
+            try:
+                stand_ins = list(leaves)
+                formals = {}
+                storages: dict[int, Any] = {}
+                for index, (position, t) in enumerate(tensors):
+                    shape, stride, offset, dtype, device = t._mkey
+                    storage = storages.get(id(t._storage))
+                    formal = Tensor(shape, stride, offset, dtype, device, client, t._mesh,
+                                    t._stream, client.new_ref(), storage)
+                    storages.setdefault(id(t._storage), formal._storage)
+                    capture.add(t._mesh._ranks,
+                                m.RecordingFormal(formal._ref, index, client.stream_ref(t._stream)))
+                    stand_ins[position] = formals[index] = formal
+                args, kwargs = tree_unflatten(stand_ins, spec)
+                out = self.fn(*args, **kwargs)
+                out_leaves, out_spec = tree_flatten(out)
+                outputs = []
+                for j, h in enumerate(x for x in out_leaves if isinstance(x, Tensor)):
+                    if h.requires_grad:
+                        raise ValueError("outputs of a compiled function may not require grad")
+                    capture.add(h._mesh._ranks,
+                                m.RecordingResult(h._ref, j, client.stream_ref(h._stream)))
+                    is_formal = next((i for i, f in formals.items() if f is h), None)
+                    outputs.append((*h._mkey, h._stream, is_formal))
+                open_borrows = [b for b in capture.borrows if not b.dropped]
+                if open_borrows:
+                    raise RuntimeError("all borrows created within a compiled function must be "
+                                       f"dropped within it ({open_borrows})")
+            finally:
+                client.capture = None
+            for h in capture.created:
+                h._owns_ref = False  # internal to the recording: the replay deletes them
+            formal_ids = {f._ref.id: i for i, f in formals.items()}
+            used, mutated = {}, {}
+            for _, msg in capture.messages:
+                for ref in _refs_used(msg):
+                    if ref < first_id and ref not in formal_ids:
+                        used[ref] = None
+                for ref in _refs_mutated(msg):
+                    if ref in formal_ids:
+                        mutated[(formal_ids[ref], None)] = None
+                    elif ref < first_id:
+                        mutated[(None, ref)] = None
+            captured = [weakref.ref(capture.captured[r]) for r in used if r in capture.captured]
+            ranks = sorted({r for ranks, _ in capture.messages for r in ranks})
+            ref = client.new_ref()
+            if define:
+                client.define_recording(ref, ranks, capture.messages, len(outputs), len(formals))
+            template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
+            return _Trace(ref, ranks, formals, outputs, template, out_spec, captured,
+                          list(mutated), capture.messages)
+
+
+def compile(fn: Callable | None = None, *, verify: bool = False):
+    """Trace ``fn`` once per argument signature into a recording and replay it (a decorator)."""
+    if fn is None:
+        return lambda f: Compiled(f, verify)
+    return Compiled(fn, verify)
+
+
+def _signature(leaves, spec, tensors) -> Any:
+    parts = []
+    storages: dict[int, int] = {}
+    for x in leaves:
+        if isinstance(x, Tensor):
+            group = storages.setdefault(id(x._storage), len(storages))
+            parts.append((x._mkey, id(x._mesh._client), x._mesh.dims, x._mesh.slice_,
+                          x._stream, x.requires_grad, group))
+        else:
+            try:
+                hash(x)
+                parts.append((type(x), x))
+            except TypeError:
+                parts.append((type(x), id(x)))
+    return (str(spec), tuple(parts))
+
+
+def _refs_used(msg) -> list[int]:
+    args = getattr(msg, "args_kwargs", None)
+    refs = []
+    if args is not None:
+        a, k = args.to_python()
+        refs = [x.id for x in tree_flatten((a, k))[0] if type(x) is m.Ref]
+    for name in ("tensor", "out"):
+        value = getattr(msg, name, None)
+        if type(value) is m.Ref:
+            refs.append(value.id)
+    return refs
+
+
+def _refs_mutated(msg) -> list[int]:
+    refs = [r.id for r in getattr(msg, "mutates", ())]
+    if type(msg) is m.Reduce and msg.in_place:
+        refs.append(msg.tensor.id)
+    if type(msg) is m.Reduce and msg.out is not None:
+        refs.append(msg.out.id)
+    return refs
+
+
+def _normalize(messages) -> list:
+    """Messages with ids renumbered by first appearance and seqs dropped (for comparison)."""
+    ids: dict[int, int] = {}
+
+    def norm(x):
+        if isinstance(x, (m.Ref, m.StreamRef)):
+            return (type(x).__name__, ids.setdefault(int(x), len(ids)))
+        if isinstance(x, m.ArgsKwargs):
+            return norm(x.to_python())
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return tuple(norm(v) for v in x)
+        if hasattr(x, "_fields"):
+            return (type(x).__name__,) + tuple(norm(v) for f, v in zip(x._fields, x) if f != "seq")
+        return x
+
+    return [(ranks, norm(msg)) for ranks, msg in messages]
+
+
+def _compare(fn, first, second) -> None:
+    a, b = _normalize(first), _normalize(second)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            raise RuntimeError(f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
+                               f"operation {i}: traced {x!r}, now {y!r}")
+    if len(a) != len(b):
+        raise RuntimeError(f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
+                           f"operation {min(len(a), len(b))}: traced {len(a)} operations, now "
+                           f"{len(b)}")

@@ -1,0 +1,304 @@
+"""Device meshes: named n-d views over the ranks of one controller (monarch-semantics §1.1).
+
+``device_mesh(client, host=2, gpu=2)`` claims 4 workers of a Dask client as
+ranks and returns a mesh over them; ``rename``, ``split``, ``flatten`` and
+``slice`` make other views of the same ranks (for pipeline stages, say). All
+views share one controller; two ``device_mesh`` calls make two controllers,
+isolated from each other even on the same workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import distributed
+
+from . import messages as m
+from .ndslice import Slice
+
+
+class DeviceMesh:
+    """Named dimensions over a slice of global ranks."""
+
+    def __init__(self, client, names: Sequence[str], ranks: Slice,
+                 parent: DeviceMesh | None = None):
+        names = tuple(names)
+        if len(set(names)) != len(names):
+            raise ValueError(f"Duplicate dimension name in {list(names)}")
+        if len(names) != ranks.ndim:
+            raise ValueError(f"{len(names)} names for a {ranks.ndim}-d slice")
+        self._client = client
+        self._names = names
+        self._slice = ranks
+        self._parent = parent
+        self._ranks = tuple(ranks)
+        self._ref: m.Ref | None = None  # defined on the ranks lazily
+
+    # -- shape --------------------------------------------------------------------------------
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self._names, self._slice.sizes))
+
+    def size(self, dims: str | Sequence[str] | None = None) -> int:
+        """The number of ranks along ``dims`` (all dims by default)."""
+        if dims is None:
+            return len(self._ranks)
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        sizes = self.sizes
+        for d in names:
+            if d not in sizes:
+                raise KeyError(f"{d!r} is not a dimension of {self!r}")
+        return math.prod(sizes[d] for d in names)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global ranks, row-major over the dims."""
+        return list(self._ranks)
+
+    @property
+    def slice_(self) -> Slice:
+        return self._slice
+
+    # -- views --------------------------------------------------------------------------------
+
+    def rename(self, **renames: str) -> DeviceMesh:
+        """The same ranks with some dims renamed (``mesh.rename(gpu="tp")``)."""
+        for old in renames:
+            if old not in self._names:
+                raise KeyError(f"{old!r} is not a dimension of {self!r}")
+        return self._view([renames.get(n, n) for n in self._names], self._slice)
+
+    def split(self, **spec: Any) -> DeviceMesh:
+        """Split dims into several: ``mesh.split(host=("dp", "pp"), pp=2)``.
+
+        A name mapped to a tuple is split into those new names; an int names
+        the size of a new dim; one new size per split may be left out and is
+        inferred.
+        """
+        splits = {k: tuple(v) for k, v in spec.items() if isinstance(v, (tuple, list))}
+        sizes = {k: v for k, v in spec.items() if k not in splits}
+        for dim in splits:
+            if dim not in self._names:
+                raise KeyError(f"{dim!r} is not a dimension of {self!r}")
+        new_names = [n for parts in splits.values() for n in parts]
+        unused = [k for k in sizes if k not in new_names]
+        if unused:
+            raise ValueError(f"unused size constraints: {unused}")
+        names, out_sizes, out_strides = [], [], []
+        for name, size, stride in zip(self._names, self._slice.sizes, self._slice.strides):
+            if name not in splits:
+                names.append(name)
+                out_sizes.append(size)
+                out_strides.append(stride)
+                continue
+            parts = splits[name]
+            known = {p: sizes[p] for p in parts if p in sizes}
+            missing = [p for p in parts if p not in known]
+            product = math.prod(known.values())
+            if len(missing) > 1:
+                raise ValueError(f"Cannot infer size of {missing} when splitting {name!r}")
+            if missing:
+                if product == 0 or size % product:
+                    raise ValueError(f"dim {name!r} of size {size} cannot be evenly divided "
+                                     f"by {product}")
+                known[missing[0]] = size // product
+            if math.prod(known.values()) != size:
+                raise ValueError(f"dim {name!r} of size {size} cannot be evenly divided into "
+                                 f"{[known[p] for p in parts]}")
+            step = stride
+            part_strides = []
+            for p in reversed(parts):
+                part_strides.append(step)
+                step *= known[p]
+            names.extend(parts)
+            out_sizes.extend(known[p] for p in parts)
+            out_strides.extend(reversed(part_strides))
+        return self._view(names, Slice(self._slice.offset, out_sizes, out_strides))
+
+    def flatten(self, name: str) -> DeviceMesh:
+        """All dims as one (dense meshes only)."""
+        dense = Slice.row_major(self._slice.sizes, self._slice.offset)
+        base = min((s for s, n in zip(self._slice.strides, self._slice.sizes) if n > 1), default=1)
+        if [s * base for s in dense.strides] != list(self._slice.strides) and self.size() > 1:
+            raise ValueError(f"cannot flatten sparse mesh {self!r}")
+        return self._view([name], Slice(self._slice.offset, [self.size()], [base]))
+
+    def slice(self, **selection: int | slice) -> DeviceMesh:
+        """A sub-mesh: an int removes the dim, a ``slice`` keeps it restricted."""
+        offset = self._slice.offset
+        names, sizes, strides = [], [], []
+        for d in selection:
+            if d not in self._names:
+                raise KeyError(f"{d!r} is not a dimension of {self!r}")
+        for name, size, stride in zip(self._names, self._slice.sizes, self._slice.strides):
+            sel = selection.get(name)
+            if sel is None:
+                names.append(name)
+                sizes.append(size)
+                strides.append(stride)
+            elif isinstance(sel, int):
+                if not 0 <= sel < size:
+                    raise IndexError(f"{name}={sel} is outside 0..{size - 1}")
+                offset += sel * stride
+            elif isinstance(sel, slice):
+                start, stop, step = sel.indices(size)
+                count = len(range(start, stop, step))
+                offset += start * stride
+                names.append(name)
+                sizes.append(count)
+                strides.append(stride * step)
+            else:
+                raise TypeError(f"select {name} with an int or a slice, got {sel!r}")
+        return self._view(names, Slice(offset, sizes, strides))
+
+    def __call__(self, **selection: int | slice) -> DeviceMesh:
+        """Deprecated alias of :meth:`slice`."""
+        return self.slice(**selection)
+
+    def _view(self, names, ranks: Slice) -> DeviceMesh:
+        return DeviceMesh(self._client, names, ranks, parent=self)
+
+    def _is_subset_of(self, other: DeviceMesh) -> bool:
+        return self._client is other._client and set(self._ranks) <= set(other._ranks)
+
+    # -- running on it ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[DeviceMesh]:
+        """Run torch code on this mesh: factories create mesh tensors, ops run on the ranks."""
+        from .tensor import activate_mesh
+
+        with activate_mesh(self):
+            yield self
+
+    def rank(self, dims: str | Sequence[str]):
+        """A mesh tensor holding each rank's coordinate along ``dims`` (row-major if several)."""
+        from .remote_function import remote
+
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        for d in names:
+            if d not in self._names:
+                raise KeyError(f"{d!r} is not a dimension of {self!r}")
+        with self.activate():
+            return remote("dask_monarch.device_mesh._coordinate",
+                          propagate=_coordinate_propagate)(self, names)
+
+    def process_group(self, dims: str | Sequence[str]) -> RemoteProcessGroup:
+        """A torch.distributed group over ``dims``, usable as an argument of remote functions."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        for d in names:
+            if d not in self._names:
+                raise KeyError(f"{d!r} is not a dimension of {self!r}")
+        return self._client.process_group(self, names)
+
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any):
+        """An actor per rank (``cls(*args, **kwargs)``) whose methods take mesh tensors."""
+        from .actor_mesh import ActorMesh
+
+        return ActorMesh(self, name, cls, *args, **kwargs)
+
+    def exit(self) -> None:
+        """Wait for everything sent, release the ranks; raises a failure nobody fetched."""
+        self._client.exit()
+
+    # -- display ------------------------------------------------------------------------------
+
+    def to_table(self) -> str:
+        """One line per rank: its coordinates and its worker."""
+        workers = self._client.controller.workers
+        header = [*self._names, "rank", "worker"]
+        rows = []
+        for rank in self._ranks:
+            coords = self._slice.coordinates(rank)
+            rows.append([*map(str, coords), str(rank), workers[rank]])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        workers = self._client.controller.workers
+        head = "".join(f"<th>{html.escape(n)}</th>" for n in (*self._names, "rank", "worker"))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in self._slice.coordinates(r))
+            + f"<td>{r}</td><td>{html.escape(workers[r])}</td></tr>"
+            for r in self._ranks
+        )
+        dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
+        return (f"<div><strong>DeviceMesh</strong>({html.escape(dims)}) on "
+                f"{len(self._ranks)} ranks<table><tr>{head}</tr>{body}</table></div>")
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
+        return f"DeviceMesh({dims})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, DeviceMesh) and other._client is self._client
+                and other._names == self._names and other._slice == self._slice)
+
+    def __hash__(self) -> int:
+        return hash((id(self._client), self._names, self._slice))
+
+    def __monarch_ref__(self) -> m.Ref:
+        return self._client.mesh_ref(self)
+
+
+class RemoteProcessGroup:
+    """A process group over some dims of a mesh; a remote function receives a real one."""
+
+    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], ref: m.Ref):
+        self.mesh = mesh
+        self.dims = dims
+        self.ref = ref
+
+    def __monarch_ref__(self) -> m.Ref:
+        return self.ref
+
+    def __repr__(self) -> str:
+        return f"RemoteProcessGroup({self.mesh!r}, dims={list(self.dims)})"
+
+
+def device_mesh(client: distributed.Client | None = None, **dims: int) -> DeviceMesh:
+    """A mesh over ``prod(dims)`` workers of ``client`` (GPU workers first), dims in order.
+
+    ``client=None`` uses Dask's default client (the one a script run by
+    ``dask-monarch run`` gets).
+    """
+    from .mesh_client import MeshClient
+
+    if not dims:
+        raise ValueError("device_mesh needs at least one dimension: device_mesh(client, gpu=2)")
+    for name, size in dims.items():
+        if type(size) is not int or size < 1:
+            raise ValueError(f"dimension {name}={size!r} must be a positive int")
+    if client is None:
+        client = distributed.default_client()
+    sizes = list(dims.values())
+    mesh_client = MeshClient(client, math.prod(sizes))
+    return DeviceMesh(mesh_client, list(dims), Slice.row_major(sizes))
+
+
+def _coordinate(mesh, names):
+    """Worker side of ``mesh.rank``: this rank's coordinate along ``names``, row-major."""
+    import torch
+
+    value = 0
+    for name in names:
+        dim = mesh.dims[name]
+        value = value * dim.size + dim.rank
+    return torch.tensor(value, dtype=torch.long)
+
+
+def _coordinate_propagate(mesh, names):
+    import torch
+
+    return torch.empty((), dtype=torch.long)

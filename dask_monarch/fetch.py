@@ -1,0 +1,53 @@
+"""Fetching values from the ranks (monarch-semantics §1.5).
+
+A fetch resolves only after every rank has passed it, and raises
+:class:`~dask_monarch.RemoteException` if anything the value depends on
+failed on any rank. Tensors come back on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils._pytree import tree_leaves
+
+from .device_mesh import DeviceMesh
+from .mesh_client import MeshFuture
+from .tensor import Tensor, active_mesh
+
+
+def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
+    """The global rank at ``shard`` (every dim named; coordinate 0 when ``shard`` is empty)."""
+    if not shard:
+        shard = {d: 0 for d in mesh.dims}
+    missing = [d for d in mesh.dims if d not in shard]
+    if missing:
+        raise ValueError(f"Missing key(s) {missing} in shard {shard}: name every dim of {mesh!r}")
+    extra = [d for d in shard if d not in mesh.dims]
+    if extra:
+        raise KeyError(f"{extra} are not dimensions of {mesh!r}")
+    return mesh.slice_.location([shard[d] for d in mesh.dims])
+
+
+def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> MeshFuture:
+    """The value of ``obj`` (a mesh tensor or a pytree of them) on one rank, as a future.
+
+    ``shard`` (or keyword coordinates) names the rank: ``fetch_shard(t, host=1, gpu=0)``;
+    by default the rank at coordinate 0 of every dim.
+    """
+    if shard is not None and coords:
+        raise TypeError("give the shard as a dict or as keywords, not both")
+    handles = [x for x in tree_leaves(obj) if isinstance(x, Tensor)]
+    mesh = handles[0]._mesh if handles else active_mesh()
+    if mesh is None:
+        raise ValueError("fetch_shard needs mesh tensors (or an active mesh)")
+    for h in handles:
+        if h._mesh != mesh:
+            raise TypeError(f"WRONG_MESH: {h!r} is not on {mesh!r}")
+    rank = shard_rank(mesh, shard if shard is not None else coords)
+    return mesh._client.fetch(mesh, rank, obj)
+
+
+def inspect(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
+    """``fetch_shard(obj, ...).result()``: the value on one rank, tensors on the CPU."""
+    return fetch_shard(obj, shard, **coords).result()

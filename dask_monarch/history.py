@@ -1,0 +1,98 @@
+"""The controller's dependency history: one failure poisons exactly its dependents (§4.2).
+
+Every invocation the client issues registers the refs it uses and defines.
+A use links the invocation to the one that last defined the ref. When a rank
+reports ``RemoteFunctionFailed`` for a seq, that invocation and everything
+that (transitively) used what it defined fail with the same exception; an
+invocation registered later that uses a failed definition is born failed.
+Invocations that completed without failing can never fail any more, so they
+are pruned as ranks report progress; failed definitions are kept, so late
+users still fail.
+
+Pure bookkeeping, no I/O: the mesh client calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Invocation:
+    seq: int
+    defs: tuple[int, ...]
+    users: list[int] = field(default_factory=list)
+    failure: BaseException | None = None
+    origin: Any = None  # where the client issued it, for the error message
+
+
+class History:
+    """Invocations that may still fail, and failures that may still be fetched."""
+
+    def __init__(self):
+        self.invocations: dict[int, Invocation] = {}  # pending or failed
+        self.definer: dict[int, int] = {}  # ref -> seq of its pending or failed definer
+        self.completed = 0  # every seq below this has completed on every rank
+
+    def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
+        """Register an invocation; returns the failure it is born with, if any."""
+        failure = None
+        invocations, definer = self.invocations, self.definer
+        for ref in uses:
+            producer = definer.get(ref)
+            if producer is None:
+                continue
+            inv = invocations[producer]
+            if inv.failure is not None:
+                if failure is None:
+                    failure = inv.failure
+            elif producer >= self.completed:
+                inv.users.append(seq)
+        defs = tuple(defs)
+        invocations[seq] = Invocation(seq, defs, failure=failure)
+        for ref in defs:
+            definer[ref] = seq
+        return failure
+
+    def fail(self, seq: int, failure: BaseException) -> list[int]:
+        """``seq`` failed: it and its transitive users fail too. Returns the newly failed seqs."""
+        newly = []
+        todo = [seq]
+        while todo:
+            s = todo.pop()
+            inv = self.invocations.get(s)
+            if inv is None or inv.failure is not None:
+                continue
+            inv.failure = failure
+            newly.append(s)
+            todo.extend(inv.users)
+            inv.users = []
+        return newly
+
+    def failure(self, seq: int) -> BaseException | None:
+        inv = self.invocations.get(seq)
+        return None if inv is None else inv.failure
+
+    def failure_of_ref(self, ref: int) -> BaseException | None:
+        """The failure the current value of ``ref`` carries, if any."""
+        producer = self.definer.get(ref)
+        return None if producer is None else self.invocations[producer].failure
+
+    def complete(self, upto: int) -> None:
+        """Every seq below ``upto`` has run on every rank: forget those that did not fail."""
+        for seq in range(self.completed, upto):
+            inv = self.invocations.get(seq)
+            if inv is None or inv.failure is not None:
+                continue
+            del self.invocations[seq]
+            for ref in inv.defs:
+                if self.definer.get(ref) == seq:
+                    del self.definer[ref]
+        self.completed = max(self.completed, upto)
+
+    def drop(self, refs: Iterable[int]) -> None:
+        """The client deleted these refs: nobody can use them again."""
+        for ref in refs:
+            self.definer.pop(ref, None)

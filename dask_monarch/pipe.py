@@ -1,0 +1,74 @@
+"""Pipes on the client: feed a mesh from a per-rank producer (``dm.create_pipe``).
+
+``create_pipe(fn, *args, max_messages=k)`` starts ``fn(pipe, *args)`` next to
+every rank of the active mesh (in a process of its own: a data loader doing
+real work does not hold the rank's GIL). ``pipe.recv()`` returns the next
+value as mesh tensors; ``pipe.send(x)`` hands a value to the producers. What
+``recv`` returns is described by ``propagate`` (a callable returning example
+tensors), or learnt once from the first value on the mesh's first rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+
+from . import messages as m
+from .remote_function import _propagate_locally, _resolvable, _Spec
+from .stream import get_active_stream
+from .tensor import Tensor, active_mesh
+
+
+class Pipe:
+    """Both ends of a pipe on the client: values to the producers, batches from them."""
+
+    def __init__(self, mesh, fn: Callable | str, args: tuple, kwargs: dict, max_messages: int,
+                 propagate: Callable | None):
+        if type(max_messages) is not int or max_messages < 1:
+            raise ValueError(f"max_messages must be a positive int, got {max_messages!r}")
+        self.mesh = mesh
+        self._client = mesh._client
+        self._spec = _propagate_locally(propagate, (), {})[0] if propagate else None
+        name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", "pipe")
+        with self._client.lock:
+            self.ref = self._client.new_ref()
+            self._client.send_setup(mesh._ranks, m.CreatePipe(
+                self.ref, str(name), _resolvable(fn), max_messages,
+                self._client.mesh_ref(mesh), m.ArgsKwargs.from_python(args, kwargs)))
+
+    def __monarch_ref__(self) -> m.Ref:
+        return self.ref
+
+    def recv(self) -> Any:
+        """The next value from every rank's producer, as mesh tensors (blocks on the ranks)."""
+        if self._spec is None:
+            peek = m.FunctionPath("dask_monarch.worker.pipe.peek")
+            future = self._client.fetch(self.mesh, self.mesh._ranks[0], None, function=peek,
+                                        args_kwargs=m.ArgsKwargs.from_python((self,)))
+            packed, treespec = future.result()
+            treespec = treespec_loads(treespec)
+            self._spec = tree_unflatten(
+                [_Spec((p[1], p[2], p[3], p[4], torch.device(p[5]), None)) if p[0] == "tensor"
+                 else None for p in packed], treespec)
+        return self._client.pipe_recv(self, self.mesh, get_active_stream(), self._spec)
+
+    def send(self, value: Any) -> None:
+        """Hand ``value`` (mesh tensors or plain values) to every rank's producer."""
+        self._client.pipe_send(self, self.mesh, get_active_stream(), value)
+
+    def __repr__(self) -> str:
+        return f"<Pipe {self.ref} on {self.mesh!r}>"
+
+
+def create_pipe(fn: Callable | str, *args: Any, max_messages: int = 2,
+                propagate: Callable | None = None, **kwargs: Any) -> Pipe:
+    """Start ``fn(pipe, *args, **kwargs)`` for every rank of the active mesh."""
+    mesh = active_mesh()
+    if mesh is None:
+        raise RuntimeError("create_pipe needs an active mesh (with mesh.activate())")
+    if any(isinstance(x, Tensor) for x in tree_flatten((args, kwargs))[0]):
+        raise TypeError("producer arguments are plain values; send tensors with pipe.send")
+    return Pipe(mesh, fn, args, kwargs, max_messages, propagate)

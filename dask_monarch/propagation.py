@@ -1,0 +1,225 @@
+"""What an op returns, worked out on the client without a round trip (monarch-semantics §1.3).
+
+Output shapes, strides and dtypes come from running the op on fake tensors;
+aliasing (views, in-place ops, ``out=``) comes from the op's schema. Fake
+propagation costs hundreds of microseconds, so its result is cached by the
+op and the metadata of its inputs (shapes, strides, dtypes, devices, which
+inputs share storage, and the non-tensor arguments): a training loop pays it
+once per distinct op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import messages as m
+
+_SCALARS = frozenset({int, float, bool, str, type(None), complex, torch.dtype, torch.device,
+                      torch.layout, torch.memory_format})
+CACHE_SIZE = 8192
+
+
+_propagating = threading.local()
+
+
+class _QuietFakeErrors(logging.Filter):
+    """An op whose shapes cannot work raises to the user; torch need not also log it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_propagating, "active", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeErrors())
+
+
+class Uncacheable(Exception):
+    """An argument the cache cannot key on: propagate every time."""
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What an op's schema says: its import path, what it writes, what its outputs alias."""
+
+    function: m.FunctionPath
+    names: tuple[str, ...]  # schema argument names, in order
+    writes: tuple[int, ...]  # schema argument indexes the op mutates
+    returns_alias: tuple[int | None, ...]  # per return: the argument it aliases, if any
+    returns_write: tuple[bool, ...]  # per return: True if it is a mutated argument itself
+    makes_tensors: bool  # some return is a tensor (else, with no tensor inputs, it runs here)
+
+
+_op_infos: dict[Any, OpInfo] = {}
+
+
+def op_info(func) -> OpInfo:
+    info = _op_infos.get(func)
+    if info is None:
+        info = _op_infos[func] = _make_op_info(func)
+    return info
+
+
+def _make_op_info(func) -> OpInfo:
+    schema = func._schema
+    namespace, name = schema.name.split("::")
+    path = f"torch.ops.{namespace}.{name}.{func._overloadname}"
+    names = tuple(a.name for a in schema.arguments)
+    sets = {}
+    writes = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None:
+            for s in info.before_set:
+                sets[s] = i
+            if info.is_write:
+                writes.append(i)
+    aliases, written = [], []
+    for ret in schema.returns:
+        info = ret.alias_info
+        target = None
+        if info is not None:
+            target = next((sets[s] for s in info.before_set if s in sets), None)
+        aliases.append(target)
+        written.append(bool(info is not None and info.is_write and target is not None))
+    makes_tensors = any("Tensor" in str(ret.type) for ret in schema.returns)
+    return OpInfo(m.FunctionPath(path), names, tuple(writes), tuple(aliases), tuple(written),
+                  makes_tensors)
+
+
+# -- output plans ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Output:
+    """One returned tensor: its metadata and, if it aliases an argument, which one."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    alias: int | None  # schema argument index it is a view of
+    is_arg: bool  # it *is* that argument (in-place / out=): return the caller's handle
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an op returns: ``kind`` is "tensor", "tuple", "list" or "none"."""
+
+    kind: str
+    outputs: tuple[Output | None, ...]
+
+
+class Propagator:
+    """Cached fake-tensor propagation of ops on mesh tensors."""
+
+    def __init__(self):
+        self._cache: dict[tuple, Plan] = {}
+        self._mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def plan(self, func, info: OpInfo, args: tuple, kwargs: dict, handles: list) -> Plan:
+        """The outputs of ``func(*args, **kwargs)``; ``handles`` are the mesh tensors in it."""
+        try:
+            key = (func, _key(args, handles), _key_kwargs(kwargs, handles))
+        except Uncacheable:
+            return self._propagate(func, info, args, kwargs)
+        plan = self._cache.get(key)
+        if plan is None:
+            if len(self._cache) >= CACHE_SIZE:
+                self._cache.clear()
+            plan = self._cache[key] = self._propagate(func, info, args, kwargs)
+        return plan
+
+    def _propagate(self, func, info: OpInfo, args, kwargs) -> Plan:
+        _propagating.active = True
+        try:
+            return self._run_fake(func, info, args, kwargs)
+        finally:
+            _propagating.active = False
+
+    def _run_fake(self, func, info: OpInfo, args, kwargs) -> Plan:
+        from .tensor import Tensor
+
+        with self._mode:
+            bases: dict[int, torch.Tensor] = {}
+
+            def fake(x):
+                if isinstance(x, Tensor):
+                    return _fake_like(x, bases)
+                if isinstance(x, (list, tuple)) and any(isinstance(v, Tensor) for v in x):
+                    return type(x)(fake(v) for v in x)
+                return x
+
+            result = func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+        return _plan_of(result, info)
+
+
+def _fake_like(t, bases: dict) -> torch.Tensor:
+    """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
+    shape, stride, offset, dtype, device = t._mkey
+    extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+    key = id(t._storage)
+    base = bases.get(key)
+    if base is None or base.dtype != dtype or base.numel() < extent:
+        size = max(extent, t._storage.extent)
+        base = bases[key] = torch.empty(size, dtype=dtype, device=device)
+    return base.as_strided(shape, stride, offset)
+
+
+def _plan_of(result, info: OpInfo) -> Plan:
+    if result is None:
+        return Plan("none", ())
+    if isinstance(result, torch.Tensor):
+        return Plan("tensor", (_output(result, info, 0),))
+    if isinstance(result, (tuple, list)):
+        outputs = []
+        for i, r in enumerate(result):
+            if r is None:
+                outputs.append(None)
+            elif isinstance(r, torch.Tensor):
+                outputs.append(_output(r, info, i if len(info.returns_alias) > 1 else 0))
+            else:
+                raise ValueError(f"{info.function.path} returns a {type(r).__name__}: a value "
+                                 "on the ranks, to be fetched with dask_monarch.inspect")
+        return Plan("list" if isinstance(result, list) else "tuple", tuple(outputs))
+    raise ValueError(f"{info.function.path} returns a {type(result).__name__}, which lives on "
+                     "the ranks: fetch it with dask_monarch.inspect or fetch_shard")
+
+
+def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
+    alias = info.returns_alias[index] if index < len(info.returns_alias) else None
+    is_arg = info.returns_write[index] if index < len(info.returns_write) else False
+    return Output(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
+                  alias, is_arg)
+
+
+# -- cache keys ------------------------------------------------------------------------------
+
+
+def _key(args: tuple, handles: list) -> tuple:
+    return tuple(_key_of(a, handles) for a in args)
+
+
+def _key_kwargs(kwargs: dict, handles: list) -> tuple:
+    return tuple((k, _key_of(v, handles)) for k, v in kwargs.items()) if kwargs else ()
+
+
+def _key_of(x, handles: list):
+    t = type(x)
+    if t in _SCALARS:
+        return (t, x)
+    mkey = getattr(x, "_mkey", None)
+    if mkey is not None:
+        storage = x._storage
+        for i, h in enumerate(handles):  # which earlier argument shares its storage
+            if h._storage is storage:
+                return (mkey, i)
+        return (mkey, -1)
+    if t is list or t is tuple or t is torch.Size:
+        return (t, tuple(_key_of(v, handles) for v in x))
+    raise Uncacheable(t)

@@ -1,0 +1,224 @@
+"""Remote functions: user Python run on every rank of a mesh (monarch-semantics §1.4).
+
+``@dm.remote`` turns a function into one that runs on the ranks of the mesh
+its tensor arguments live on (or the active mesh) and returns mesh tensors.
+Their shapes come from ``propagate``: a callable run on fake tensors,
+``"inspect"`` (nothing tracked: the call returns None), or ``None``: rank 0
+runs the function once on fake copies of its inputs, and the answer is
+cached by input metadata. Functions importable by their module path travel
+as that path; closures and ``__main__`` functions are cloudpickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import (
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
+
+from . import messages as m
+from .device_mesh import DeviceMesh, RemoteProcessGroup
+from .stream import get_active_stream
+from .tensor import Tensor, active_mesh, check_usable
+
+
+def _resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
+    """An import path when the function can be found by one, else its cloudpickle."""
+    if isinstance(fn, str):
+        return m.FunctionPath(fn)
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname and "." not in qualname:
+        try:
+            if getattr(importlib.import_module(module), qualname, None) is fn:
+                return m.FunctionPath(f"{module}.{qualname}")
+        except ImportError:
+            pass
+    return m.Cloudpickle.dumps(fn)
+
+
+def _resolve_locally(fn: Callable | str) -> Callable:
+    if not isinstance(fn, str):
+        return fn
+    module, name = fn.rsplit(".", 1)
+    obj = getattr(importlib.import_module(module), name)
+    return getattr(obj, "_remote_impl", obj)
+
+
+class Remote:
+    """A function that runs on every rank of a mesh; see :func:`remote`."""
+
+    def __init__(self, fn: Callable | str, propagate: Callable | str | None = None):
+        if not (callable(fn) or isinstance(fn, str)):
+            raise TypeError(f"remote needs a callable or an import path, got {fn!r}")
+        if propagate is not None and propagate != "inspect" and not callable(propagate):
+            raise ValueError(f"propagate must be a callable, 'inspect' or None, got {propagate!r}")
+        self._fn = fn
+        self._function = _resolvable(fn)
+        self._propagate = propagate
+        self._cache: dict = {}
+        if callable(fn):
+            functools.update_wrapper(self, fn)
+
+    def _mesh_of(self, handles: list[Tensor]) -> DeviceMesh:
+        mesh = handles[0]._mesh if handles else active_mesh()
+        if mesh is None:
+            raise RuntimeError("a remote function needs mesh tensor arguments or an active mesh")
+        for h in handles:
+            check_usable(h)
+            if h._mesh != mesh:
+                raise TypeError(f"WRONG_MESH: {h!r} is not on {mesh!r}")
+        return mesh
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, _ = tree_flatten((args, kwargs))
+        handles = [x for x in leaves if isinstance(x, Tensor)]
+        groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
+        mesh = self._mesh_of(handles)
+        stream = get_active_stream()
+        for h in handles:
+            if h._stream is not stream:
+                raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, "
+                                f"but stream {stream.name!r} is active")
+        client = mesh._client
+        if self._propagate == "inspect":
+            spec, mutated = None, []
+        elif self._propagate is not None:
+            spec, mutated = _propagate_locally(self._propagate, args, kwargs)
+        else:
+            spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
+        return client.call_remote(self._function, mesh, stream, args, kwargs, handles, groups,
+                                  spec, mutated)
+
+    def _propagate_remotely(self, mesh: DeviceMesh, args, kwargs, handles):
+        key = tuple((h._mkey, id(h._storage)) for h in handles)
+        try:
+            key = (key, _static_key((args, kwargs)))
+        except TypeError:
+            key = None
+        cached = self._cache.get(key) if key is not None else None
+        if cached is None:
+            rank = mesh._ranks[0]
+            future = mesh._client.fetch(mesh, rank, None, function=m.FunctionPath(
+                "dask_monarch.remote_function._propagate_on_rank"),
+                args_kwargs=m.ArgsKwargs.from_python((self._function, args, kwargs)))
+            cached = _unpack_spec(future.result())
+            if key is not None:
+                self._cache[key] = cached
+        return cached
+
+    def call_on_shard_and_fetch(self, *args: Any, shard: dict | None = None, **kwargs: Any) -> Any:
+        """Run the function on one rank only and return its value (tensors on the CPU)."""
+        from .fetch import shard_rank
+
+        leaves, _ = tree_flatten((args, kwargs))
+        handles = [x for x in leaves if isinstance(x, Tensor)]
+        mesh = self._mesh_of(handles)
+        rank = shard_rank(mesh, shard or {})
+        return mesh._client.fetch(mesh, rank, None, function=self._function,
+                                  args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()
+
+    def __repr__(self) -> str:
+        name = self._fn if isinstance(self._fn, str) else getattr(self._fn, "__qualname__", "?")
+        return f"<remote {name}>"
+
+
+def remote(fn: Callable | str | None = None, *, propagate: Callable | str | None = None):
+    """Make ``fn`` (a callable or an import path) run on every rank of a mesh.
+
+    Usable as ``@remote``, ``@remote(propagate=...)`` and ``remote("pkg.mod.fn", ...)``.
+    """
+    if fn is None:
+        return lambda f: Remote(f, propagate)
+    return Remote(fn, propagate)
+
+
+# -- propagation -----------------------------------------------------------------------------
+
+_fake_mode = None
+
+
+def _fake_mode_() -> FakeTensorMode:
+    global _fake_mode
+    if _fake_mode is None:
+        _fake_mode = FakeTensorMode()
+    return _fake_mode
+
+
+def _propagate_locally(propagate: Callable, args, kwargs):
+    """Run ``propagate`` on fake copies of the arguments: output metadata and mutated inputs."""
+    mode = _fake_mode_()
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(x):
+        if isinstance(x, Tensor):
+            f = fakes.get(id(x))
+            if f is None:
+                shape, stride, offset, dtype, device = x._mkey
+                with mode:
+                    f = fakes[id(x)] = torch.empty_strided(shape, stride, dtype=dtype,
+                                                           device=device)
+            return f
+        return x
+
+    fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+    handles = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+    versions = [fakes[id(h)]._version for h in handles]
+    with mode:
+        out = propagate(*fake_args, **fake_kwargs)
+    mutated = [h for h, v in zip(handles, versions) if fakes[id(h)]._version != v]
+    storages = {StorageWeakRef(fakes[id(h)].untyped_storage()): h for h in handles}
+    spec = tree_map(lambda x: _spec(x, storages) if isinstance(x, torch.Tensor) else x, out)
+    return spec, mutated
+
+
+class _Spec(tuple):
+    """(shape, stride, offset, dtype, device, aliased input handle or None) of an output tensor."""
+
+    __slots__ = ()
+
+
+def _spec(t: torch.Tensor, storages: dict) -> _Spec:
+    alias = storages.get(StorageWeakRef(t.untyped_storage())) if storages else None
+    return _Spec((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
+                  alias))
+
+
+def _static_key(tree):
+    leaves, spec = tree_flatten(tree)
+    parts = [x._mkey if isinstance(x, Tensor) else x for x in leaves]
+    return (str(spec), tuple(parts))
+
+
+def _propagate_on_rank(function, args, kwargs):
+    """On rank 0: run the function on fake copies of its real inputs; return output metadata."""
+    from .worker.calls import resolve_function
+
+    fn = resolve_function(function)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args, fake_kwargs = tree_map(
+        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    with mode:
+        out = fn(*fake_args, **fake_kwargs)
+    leaves, spec = tree_flatten(out)
+    packed = [("tensor", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype,
+               str(x.device)) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
+    return packed, treespec_dumps(spec)
+
+
+def _unpack_spec(reply):
+    packed, spec = reply
+    spec = treespec_loads(spec)
+    leaves = [_Spec((p[1], p[2], p[3], p[4], torch.device(p[5]), None)) if p[0] == "tensor"
+              else p[1] for p in packed]
+    return tree_unflatten(leaves, spec), []

@@ -1,0 +1,332 @@
+"""Mesh tensors: torch tensors whose values live on the ranks of a device mesh (§1.2, §1.3).
+
+A :class:`Tensor` is a wrapper subclass holding only metadata (shape, dtype,
+device, strides) and the ref of the value on each rank. Torch calls on it,
+and factory calls under ``mesh.activate()``, come to :func:`dispatch`, which
+works out the outputs on the client (:mod:`.propagation`), checks the
+client-side rules, and sends one ``CallFunction`` to the mesh's ranks.
+Autograd runs on the client over these handles, so ``loss.backward()`` sends
+the backward ops to the ranks too.
+
+Handles that share storage (views, in-place results) share a
+:class:`StorageInfo`, which tracks aliases for mutation (every live alias of
+a mutated storage is poisoned together if the op fails) and borrows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import messages as m
+from .propagation import op_info
+from .stream import get_active_stream
+
+if TYPE_CHECKING:
+    from .device_mesh import DeviceMesh
+
+_tuple_new = tuple.__new__
+
+
+class StorageInfo:
+    """What the client knows of one storage on the ranks: its live aliases and borrows."""
+
+    __slots__ = ("handles", "extent", "lent_mutably", "lent", "borrow", "__weakref__")
+
+    def __init__(self):
+        self.handles: weakref.WeakSet = weakref.WeakSet()
+        self.extent = 0
+        self.lent_mutably = None  # the Borrow that took this storage away, if any
+        self.lent: set = set()  # immutable borrows out of this storage
+        self.borrow = None  # the Borrow this storage was lent through (borrower side)
+
+    def refs(self) -> list[int]:
+        return [h._ref.id for h in list(self.handles) if h._ref is not None and h._owns_ref]
+
+
+class Tensor(torch.Tensor):
+    """A tensor on every rank of a mesh; this object holds its metadata and its ref."""
+
+    _ref: m.Ref
+    _client: Any
+    _mesh: DeviceMesh
+    _stream: Any
+
+    @staticmethod
+    def __new__(cls, shape, stride, offset, dtype, device, client, mesh, stream, ref,
+                storage: StorageInfo | None = None, owns_ref: bool = True):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride,
+                                                storage_offset=offset, dtype=dtype,
+                                                device=device)
+        t._mkey = (shape, stride, offset, dtype, device)
+        t._client = client
+        t._mesh = mesh
+        t._stream = stream
+        t._ref = ref
+        t._owns_ref = owns_ref
+        t._dropped = None
+        if storage is None:
+            storage = StorageInfo()
+        t._storage = storage
+        storage.handles.add(t)
+        extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+        if extent > storage.extent:
+            storage.extent = extent
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    # -- the mesh side ------------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def stream(self):
+        return self._stream
+
+    def __monarch_ref__(self) -> m.Ref:
+        check_usable(self)
+        return self._ref
+
+    def drop(self) -> None:
+        """Delete the value on the ranks now; the handle cannot be used afterwards."""
+        if self._dropped is None:
+            from .stream import drop_trace
+
+            self._dropped = drop_trace()
+            if self._owns_ref:
+                self._owns_ref = False
+                self._client.drop_ref(self._mesh, self._ref)
+
+    @property
+    def dropped(self) -> bool:
+        return self._dropped is not None
+
+    def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None,
+               out: Tensor | None = None) -> Tensor:
+        """A collective over mesh ``dims`` (see :func:`dask_monarch.reduce`)."""
+        from .collectives import reduce
+
+        return reduce(self, dims, reduction, scatter=scatter, mesh=mesh, out=out)
+
+    def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> Tensor:
+        """In-place :meth:`reduce`."""
+        from .collectives import reduce_
+
+        return reduce_(self, dims, reduction, scatter=scatter, mesh=mesh)
+
+    def to_mesh(self, mesh: DeviceMesh, stream=None) -> Tensor:
+        """A copy of this tensor on ``mesh`` (see :func:`dask_monarch.to_mesh`)."""
+        from .transfer import to_mesh
+
+        return to_mesh(self, mesh, stream=stream)
+
+    def slice_mesh(self, **selection):
+        """The shards of this tensor on a sub-mesh, ready for ``.to_mesh``."""
+        from .transfer import slice_mesh
+
+        return slice_mesh(self, **selection)
+
+    # -- python protocol ----------------------------------------------------------------------
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        state = " dropped" if self._dropped is not None else ""
+        return (f"dask_monarch.Tensor(shape={list(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}, mesh={self._mesh!r}, stream={self._stream.name!r}, "
+                f"ref={self._ref}{state})")
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+    def __del__(self):
+        if getattr(self, "_owns_ref", False) and self._dropped is None:
+            self._client.drop_ref(self._mesh, self._ref)
+
+
+_last_error = threading.local()
+
+
+def misuse(text: str) -> TypeError:
+    """A client-side check failed (§1.2): a TypeError, remembered so that operators show it.
+
+    torch turns a TypeError raised inside ``a + b`` into ``NotImplemented``, and
+    Python then reports only "unsupported operand types"; the operators of
+    :class:`Tensor` raise the remembered error instead.
+    """
+    error = TypeError(text)
+    _last_error.value = error
+    return error
+
+
+def _operator(name: str):
+    original = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        _last_error.value = None
+        result = original(self, other)
+        if result is NotImplemented and _last_error.value is not None:
+            raise _last_error.value
+        return result
+
+    operator.__name__ = name
+    return operator
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__",
+              "__rmatmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
+              "__mod__", "__pow__", "__rpow__", "__and__", "__or__", "__xor__", "__iadd__",
+              "__isub__", "__imul__", "__itruediv__"):
+    if hasattr(torch.Tensor, _name):
+        setattr(Tensor, _name, _operator(_name))
+
+
+def check_usable(t: Tensor) -> None:
+    """The client-side checks every use of a handle passes (§1.2)."""
+    if t._dropped is not None:
+        raise misuse(f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n"
+                     f"{t._dropped}")
+    if t._storage.lent_mutably is not None:
+        raise misuse(f"BORROWED: {t!r} is borrowed by stream "
+                     f"{t._storage.lent_mutably.borrowed._stream.name!r}; use the borrowed "
+                     "tensor until the borrow is dropped")
+
+
+def check_mutable(t: Tensor) -> None:
+    """A tensor lent immutably, or borrowed immutably, may not change."""
+    if t._storage.lent:
+        raise misuse(f"MUTATING_BORROW: {t!r} is borrowed immutably by another stream and "
+                     "cannot be changed until the borrow is dropped")
+    borrow = t._storage.borrow
+    if borrow is not None and not borrow.mutable:
+        raise misuse(f"MUTATING_BORROW: {t!r} is an immutable borrow and cannot be changed")
+
+
+# -- activation ------------------------------------------------------------------------------
+
+_active_meshes: list[DeviceMesh | None] = []
+
+
+def active_mesh() -> DeviceMesh | None:
+    return _active_meshes[-1] if _active_meshes else None
+
+
+class _MeshMode(TorchDispatchMode):
+    """Under ``mesh.activate()``: factories run on the mesh, local tensors are refused."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _has_mesh_tensor(args, kwargs) and (
+                active_mesh() is None or not op_info(func).makes_tensors):
+            return func(*args, **kwargs)  # no_mesh.activate(), or an op that makes no tensor
+        return dispatch(func, args, kwargs)
+
+
+def _has_mesh_tensor(args, kwargs) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(v, Tensor) for v in a):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def activate_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
+    """Make ``mesh`` the active mesh (``None``: plain local torch) inside the block."""
+    _active_meshes.append(mesh)
+    try:
+        with _MeshMode():
+            yield
+    finally:
+        _active_meshes.pop()
+
+
+class _NoMesh:
+    """``with dask_monarch.no_mesh.activate():`` runs plain local torch inside an active mesh."""
+
+    def activate(self):
+        return activate_mesh(None)
+
+    def __repr__(self) -> str:
+        return "no_mesh"
+
+
+no_mesh = _NoMesh()
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+_NEEDS_FETCH = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+def _scan(value, handles: list) -> Any:
+    """``value`` with mesh tensors replaced by their refs (one list level); collects handles."""
+    if isinstance(value, Tensor):
+        handles.append(value)
+        return value._ref
+    t = type(value)
+    if t is list or t is tuple:
+        if any(isinstance(v, torch.Tensor) for v in value):
+            return t(_scan(v, handles) for v in value)
+        return value
+    if isinstance(value, torch.Tensor):
+        raise misuse(
+            f"LOCAL_TENSOR: a local tensor of shape {list(value.shape)} was used with mesh "
+            "tensors (or under an active mesh); create it under mesh.activate(), or run local "
+            "code inside dask_monarch.no_mesh.activate()")
+    return value
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
+    if func in _NEEDS_FETCH:
+        raise RuntimeError(f"{func} needs the value of a mesh tensor on the client: fetch it "
+                           "with dask_monarch.inspect(t) or fetch_shard(t)")
+    handles: list[Tensor] = []
+    ref_args = tuple(_scan(a, handles) for a in args)
+    ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
+    stream = get_active_stream()
+    if handles:
+        mesh = handles[0]._mesh
+        for h in handles:
+            check_usable(h)
+            if h._mesh is not mesh and h._mesh != mesh:
+                raise misuse(f"WRONG_MESH: {h!r} is on {h._mesh!r}, but the op also uses "
+                             f"tensors on {mesh!r}; move it with .to_mesh()")
+            if h._stream is not stream:
+                raise misuse(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
+                             f"stream {stream.name!r} is active; borrow it first")
+    else:
+        mesh = active_mesh()
+        if mesh is None:
+            raise RuntimeError(f"{func}: no device mesh is active (use mesh.activate())")
+    client = mesh._client
+    info = op_info(func)
+    plan = client.propagator.plan(func, info, args, kwargs, handles)
+    return client.call_op(func, info, plan, mesh, stream, args, kwargs, ref_args, ref_kwargs,
+                          handles)
+
+
+def argument(info, args: tuple, kwargs: dict, index: int):
+    """The value passed for schema argument ``index``."""
+    if index < len(args):
+        return args[index]
+    return kwargs.get(info.names[index])
+
+

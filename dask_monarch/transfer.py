@@ -1,0 +1,87 @@
+"""Moving tensors between meshes of one controller: ``to_mesh`` and ``slice_mesh`` (§1.8).
+
+A move is always a copy (``SendTensor``): ranks that keep a shard make an
+eager deep copy, others receive it over the point-to-point communicator of
+the (source stream, destination stream) pair. Dims are matched by name and
+must agree in size; a destination dim the source lacks is a broadcast (one
+send per destination slice).
+"""
+
+from __future__ import annotations
+
+import warnings
+from itertools import product
+from typing import Any
+
+from torch.utils._pytree import tree_map
+
+from .device_mesh import DeviceMesh
+from .ndslice import Slice
+from .stream import Stream, get_active_stream
+from .tensor import Tensor, check_usable
+
+
+class MeshSliceTensor:
+    """The shards of a tensor on a sub-mesh of its mesh; send them with :meth:`to_mesh`."""
+
+    def __init__(self, tensor: Tensor, mesh: DeviceMesh):
+        self.tensor = tensor
+        self.mesh = mesh
+
+    def to_mesh(self, mesh: DeviceMesh, stream: Stream | None = None) -> Tensor:
+        return _move(self.tensor, self.mesh, mesh, stream)
+
+    def __repr__(self) -> str:
+        return f"MeshSliceTensor({self.tensor!r} on {self.mesh!r})"
+
+
+def slice_mesh(tensors: Any, **selection: int | slice) -> Any:
+    """The shards of every mesh tensor in ``tensors`` on ``mesh.slice(**selection)``."""
+    return tree_map(lambda t: MeshSliceTensor(t, t._mesh.slice(**selection))
+                    if isinstance(t, Tensor) else t, tensors)
+
+
+def to_mesh(tensors: Any, mesh: DeviceMesh, stream: Stream | None = None) -> Any:
+    """Copy every mesh tensor (or mesh slice) in ``tensors`` onto ``mesh``."""
+    def move(t):
+        if isinstance(t, MeshSliceTensor):
+            return t.to_mesh(mesh, stream)
+        if isinstance(t, Tensor):
+            return _move(t, t._mesh, mesh, stream)
+        return t
+
+    return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
+
+
+def _reorder(mesh: DeviceMesh, names: list[str]) -> Slice:
+    """``mesh``'s slice with its dims in the order of ``names``."""
+    index = [mesh.dims.index(n) for n in names]
+    s = mesh.slice_
+    return Slice(s.offset, [s.sizes[i] for i in index], [s.strides[i] for i in index])
+
+
+def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None) -> Tensor:
+    check_usable(t)
+    if source._client is not dest._client:
+        raise ValueError("to_mesh moves tensors between meshes of one device_mesh (one "
+                         "controller); fetch and re-create them to cross controllers")
+    missing = [d for d in source.dims if d not in dest.dims]
+    if missing:
+        raise ValueError(f"destination mesh does not have dimensions {missing} of the source "
+                         f"{source!r}; slice them away with slice_mesh first")
+    for d in source.dims:
+        if source.sizes[d] != dest.sizes[d]:
+            raise ValueError(f"dimension {d!r} has size {source.sizes[d]} on the source and "
+                             f"{dest.sizes[d]} on the destination")
+    common = [d for d in dest.dims if d in source.dims]
+    broadcast = [d for d in dest.dims if d not in source.dims]
+    if broadcast:
+        warnings.warn(f"to_mesh broadcasts over {broadcast}: every slice of the destination "
+                      "gets a copy", stacklevel=3)
+    from_ranks = _reorder(source, common)
+    pairs = []
+    for coords in product(*(range(dest.sizes[b]) for b in broadcast)):
+        part = dest.slice(**dict(zip(broadcast, coords))) if broadcast else dest
+        pairs.append((from_ranks, _reorder(part, common)))
+    stream = stream or get_active_stream()
+    return source._client.send_tensor(t, source, dest, stream, pairs)
