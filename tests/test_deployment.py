@@ -1,0 +1,145 @@
+"""A cluster from the ``dask`` command line with dask_monarch's preloads, driven by a batch script.
+
+Real processes: ``dask scheduler`` and two ``dask worker`` (one preloaded by
+file path, one by module name), then ``dask-monarch run --scheduler-file``.
+Every process starts in its own session and its whole group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PLUGINS = ROOT / "plugins"
+BIN = Path(sys.executable).parent
+
+SCRIPT = """\
+import json
+import os
+import urllib.request
+
+import distributed
+import torch
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+
+S0 = StreamRef(0)
+client = distributed.default_client()
+plugins = client.run(lambda dask_worker: "dask_monarch" in dask_worker.plugins)
+gpus = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+names = {w["name"]: w for w in client.scheduler_info()["workers"].values()}
+print("preloaded", sorted(plugins.values()), "gpus", sorted(map(str, gpus.values())))
+
+with dm.Controller(client, world_size=2) as ctrl:
+    print("resources", ctrl.resources)
+    print("rank0 is", client.scheduler_info()["workers"][ctrl.workers[0]]["name"])
+    ctrl.send([0, 1], m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
+    for rank in (0, 1):
+        ctrl.send(rank, m.CallFunction(0, [Ref(1)], [], "torch.full",
+                                       ArgsKwargs.from_python(([2], 10.0 * (rank + 1)), {}),
+                                       S0, []))
+    ctrl.send([0, 1], m.SendValue(1, None, [], "torch.ops.aten.sum.default",
+                                  ArgsKwargs.from_python((Ref(1),), {}), S0))
+    fetched = dict(sorted((msg.rank, msg.value.item()) for msg in ctrl.sync()))
+    print("sums", fetched)
+    assert fetched == {0: 20.0, 1: 40.0}, fetched
+    page = client.dashboard_link.rsplit("/", 1)[0] + "/monarch/state.json"
+    with urllib.request.urlopen(page, timeout=30) as response:
+        state = json.loads(response.read())
+    print("dashboard lists the mesh", [c["token"] for c in state["controllers"]] == [ctrl.token])
+"""
+
+
+def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """Terminate each process group, then kill what is left."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the group: nannies' workers too
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=10)
+
+
+def wait_for_address(scheduler_file: Path, tmp_path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(scheduler_file.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    raise TimeoutError(f"no scheduler file after {timeout}s\n{logs(tmp_path)}")
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                     for p in sorted(tmp_path.glob("*.log")))
+
+
+@pytest.mark.timeout(180)
+def test_dask_cli_cluster_with_preloads_runs_a_batch_script(tmp_path):
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = str(BIN / "dask")
+    processes = []
+    try:
+        processes.append(start(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+             "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file),
+             "--preload", str(PLUGINS / "dask_monarch_scheduler.py")],
+            tmp_path / "scheduler.log", env))
+        address = wait_for_address(scheduler_file, tmp_path)
+        # The address goes first, positionally: with --scheduler-file and no address,
+        # `dask worker` takes the first preload option for the address (docs/deployment.md).
+        common = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
+                  "--no-dashboard"]
+        # names in the reverse of rank order: the rank resource decides, not the name
+        processes.append(start(
+            common + ["--name", "b", "--preload", str(PLUGINS / "dask_monarch_worker.py"),
+                      "--monarch-rank=0", "--monarch-gpu=0"],
+            tmp_path / "worker-b.log", env))
+        processes.append(start(
+            common + ["--name", "a", "--preload", "dask_monarch.preload", "--monarch-rank=1"],
+            tmp_path / "worker-a.log", env))
+        (tmp_path / "job.py").write_text(textwrap.dedent(SCRIPT))
+        done = subprocess.run(
+            [str(BIN / "dask-monarch"), "run", "--scheduler-file", str(scheduler_file),
+             "--ranks", "2", "-q", "job.py"],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=150,
+            stdin=subprocess.DEVNULL)
+        explain = f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}\n{logs(tmp_path)}"
+        assert done.returncode == 0, explain
+        assert "preloaded [True, True] gpus ['0', 'None']" in done.stdout, explain
+        assert "resources ['monarch-rank0', 'monarch-rank1']" in done.stdout, explain
+        assert "rank0 is b" in done.stdout, explain
+        assert "sums {0: 20.0, 1: 40.0}" in done.stdout, explain
+        assert "dashboard lists the mesh True" in done.stdout, explain
+    finally:
+        stop(processes)
+    assert all(p.poll() is not None for p in processes)
