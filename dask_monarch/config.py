@@ -13,6 +13,22 @@ with open(_fn) as f:
     dask.config.update_defaults(yaml.safe_load(f))
 
 
+def _read_env_alias() -> None:
+    """Apply ``DASK_MONARCH__...`` environment variables to the ``dask_monarch`` settings.
+
+    Dask strips ``DASK_`` from a variable's name, so ``DASK_MONARCH__FLUSH__IDLE``
+    lands at ``monarch.flush.idle``; the documented spelling must still win over
+    the defaults (``DASK_DASK_MONARCH__...`` reaches ``dask_monarch`` directly).
+    Runs at import, in every process that imports dask_monarch.
+    """
+    alias = dask.config.config.get("monarch")
+    if isinstance(alias, dict) and alias:
+        dask.config.update(dask.config.config, {"dask_monarch": alias}, priority="new")
+
+
+_read_env_alias()
+
+
 def get(key: str, default=None):
     """``dask.config.get("dask_monarch." + key)``."""
     return dask.config.get(f"dask_monarch.{key}", default)

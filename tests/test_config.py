@@ -1,0 +1,47 @@
+"""Configuration: defaults in dask_monarch.yaml, overridden by DASK_MONARCH__... variables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+import dask_monarch
+
+DEFAULTS = Path(dask_monarch.__file__).parent / "dask_monarch.yaml"
+DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
+
+
+def read_in_subprocess(key: str, env: dict) -> str:
+    code = f"import dask_monarch.config as c; print(c.seconds({key!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_environment_variable_overrides_a_default():
+    assert read_in_subprocess("flush.idle", {}) == "0.01"
+    assert read_in_subprocess("flush.idle", {"DASK_MONARCH__FLUSH__IDLE": "5ms"}) == "0.005"
+    assert read_in_subprocess("dashboard.interval",
+                              {"DASK_MONARCH__DASHBOARD__INTERVAL": "250ms"}) == "0.25"
+
+
+def flatten(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            keys += flatten(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def test_every_default_is_documented():
+    keys = flatten(yaml.safe_load(DEFAULTS.read_text())["dask_monarch"])
+    docs = DOCS.read_text()
+    missing = [k for k in keys if f"`{k}`" not in docs]
+    assert not missing, f"docs/configuration.md does not describe {missing}"
