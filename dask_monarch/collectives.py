@@ -49,17 +49,17 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
     if len(names) > 1 and (op == "stack" or scatter):
         kind = "stack" if op == "stack" else "scatter"
         raise ValueError(f"{kind} is not valid for multiple dimensions {list(names)}")
-    n = own.size(names)
-    shape = tuple(t.shape)
-    if scatter and (len(shape) == 0 or shape[0] != n):
-        raise TypeError(f"When scattering, the first dimension of the tensor must be the size "
-                        f"of the reduced dims ({n}), got shape {list(shape)}")
     if out is not None and in_place:
         raise ValueError("reduce_ works in place: it takes no out=")
     if in_place and (scatter or op == "stack"):
         raise ValueError("an in-place reduce cannot stack or scatter (the shape changes)"
                          if not (op == "stack" and scatter) else
                          "an in-place all-to-all is not supported; use out=")
+    n = own.size(names)
+    shape = tuple(t.shape)
+    if scatter and (len(shape) == 0 or shape[0] != n):
+        raise TypeError(f"When scattering, the first dimension of the tensor must be the size "
+                        f"of the reduced dims ({n}), got shape {list(shape)}")
     if op == "stack":
         result_shape = shape if scatter else (n, *shape)
     else:

@@ -49,9 +49,9 @@ _MAX_SAMPLES = 64
 class Rates:
     """Counts per second from successive (time, count) samples of one key each.
 
-    The rate is taken over the oldest sample no older than ``window`` seconds,
-    so a page that polls fast or slow shows the same figure; ``None`` until a
-    key has two samples.
+    The rate spans about the last ``window`` seconds of samples (more when
+    samples are sparse), so a page that polls fast or slow shows much the
+    same figure; ``None`` until a key has two samples.
     """
 
     def __init__(self) -> None:

@@ -125,11 +125,13 @@ class DeviceMesh:
         return self._view(names, Slice(self._slice.offset, out_sizes, out_strides))
 
     def flatten(self, name: str) -> DeviceMesh:
-        """All dims as one (dense meshes only)."""
-        dense = Slice.row_major(self._slice.sizes, self._slice.offset)
-        base = min((s for s, n in zip(self._slice.strides, self._slice.sizes) if n > 1), default=1)
-        if [s * base for s in dense.strides] != list(self._slice.strides) and self.size() > 1:
-            raise ValueError(f"cannot flatten sparse mesh {self!r}")
+        """All dims as one: only when the ranks, row-major, step by one stride."""
+        dims = [(size, stride) for size, stride in zip(self._slice.sizes, self._slice.strides)
+                if size > 1]
+        for (_, outer), (size, inner) in zip(dims, dims[1:]):
+            if outer != inner * size:
+                raise ValueError(f"cannot flatten sparse mesh {self!r}")
+        base = dims[-1][1] if dims else 1
         return self._view([name], Slice(self._slice.offset, [self.size()], [base]))
 
     def slice(self, **selection: int | slice) -> DeviceMesh:

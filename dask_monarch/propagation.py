@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import messages as m
 
@@ -138,7 +139,8 @@ class Propagator:
     def _propagate(self, func, info: OpInfo, args, kwargs) -> Plan:
         _propagating.active = True
         try:
-            return self._run_fake(func, info, args, kwargs)
+            with _disable_current_modes():  # an active mesh's mode must not see the fakes
+                return self._run_fake(func, info, args, kwargs)
         finally:
             _propagating.active = False
 

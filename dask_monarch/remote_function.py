@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import (
     tree_flatten,
     tree_map,
@@ -171,11 +172,12 @@ def _propagate_locally(propagate: Callable, args, kwargs):
             return f
         return x
 
-    fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
-    handles = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
-    versions = [fakes[id(h)]._version for h in handles]
-    with mode:
-        out = propagate(*fake_args, **fake_kwargs)
+    with _disable_current_modes():  # the mesh's own mode must not see the fakes
+        fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+        handles = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+        versions = [fakes[id(h)]._version for h in handles]
+        with mode:
+            out = propagate(*fake_args, **fake_kwargs)
     mutated = [h for h, v in zip(handles, versions) if fakes[id(h)]._version != v]
     storages = {StorageWeakRef(fakes[id(h)].untyped_storage()): h for h in handles}
     spec = tree_map(lambda x: _spec(x, storages) if isinstance(x, torch.Tensor) else x, out)

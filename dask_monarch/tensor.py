@@ -37,14 +37,24 @@ _tuple_new = tuple.__new__
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
 
-    __slots__ = ("handles", "extent", "lent_mutably", "lent", "borrow", "__weakref__")
+    __slots__ = ("handles", "extent", "_lent_mutably", "lent", "borrow", "__weakref__")
 
     def __init__(self):
         self.handles: weakref.WeakSet = weakref.WeakSet()
         self.extent = 0
-        self.lent_mutably = None  # the Borrow that took this storage away, if any
-        self.lent: set = set()  # immutable borrows out of this storage
+        self._lent_mutably = None  # weakref to the Borrow that took this storage away
+        # immutable borrows out of this storage; weak, so that a borrow nobody holds is
+        # collected (and drops itself, with a warning)
+        self.lent: weakref.WeakSet = weakref.WeakSet()
         self.borrow = None  # the Borrow this storage was lent through (borrower side)
+
+    @property
+    def lent_mutably(self):
+        return self._lent_mutably() if self._lent_mutably is not None else None
+
+    @lent_mutably.setter
+    def lent_mutably(self, borrow) -> None:
+        self._lent_mutably = weakref.ref(borrow) if borrow is not None else None
 
     def refs(self) -> list[int]:
         return [h._ref.id for h in list(self.handles) if h._ref is not None and h._owns_ref]

@@ -114,8 +114,8 @@ def pg_collectives(x, pg, mesh):
 
 
 def loader(pipe, batches, path=None):
-    """A data loader: batch i is full of (i + 100 * coordinate on 'dp')."""
-    offset = 100 * pipe.ranks.get("dp", 0)
+    """A data loader: batch i is full of (i + 100 * coordinate on the mesh's first dim)."""
+    offset = 100 * next(iter(pipe.ranks.values()))
     for i in range(batches):
         if path:
             with open(path, "a") as f:
@@ -131,7 +131,8 @@ def crashing_loader(pipe):
 def echo_loader(pipe):
     while True:
         x = pipe.recv()
-        pipe.send((x * 2, pipe.ranks["dp"], pipe.sizes["dp"]))
+        first = next(iter(pipe.ranks))  # the mesh's first dim
+        pipe.send((x * 2, pipe.ranks[first], pipe.sizes[first]))
 
 
 class Accumulator:

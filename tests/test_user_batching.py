@@ -1,0 +1,187 @@
+"""coalescing() and compile(), and the end-to-end training example."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+
+
+@pytest.fixture
+def mesh(client2):
+    mesh = dm.device_mesh(client2, gpu=2)
+    yield mesh
+    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
+        mesh.exit()
+
+
+@contextlib.contextmanager
+def sent_messages(mesh):
+    """Record what the mesh's controller is given (observing, not replacing, send)."""
+    controller = mesh._client.controller
+    log, original = [], controller.send
+
+    def send(ranks, message):
+        log.append((tuple(ranks) if not isinstance(ranks, int) else (ranks,), message))
+        original(ranks, message)
+
+    controller.send = send
+    try:
+        yield log
+    finally:
+        del controller.send
+
+
+def test_coalescing_sends_one_command_group_per_rank(mesh):
+    with mesh.activate():
+        acc = torch.zeros(3)
+        dm.inspect(acc)
+        with sent_messages(mesh) as log:
+            with dm.coalescing():
+                for _ in range(20):
+                    acc = acc + 1
+        assert [type(msg) for _, msg in log] == [m.CommandGroup, m.CommandGroup]
+        assert sorted(ranks for ranks, _ in log) == [(0,), (1,)]
+        assert len(log[0][1].messages) == 20
+        assert dm.inspect(acc).tolist() == [20.0] * 3
+
+
+def test_no_fetch_inside_coalescing(mesh):
+    with mesh.activate():
+        x = torch.ones(2)
+        with pytest.raises(NotImplementedError, match="NYI: fetching results during a coalescing"):
+            with dm.coalescing():
+                dm.inspect(x + 1)
+        assert dm.inspect(x).tolist() == [1.0, 1.0]
+
+
+def test_compile_traces_once_and_replays_with_one_message(mesh):
+    calls = []
+
+    @dm.compile
+    def step(a, b, scale):
+        calls.append(1)
+        return a * scale + b, (a - b).sum()
+
+    with mesh.activate():
+        a, b = torch.ones(3), torch.full((3,), 2.0)
+        out, total = step(a, b, 3.0)
+        assert out.shape == (3,) and total.shape == ()
+        with sent_messages(mesh) as log:
+            out2, _ = step(out, b, 3.0)
+        assert [type(msg) for _, msg in log] == [m.CallRecording]
+        assert len(calls) == 1  # traced once
+        step(a, b, 4.0)  # another non-tensor argument: traced again
+        step(torch.ones(4), torch.ones(4), 3.0)  # other shapes: traced again
+        assert len(calls) == 3
+        got = dm.inspect((out, total, out2))
+    assert got[0].tolist() == [5.0] * 3 and got[1].item() == -3.0 and got[2].tolist() == [17.0] * 3
+
+
+def test_compiled_function_mutating_a_captured_tensor(mesh):
+    with mesh.activate():
+        counter = torch.zeros(1)
+
+        @dm.compile
+        def tick(x):
+            counter.add_(1)
+            return x + counter
+
+        x = torch.zeros(1)
+        for _ in range(3):
+            x = tick(x)
+        assert dm.inspect(counter).item() == 3.0
+        assert dm.inspect(x).item() == 1.0 + 2.0 + 3.0
+
+
+def test_compile_verify_detects_divergence(mesh):
+    state = {"n": 0}
+
+    @dm.compile(verify=True)
+    def unstable(x):
+        state["n"] += 1
+        return x + 1 if state["n"] == 1 else x * 2
+
+    with mesh.activate():
+        x = torch.ones(2)
+        unstable(x)
+        with pytest.raises(RuntimeError, match="diverges at operation"):
+            unstable(x)
+
+
+def test_compile_rules(mesh):
+    with mesh.activate():
+        x = torch.ones(2)
+
+        @dm.compile
+        def fetches(t):
+            return dm.inspect(t)
+
+        with pytest.raises(NotImplementedError, match="NYI: fetching results"):
+            fetches(x)
+
+        side = dm.Stream("side")
+
+        @dm.compile
+        def leaks_a_borrow(t):
+            seen, _borrow = side.borrow(t)
+            return t + 1
+
+        with pytest.raises(RuntimeError, match="borrows created within a compiled function"):
+            leaks_a_borrow(x)
+
+        y, borrow = side.borrow(torch.ones(2))
+
+        @dm.compile
+        def drops_outside_borrow(t):
+            borrow.drop()
+            return t + 1
+
+        with pytest.raises(ValueError, match="borrowed outside of it"):
+            drops_outside_borrow(x)
+        borrow.drop()
+
+        w = torch.ones(2, requires_grad=True)
+        with pytest.raises(ValueError, match="may not require grad"):
+            dm.compile(lambda t: t * 2)(w)
+
+
+def test_failure_inside_a_compiled_function(mesh):
+    @dm.compile
+    def broken(a, b):
+        return a + b
+
+    with mesh.activate():
+        good = broken(torch.ones(3), torch.ones(3))
+        bad = broken(torch.ones(3), _spoiled(torch.ones(3)))
+        assert dm.inspect(good).tolist() == [2.0] * 3
+        with pytest.raises(dm.RemoteException, match="spoiled input"):
+            dm.inspect(bad)
+
+
+@dm.remote(propagate=lambda x: x.clone())
+def _spoiled(x):
+    raise RuntimeError("spoiled input")
+
+
+def test_training_example_matches_single_process_training(client4):
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+    import train_mlp
+
+    mesh = dm.device_mesh(client4, host=2, gpu=2)
+    try:
+        losses, weights = train_mlp.train_on_mesh(mesh, steps=8, fetch_every=3)
+    finally:
+        mesh.exit()
+    local_losses, local_weights = train_mlp.train_locally(steps=8, fetch_every=3)
+    assert [s for s, _ in losses] == [s for s, _ in local_losses] == [0, 3, 6, 7]
+    for (_, a), (_, b) in zip(losses, local_losses):
+        assert abs(a - b) < 1e-5
+    for a, b in zip(weights, local_weights):
+        assert torch.allclose(a, b, atol=1e-5)

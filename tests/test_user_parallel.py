@@ -1,0 +1,244 @@
+"""Streams, borrows, collectives, moves, process groups, pipes and actors through the user API."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+import dask_monarch as dm
+
+
+@pytest.fixture
+def mesh(client4):
+    mesh = dm.device_mesh(client4, host=2, gpu=2)
+    yield mesh
+    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
+        mesh.exit()
+
+
+def values_on(mesh, t):
+    """``t`` on every rank, in rank order."""
+    return [dm.inspect(t, dict(zip(mesh.dims, mesh.slice_.coordinates(r)))) for r in mesh.ranks]
+
+
+def test_streams_and_mutable_borrow_give_changes_back(mesh):
+    comms = dm.Stream("comms")
+    with mesh.activate():
+        grad = mesh.rank(("host", "gpu")).float() + torch.zeros(3)
+        borrowed, borrow = comms.borrow(grad, mutable=True)
+        assert borrowed.stream is comms and borrowed.shape == grad.shape
+        with comms.activate():
+            borrowed.reduce_(("host", "gpu"), "sum")
+        borrow.drop()
+        got = values_on(mesh, grad)
+    assert all(v.tolist() == [6.0, 6.0, 6.0] for v in got)
+
+
+def test_immutable_borrow_as_a_context_manager(mesh):
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.full((2,), 4.0)
+        seen, borrow = side.borrow(x)
+        with borrow:
+            with side.activate():
+                y = seen * 2
+            z = x + 1  # the lender may still read
+        with side.activate():
+            got_y = dm.inspect(y)
+        got_z = dm.inspect(z)
+        with pytest.raises(TypeError, match="DROPPED"):
+            with side.activate():
+                seen + 1
+    assert got_y.tolist() == [8.0, 8.0] and got_z.tolist() == [5.0, 5.0]
+
+
+def test_failure_on_a_borrowing_stream_poisons_the_lender(mesh):
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.zeros(2)
+        b, borrow = side.borrow(x, mutable=True)
+        with side.activate():
+            _spoil(b)
+        borrow.drop()
+        with pytest.raises(dm.RemoteException, match="spoiled while borrowed"):
+            dm.inspect(x)
+
+
+def _mutate_prop(t):
+    t.add_(1)
+
+
+@dm.remote(propagate=_mutate_prop)
+def _spoil(t):
+    t.add_(1)
+    raise RuntimeError("spoiled while borrowed")
+
+
+def test_borrow_garbage_collected_without_drop_warns(mesh):
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.ones(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, borrow = side.borrow(x)
+            del borrow, _
+            import gc
+
+            gc.collect()
+        assert any("without drop" in str(w.message) for w in caught)
+        assert dm.inspect(x + 1).tolist() == [2.0, 2.0]
+
+
+REDUCTIONS = [("sum", lambda xs: sum(xs)), ("avg", lambda xs: sum(xs) / len(xs)),
+              ("max", lambda xs: torch.stack(xs).max(0).values),
+              ("min", lambda xs: torch.stack(xs).min(0).values),
+              ("product", lambda xs: torch.stack(xs).prod(0))]
+
+
+@pytest.mark.parametrize("name, local", REDUCTIONS)
+def test_reduce_over_one_dim_and_all_dims(mesh, name, local):
+    with mesh.activate():
+        x = torch.arange(2.0) + mesh.rank(("host", "gpu")).float() + 1
+        per_host = x.reduce("gpu", name)
+        everywhere = dm.reduce(x, (), name)
+        got_host = values_on(mesh, per_host)
+        got_all = values_on(mesh, everywhere)
+    xs = [torch.arange(2.0) + r + 1 for r in range(4)]
+    for r in range(4):
+        host = r // 2
+        assert torch.allclose(got_host[r], local(xs[2 * host:2 * host + 2]))
+        assert torch.allclose(got_all[r], local(xs))
+
+
+def test_stack_scatter_out_and_in_place(mesh):
+    with mesh.activate():
+        x = (torch.arange(4.0) + 10 * mesh.rank("gpu").float()).view(2, 2)
+        stacked = x.reduce("gpu", "stack")
+        scattered = x.reduce("gpu", "sum", scatter=True)
+        exchanged = x.reduce("gpu", "stack", scatter=True)
+        out = torch.zeros(2, 2)
+        result = x.reduce("gpu", "max", out=out)
+        assert result is out
+        y = x.clone()
+        assert y.reduce_("gpu", "sum") is y
+        assert stacked.shape == (2, 2, 2) and scattered.shape == (2,)
+        got = [dm.inspect(t, host=0, gpu=1) for t in (stacked, scattered, exchanged, out, y)]
+    a, b = torch.arange(4.0).view(2, 2), (torch.arange(4.0) + 10).view(2, 2)
+    assert torch.equal(got[0], torch.stack([a, b]))
+    assert torch.equal(got[1], (a + b)[1])
+    assert torch.equal(got[2], torch.stack([a[1], b[1]]))
+    assert torch.equal(got[3], torch.maximum(a, b))
+    assert torch.equal(got[4], a + b)
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda x: x.reduce("rack", "sum"), KeyError, "rack"),
+    (lambda x: x.reduce(("gpu", "gpu"), "sum"), ValueError, "repeated"),
+    (lambda x: x.reduce(("host", "gpu"), "stack"), ValueError, "multiple dimensions"),
+    (lambda x: x.reduce(("host", "gpu"), "sum", scatter=True), ValueError, "multiple dim"),
+    (lambda x: x.reduce("gpu", "median"), ValueError, "reduction must be one of"),
+    (lambda x: x.reduce("gpu", "sum", scatter=True), TypeError, "When scattering"),
+    (lambda x: x.reduce("gpu", "sum", out=torch.zeros(5)), ValueError,
+     r"Reduce expects the shape to be torch.Size\(\[3\]\)"),
+    (lambda x: x.reduce_("gpu", "sum", scatter=True), ValueError, "in-place"),
+    (lambda x: x.reduce("gpu", "sum", mesh=object()), NotImplementedError, "mesh="),
+])
+def test_reduce_validation(mesh, call, error, text):
+    with mesh.activate():
+        x = torch.ones(3)
+        with pytest.raises(error, match=text):
+            call(x)
+
+
+def test_reduce_of_a_failed_value_still_completes_on_every_rank(mesh):
+    with mesh.activate():
+        x = torch.ones(2)
+        bad = _fails_on_rank_one(x, mesh.rank(("host", "gpu")))
+        total = bad.reduce(("host", "gpu"), "sum")
+        fine = x.reduce(("host", "gpu"), "sum")  # the collective after it still runs
+        assert dm.inspect(fine).tolist() == [4.0, 4.0]
+        with pytest.raises(dm.RemoteException, match="rank one refuses"):
+            dm.inspect(total)
+
+
+@dm.remote(propagate=lambda x, r: x.clone())
+def _fails_on_rank_one(x, rank):
+    if int(rank) == 1:
+        raise RuntimeError("rank one refuses")
+    return x.clone()
+
+
+def test_pipeline_stages_with_to_mesh(mesh):
+    stage0, stage1 = mesh.slice(host=0), mesh.slice(host=1)
+    with stage0.activate():
+        activations = torch.arange(3.0) + 1 + stage0.rank("gpu").float() * 10
+    moved = activations.to_mesh(stage1)
+    assert moved.mesh == stage1
+    with stage1.activate():
+        out = moved * 2
+        got = [dm.inspect(out, gpu=g) for g in range(2)]
+    assert got[0].tolist() == [2.0, 4.0, 6.0] and got[1].tolist() == [22.0, 24.0, 26.0]
+
+
+def test_to_mesh_copies_and_broadcasts(mesh):
+    with mesh.activate():
+        t = torch.zeros(2) + mesh.rank(("host", "gpu")).float()
+        copy = t.to_mesh(mesh)
+        t.add_(100)
+        assert values_on(mesh, copy)[3].tolist() == [3.0, 3.0]  # later changes do not leak
+        with pytest.warns(UserWarning, match="broadcast"):
+            spread = dm.to_mesh(t.slice_mesh(host=1), mesh)  # host=1 shards to both hosts
+        got = values_on(mesh, spread)
+    assert [g[0].item() for g in got] == [102.0, 103.0, 102.0, 103.0]
+    with mesh.activate():
+        with pytest.raises(ValueError, match="destination mesh does not have dimensions"):
+            t.to_mesh(mesh.slice(host=0))
+
+
+def test_process_group_in_a_remote_function(mesh):
+    @dm.remote(propagate=lambda x, pg: x.clone())
+    def all_reduce(x, pg):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=pg)
+        return x
+
+    with mesh.activate():
+        pg = mesh.process_group("gpu")
+        x = torch.ones(2) * (mesh.rank(("host", "gpu")).float() + 1)
+        got = values_on(mesh, all_reduce(x, pg))
+    assert [g[0].item() for g in got] == [3.0, 3.0, 7.0, 7.0]
+
+
+def test_loader_pipe_feeds_the_mesh(mesh):
+    with mesh.activate():
+        pipe = dm.create_pipe("remote_fns.loader", 3, max_messages=2)
+        batches = [pipe.recv() for _ in range(3)]
+        got = [dm.inspect(b[0], host=1, gpu=0) for b in batches]
+    assert [g.tolist() for g in got] == [[100.0, 100.0], [101.0, 101.0], [102.0, 102.0]]
+
+
+def test_pipe_with_propagate_and_send(mesh):
+    with mesh.activate():
+        pipe = dm.create_pipe("remote_fns.echo_loader", max_messages=1,
+                              propagate=lambda: (torch.empty(2), 0, 0))
+        pipe.send(torch.ones(2) * 3)
+        doubled, _, _ = pipe.recv()
+        assert dm.inspect(doubled).tolist() == [6.0, 6.0]
+
+
+def test_actor_mesh_calls(mesh):
+    import remote_fns
+
+    with mesh.activate():
+        actors = mesh.spawn("acc", remote_fns.Accumulator, 1.0)
+        x = torch.ones(2) * (mesh.rank(("host", "gpu")).float() + 1)
+        totals = actors.call("add", x, label="first").result(timeout=60)
+        assert [float(t) for t in totals] == [3.0, 5.0, 7.0, 9.0]  # 1 + the rank's sum
+        scaled = actors.call_tensor("scale_", x, 10.0, propagate=lambda t, f: t.clone())
+        assert dm.inspect(scaled, host=1, gpu=1).tolist() == [40.0, 40.0]
+        assert actors.call("history").result(timeout=60)[0] == ["first"]
