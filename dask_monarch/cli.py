@@ -154,9 +154,14 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
             if time.monotonic() > deadline:
                 raise click.ClickException(f"no scheduler file at {scheduler_file}")
             time.sleep(0.2)
-        client = Client(scheduler_file=scheduler_file, set_as_default=True)
-    else:
-        client = Client(address, set_as_default=True)
+    try:
+        if scheduler_file is not None:
+            client = Client(scheduler_file=scheduler_file, set_as_default=True)
+        else:
+            client = Client(address, set_as_default=True)
+    except OSError as e:
+        where = address or f"the address in {scheduler_file}"
+        raise click.ClickException(f"cannot reach the scheduler at {where}: {e}") from None
     if ranks:
         try:
             client.wait_for_workers(ranks, timeout=timeout)
@@ -223,10 +228,10 @@ def run_script(script: str, args: tuple[str, ...] | list[str], *, as_module: boo
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
         if as_module:
+            sys.path.insert(0, os.getcwd())  # as python -m does, before looking it up
             code = _module_code(script)
             path = code.co_filename
             sys.argv = [path, *args]
-            sys.path.insert(0, os.getcwd())
         else:
             path = os.path.abspath(script)
             with open(path, "rb") as f:
@@ -251,7 +256,7 @@ def _module_code(name: str):
 
     spec = importlib.util.find_spec(name)
     if spec is None or spec.loader is None:
-        raise click.UsageError(f"no module named {name}")
+        raise ModuleNotFoundError(f"No module named {name}", name=name)
     if spec.submodule_search_locations is not None:  # a package: run its __main__
         return _module_code(f"{name}.__main__")
     return spec.loader.get_code(name)

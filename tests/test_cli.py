@@ -167,3 +167,15 @@ def test_usage_errors(tmp_path):
     done = run_cli(["run", "--scheduler-address", "tcp://x:1", "--scheduler-file", "f",
                     "x.py"], tmp_path)
     assert done.returncode == 2 and "not both" in done.stderr
+
+
+def test_run_a_module_with_m(tmp_path, address):
+    (tmp_path / "job_module.py").write_text(textwrap.dedent("""\
+        import sys
+        import distributed
+        print("module", __name__, sys.argv[1:], len(distributed.default_client().ncores()))
+    """))
+    done = run_cli(["run", "--scheduler-address", address, "-q", "-m", "job_module", "x"],
+                   tmp_path)
+    assert done.returncode == 0, explain(done)
+    assert "module __main__ ['x'] 2" in done.stdout
