@@ -113,6 +113,7 @@ class Controller:
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
+        self._min_age = config.seconds("flush.min-age")
         self._max_age = config.seconds("flush.max-age")
         self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
                                          name=f"dask_monarch-flush-{self.token}")
@@ -141,7 +142,8 @@ class Controller:
         return sorted(info, key=order)[:world_size]
 
     def _claim(self, device: str) -> None:
-        settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective")}
+        settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
+                    "backend": config.get("backend", "auto")}
         ranks = {address: rank for rank, address in enumerate(self.workers)}
         replies = self._client.run(claim_rank, self.token, ranks, self.world_size, settings,
                                    workers=self.workers)
@@ -194,8 +196,9 @@ class Controller:
             if len(buffer) == 1:
                 self._first_send = now
                 self._wake.set()
-            full = len(buffer) >= self._flush_size or now - self._first_send >= self._max_age
-        if full:
+            full = len(buffer) >= self._flush_size
+            age = now - self._first_send
+        if full or (age >= self._min_age and (age >= self._max_age or self._ranks_idle())):
             self.flush()
 
     def _ranks(self, ranks: Ranks) -> tuple[int, ...]:
@@ -283,6 +286,16 @@ class Controller:
         with self._progress:
             messages, self._inbox = self._inbox, []
         return sorted(messages, key=lambda msg: msg.seq)
+
+    def _ranks_idle(self) -> bool:
+        """Every segment sent so far has run: a flush now keeps the ranks busy.
+
+        While they are busy, more messages join the next flush instead (up to
+        ``flush.max-age`` and ``flush.size``): fewer, larger segments cost Dask
+        far less per message than many small ones.
+        """
+        with self._progress:
+            return self._caught_up()
 
     def _caught_up(self) -> bool:
         done = self._done

@@ -25,9 +25,11 @@ from .exceptions import DeviceException, RemoteException
 from .history import History
 from .propagation import Propagator
 from .stream import DEFAULT, Borrow, Stream, get_active_stream
+from .tensor import Tensor, argument, check_mutable, check_usable
 
 _tuple_new = tuple.__new__
 STATUS_EVERY = 10_000  # ask for progress at least this often, so the history can be pruned
+DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and exit)
 
 
 class MeshFuture(concurrent.futures.Future):
@@ -134,7 +136,7 @@ class MeshClient:
         if self.capture is not None:
             self.capture.add(ranks, message)
             return
-        if self._pending_deletes:
+        if len(self._pending_deletes) >= DELETE_BATCH:
             self._flush_deletes()
         self.controller.send(ranks, message)
         if self._seq - self._status_requested_at > STATUS_EVERY:
@@ -169,7 +171,9 @@ class MeshClient:
         return failure
 
     def request_status(self) -> None:
-        """Ask every rank to report progress up to the last seq issued."""
+        """Ask every rank to report progress up to the last seq issued (deletes go first)."""
+        if self._pending_deletes and self.capture is None:
+            self._flush_deletes()
         self._status_requested_at = self._seq
         self.controller.send(self.world, m.RequestStatus(max(self._seq - 1, 0)))
 
@@ -245,7 +249,6 @@ class MeshClient:
     def call_op(self, func, info, plan, mesh, stream, args, kwargs, ref_args, ref_kwargs,
                 handles):
         """Send one op as a CallFunction and return handles for its outputs."""
-        from .tensor import Tensor, argument
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
@@ -303,7 +306,6 @@ class MeshClient:
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         from .remote_function import _Spec
-        from .tensor import Tensor
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
@@ -336,7 +338,6 @@ class MeshClient:
     def reduce(self, t, mesh, stream, dims: tuple[str, ...], reduction, scatter: bool,
                in_place: bool, out, shape: tuple[int, ...]):
         """Send a Reduce; returns the handle of its result."""
-        from .tensor import Tensor
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
@@ -367,7 +368,6 @@ class MeshClient:
 
     def send_tensor(self, t, source, dest, stream, pairs):
         """SendTensor ``t`` from mesh ``source`` to ``dest``: one message per destination slice."""
-        from .tensor import Tensor
 
         with self.lock:
             src_ref = self.stream_ref(t._stream)
@@ -405,8 +405,6 @@ class MeshClient:
         """Replay a recording: one CallRecording to its ranks; returns its outputs."""
         from torch.utils._pytree import tree_unflatten
 
-        from .tensor import Tensor, check_usable
-
         with self.lock:
             if self.capture is not None:
                 raise RuntimeError("a compiled function cannot be called while messages are "
@@ -443,7 +441,6 @@ class MeshClient:
             m.PipeRecv(seq, results, pipe.ref, stream_ref)))
 
     def pipe_send(self, pipe, mesh, stream, value) -> None:
-        from .tensor import Tensor
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
@@ -496,7 +493,6 @@ class MeshClient:
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         from .remote_function import _Spec
-        from .tensor import Tensor
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
@@ -532,7 +528,6 @@ class MeshClient:
         """Send ``value`` (or ``function(*args)``) from global ``rank`` back to the client."""
         if self.capture is not None:
             raise NotImplementedError("NYI: fetching results during a coalescing block")
-        from .tensor import Tensor, check_usable
 
         with self.lock:
             stream_ref = self.stream_ref()
@@ -616,7 +611,6 @@ class MeshClient:
     # -- borrows ------------------------------------------------------------------------------
 
     def borrow(self, t, stream: Stream, mutable: bool):
-        from .tensor import Tensor, check_usable
 
         with self.lock:
             check_usable(t)
@@ -624,7 +618,7 @@ class MeshClient:
                 raise ValueError(f"{t!r} already belongs to stream {stream.name!r}")
             if t._storage.borrow is not None:
                 raise RuntimeError(f"{t!r} is itself borrowed; borrow the original tensor")
-            if mutable and t._storage.lent:
+            if mutable and t._storage._lent:
                 raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed "
                                    "immutably")
             src, dst = self.stream_ref(t._stream), self.stream_ref(stream)
@@ -657,10 +651,10 @@ class MeshClient:
                 borrow.first_used = True
                 self.send(ranks, m.BorrowFirstUse(borrow.id))
             storage = borrow.borrowed._storage
-            views = [h for h in list(storage.handles) if h is not borrow.borrowed and h._owns_ref]
+            views = [h for h in storage.handles if h is not borrow.borrowed and h._owns_ref]
             if views:
                 self.send(ranks, m.DeleteRefs([h._ref for h in views]))
-            for h in list(storage.handles):
+            for h in storage.handles:
                 h._owns_ref = False
                 h._dropped = h._dropped or f"the borrow {borrow.id} it came from was dropped"
             self.send(ranks, m.BorrowLastUse(borrow.id))
@@ -706,7 +700,6 @@ class MeshClient:
 
 def _mutated_refs(handles) -> list[int]:
     """Every live alias of every mutated storage (all of them are redefined by the op)."""
-    from .tensor import check_mutable
 
     if not handles:
         return []
@@ -721,15 +714,22 @@ def _mutated_refs(handles) -> list[int]:
 def _user_frame():
     """Where the user's code issued the current op (file, line, function), cheaply."""
     f = sys._getframe(2)
+    internal = _internal_code
     while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_INTERNAL) or "/torch/" in name or name.startswith("<frozen")):
-            return (name, f.f_lineno, f.f_code.co_name)
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            name = code.co_filename
+            inside = internal[code] = (name.startswith(_INTERNAL) or "/torch/" in name
+                                       or name.startswith("<frozen"))
+        if not inside:
+            return (code.co_filename, f.f_lineno, code.co_name)
         f = f.f_back
     return None
 
 
 _INTERNAL = __file__.rsplit("/", 1)[0]
+_internal_code: dict = {}  # code object -> is it dask_monarch's or torch's own
 
 
 def _contiguous(shape) -> tuple[int, ...]:

@@ -161,14 +161,18 @@ class Propagator:
         return _plan_of(result, info)
 
 
+def _extent(mkey) -> int:
+    shape, stride, offset = mkey[:3]
+    return offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+
+
 def _fake_like(t, bases: dict) -> torch.Tensor:
     """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
     shape, stride, offset, dtype, device = t._mkey
-    extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
     key = id(t._storage)
     base = bases.get(key)
-    if base is None or base.dtype != dtype or base.numel() < extent:
-        size = max(extent, t._storage.extent)
+    if base is None or base.dtype != dtype or base.numel() < _extent(t._mkey):
+        size = max(_extent(h._mkey) for h in t._storage.handles)
         base = bases[key] = torch.empty(size, dtype=dtype, device=device)
     return base.as_strided(shape, stride, offset)
 

@@ -37,16 +37,31 @@ _tuple_new = tuple.__new__
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
 
-    __slots__ = ("handles", "extent", "_lent_mutably", "lent", "borrow", "__weakref__")
+    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "__weakref__")
 
     def __init__(self):
-        self.handles: weakref.WeakSet = weakref.WeakSet()
-        self.extent = 0
+        self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
         self._lent_mutably = None  # weakref to the Borrow that took this storage away
         # immutable borrows out of this storage; weak, so that a borrow nobody holds is
         # collected (and drops itself, with a warning)
-        self.lent: weakref.WeakSet = weakref.WeakSet()
+        self._lent: weakref.WeakSet | None = None
         self.borrow = None  # the Borrow this storage was lent through (borrower side)
+
+    def add(self, handle) -> None:
+        self._handles.append(weakref.ref(handle))
+
+    @property
+    def handles(self) -> list:
+        alive = [h for h in (r() for r in self._handles) if h is not None]
+        if len(alive) != len(self._handles):
+            self._handles = [weakref.ref(h) for h in alive]
+        return alive
+
+    @property
+    def lent(self) -> weakref.WeakSet:
+        if self._lent is None:
+            self._lent = weakref.WeakSet()
+        return self._lent
 
     @property
     def lent_mutably(self):
@@ -57,7 +72,7 @@ class StorageInfo:
         self._lent_mutably = weakref.ref(borrow) if borrow is not None else None
 
     def refs(self) -> list[int]:
-        return [h._ref.id for h in list(self.handles) if h._ref is not None and h._owns_ref]
+        return [h._ref.id for h in self.handles if h._owns_ref]
 
 
 class Tensor(torch.Tensor):
@@ -84,10 +99,7 @@ class Tensor(torch.Tensor):
         if storage is None:
             storage = StorageInfo()
         t._storage = storage
-        storage.handles.add(t)
-        extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
-        if extent > storage.extent:
-            storage.extent = extent
+        storage.add(t)
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -215,7 +227,7 @@ def check_usable(t: Tensor) -> None:
 
 def check_mutable(t: Tensor) -> None:
     """A tensor lent immutably, or borrowed immutably, may not change."""
-    if t._storage.lent:
+    if t._storage._lent:
         raise misuse(f"MUTATING_BORROW: {t!r} is borrowed immutably by another stream and "
                      "cannot be changed until the borrow is dropped")
     borrow = t._storage.borrow
@@ -234,6 +246,10 @@ def active_mesh() -> DeviceMesh | None:
 
 class _MeshMode(TorchDispatchMode):
     """Under ``mesh.activate()``: factories run on the mesh, local tensors are refused."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch.compile inside: skip the wrapper that costs ~10 us per op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
