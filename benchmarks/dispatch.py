@@ -1,11 +1,16 @@
-"""Dispatch rate: tiny messages through the raw controller, next to bare Dask tasks.
+"""Dispatch rate: tiny messages through the raw controller and ops through the user API.
 
-    python benchmarks/dispatch.py [--n 20000] [--repeat 5]
+    python benchmarks/dispatch.py [--n 20000] [--ops 10000] [--repeat 5]
 
-Prints, for N tiny ``CallFunction`` messages sent to 2 ranks and one ``sync``,
-the messages per second and microseconds per message (a message counts once
-however many ranks receive it; per-rank deliveries are printed too), next to
-the rate of N tiny plain Dask tasks on the same cluster in the same run.
+1. Raw controller: N tiny ``CallFunction`` messages sent to 2 ranks, then one
+   ``sync``: messages per second and microseconds per message (a message
+   counts once however many ranks receive it; per-rank deliveries are printed
+   too), next to N tiny plain Dask tasks on the same cluster.
+2. User API, Monarch's dispatch benchmark shape: ``acc = ones + acc`` on
+   100x100 tensors, ``ops`` times, then one fetch: locally, on a 2-rank mesh,
+   under ``coalescing()``, and under ``compile`` (a compiled block of 100 adds
+   called ``ops / 100`` times). Prints microseconds per op over the local run.
+
 Medians over the repeats.
 """
 
@@ -51,10 +56,63 @@ def bare_dask(client, n: int) -> float:
     return elapsed
 
 
+BLOCK = 100  # adds per compiled call
+
+
+def chained_adds(n: int, mesh=None, mode: str = "plain") -> float:
+    """Seconds for ``acc = ones + acc`` n times on 100x100, then one fetch of a value."""
+    if mesh is None:
+        ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
+        start = time.perf_counter()
+        for _ in range(n):
+            acc = ones + acc
+        float(acc[0, 0])
+        return time.perf_counter() - start
+    with mesh.activate():
+        ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
+        dm.inspect(acc[0, 0])
+        if mode == "compile":
+            @dm.compile
+            def block(acc, ones):
+                for _ in range(BLOCK):
+                    acc = ones + acc
+                return acc
+
+            acc = block(acc, ones)  # trace and define outside the timing
+            dm.inspect(acc[0, 0])
+            start = time.perf_counter()
+            for _ in range(n // BLOCK):
+                acc = block(acc, ones)
+        elif mode == "coalescing":
+            start = time.perf_counter()
+            with dm.coalescing():
+                for _ in range(n):
+                    acc = ones + acc
+        else:
+            start = time.perf_counter()
+            for _ in range(n):
+                acc = ones + acc
+        dm.inspect(acc[0, 0])
+        return time.perf_counter() - start
+
+
+def user_api(client, ops: int, repeat: int) -> list[tuple[str, float]]:
+    local = statistics.median(chained_adds(ops) for _ in range(repeat))
+    rows = [("local torch", local / ops)]
+    for mode in ("plain", "coalescing", "compile"):
+        mesh = dm.device_mesh(client, gpu=2)
+        chained_adds(min(ops, 1000), mesh, mode)  # warm up: caches, lanes, traces
+        times = [chained_adds(ops, mesh, mode) for _ in range(repeat)]
+        mesh.exit()
+        rows.append((f"mesh, {mode}", (statistics.median(times) - local) / ops))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20000, help="messages per run")
     parser.add_argument("--dask-n", type=int, default=2000, help="plain Dask tasks per run")
+    parser.add_argument("--ops", type=int, default=10000, help="user-API ops per run")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
 
@@ -75,6 +133,7 @@ def main() -> None:
         bare_dask(client, 200)
         dask_time = statistics.median(bare_dask(client, args.dask_n) for _ in range(args.repeat))
         ctrl.close()
+        api_rows = user_api(client, args.ops, args.repeat)
 
     print(f"\ndispatch of tiny CallFunction messages to 2 ranks, then sync "
           f"(median of {args.repeat}; torch {torch.__version__})")
@@ -84,6 +143,11 @@ def main() -> None:
         print(f"{'dask_monarch, ' + label:<34}{rate:>12,.0f}{1e6 / rate:>12.1f}{2 * rate:>14,.0f}")
     rate = args.dask_n / dask_time
     print(f"{'bare dask, client.map no-op':<34}{rate:>12,.0f}{1e6 / rate:>12.1f}{rate:>14,.0f}")
+    print(f"\nuser API: acc = ones + acc on 100x100, {args.ops} ops then one fetch, 2 ranks")
+    print(f"{'path':<34}{'us/op':>12}")
+    for label, per_op in api_rows:
+        suffix = "" if label == "local torch" else " over local"
+        print(f"{label:<34}{per_op * 1e6:>12.1f}{suffix}")
 
 
 if __name__ == "__main__":
