@@ -3,36 +3,64 @@
 One Python program drives PyTorch on many ranks as if they were one: torch
 calls on mesh tensors become worker messages, compiled into Dask tasks pinned
 to rank workers.
+
+Names are imported on first use (PEP 562): ``import dask_monarch`` stays
+cheap for the processes that only need part of it (the ``dask`` command line
+loads every ``dask_cli`` entry point, schedulers unpickle task functions), and
+torch is imported with the first name that needs it.
 """
 
-from . import (
-    config,  # noqa: F401  (loads the defaults into dask.config)
-    messages,
-    ndslice,
-)
-from . import random as random
-from .cluster import LocalMeshCluster
-from .coalesce import coalescing
-from .collectives import reduce, reduce_
-from .compiled import compile
-from .controller import Controller
-from .device_mesh import DeviceMesh, RemoteProcessGroup, device_mesh
-from .exceptions import DeviceException, RemoteException
-from .fetch import fetch_shard, inspect
-from .mesh_client import MeshFuture
-from .pipe import Pipe, create_pipe
-from .remote_function import Remote, remote
-from .stream import Borrow, Stream, get_active_stream
-from .tensor import Tensor, no_mesh
-from .transfer import MeshSliceTensor, slice_mesh, to_mesh
-from .worker import MonarchWorkerPlugin
+from importlib import import_module
+from typing import Any
+
+from . import config  # noqa: F401  (loads the defaults into dask.config)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Borrow", "Controller", "DeviceException", "DeviceMesh", "LocalMeshCluster", "MeshFuture",
-    "MeshSliceTensor", "MonarchWorkerPlugin", "Pipe", "Remote", "RemoteException",
-    "RemoteProcessGroup", "Stream", "Tensor", "coalescing", "compile", "create_pipe",
-    "device_mesh", "fetch_shard", "get_active_stream", "inspect", "messages", "ndslice",
-    "no_mesh", "random", "reduce", "reduce_", "remote", "slice_mesh", "to_mesh",
-]
+_NAMES = {
+    "Controller": "controller",
+    "LocalMeshCluster": "cluster",
+    "MonarchWorkerPlugin": "worker",
+    "DeviceException": "exceptions",
+    "RemoteException": "exceptions",
+    "DeviceMesh": "mesh",
+    "RemoteProcessGroup": "mesh",
+    "device_mesh": "mesh",
+    "Tensor": "tensor",
+    "no_mesh": "tensor",
+    "Stream": "stream",
+    "Borrow": "stream",
+    "get_active_stream": "stream",
+    "Remote": "remote_function",
+    "remote": "remote_function",
+    "fetch_shard": "fetch",
+    "inspect": "fetch",
+    "MeshFuture": "mesh_client",
+    "reduce": "collectives",
+    "reduce_": "collectives",
+    "MeshSliceTensor": "transfer",
+    "slice_mesh": "transfer",
+    "to_mesh": "transfer",
+    "coalescing": "coalesce",
+    "compile": "compiled",
+    "Pipe": "pipe",
+    "create_pipe": "pipe",
+}
+_MODULES = ("messages", "ndslice", "random")
+
+__all__ = sorted([*_NAMES, *_MODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(import_module(f".{_NAMES[name]}", __name__), name)
+    elif name in _MODULES:
+        value = import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'dask_monarch' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

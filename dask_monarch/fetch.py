@@ -11,8 +11,9 @@ from typing import Any
 
 from torch.utils._pytree import tree_leaves
 
-from .device_mesh import DeviceMesh
+from .mesh import DeviceMesh
 from .mesh_client import MeshFuture
+from .stream import get_active_stream
 from .tensor import Tensor, active_mesh
 
 
@@ -41,9 +42,13 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     mesh = handles[0]._mesh if handles else active_mesh()
     if mesh is None:
         raise ValueError("fetch_shard needs mesh tensors (or an active mesh)")
+    stream = get_active_stream()
     for h in handles:
         if h._mesh != mesh:
             raise TypeError(f"WRONG_MESH: {h!r} is not on {mesh!r}")
+        if h._stream is not stream:  # the fetch runs on the active stream (as in Monarch)
+            raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
+                            f"stream {stream.name!r} is active; fetch it under that stream")
     rank = shard_rank(mesh, shard if shard is not None else coords)
     return mesh._client.fetch(mesh, rank, obj)
 

@@ -216,7 +216,7 @@ class MeshClient:
             self.send_setup(self.world, m.BackendNetworkPointToPointInit(src, dst))
 
     def process_group(self, mesh, dims: tuple[str, ...]):
-        from .device_mesh import RemoteProcessGroup
+        from .mesh import RemoteProcessGroup
 
         with self.lock:
             ref = self.new_ref()

@@ -29,7 +29,7 @@ from torch.utils._pytree import (
 )
 
 from . import messages as m
-from .device_mesh import DeviceMesh, RemoteProcessGroup
+from .mesh import DeviceMesh, RemoteProcessGroup
 from .stream import get_active_stream
 from .tensor import Tensor, active_mesh, check_usable
 
@@ -125,6 +125,11 @@ class Remote:
         leaves, _ = tree_flatten((args, kwargs))
         handles = [x for x in leaves if isinstance(x, Tensor)]
         mesh = self._mesh_of(handles)
+        stream = get_active_stream()
+        for h in handles:
+            if h._stream is not stream:
+                raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, "
+                                f"but stream {stream.name!r} is active")
         rank = shard_rank(mesh, shard or {})
         return mesh._client.fetch(mesh, rank, None, function=self._function,
                                   args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()

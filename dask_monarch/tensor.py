@@ -29,7 +29,7 @@ from .propagation import op_info
 from .stream import get_active_stream
 
 if TYPE_CHECKING:
-    from .device_mesh import DeviceMesh
+    from .mesh import DeviceMesh
 
 _tuple_new = tuple.__new__
 

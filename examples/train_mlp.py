@@ -33,12 +33,12 @@ def batch(seed, step: int, batch_size: int, features: int):
     """The full batch of a step: the same on every rank and locally (seeded by the step)."""
     seed(1000 + step)
     x = torch.randn(batch_size, features)
-    y = x.sum(dim=1, keepdim=True).sin()
+    y = (x @ torch.linspace(-1, 1, features)).tanh().unsqueeze(1)  # a target the MLP can learn
     return x, y
 
 
-def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 20, batch_size: int = 64,
-                  features: int = 16, hidden: int = 32, lr: float = 0.1, fetch_every: int = 5):
+def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 30, batch_size: int = 64,
+                  features: int = 16, hidden: int = 32, lr: float = 0.2, fetch_every: int = 5):
     """Train data-parallel on ``mesh``; returns (step, mean loss) pairs and the final weights."""
     n = mesh.size(DIMS)
     comms = dm.Stream("comms")
@@ -68,8 +68,8 @@ def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 20, batch_size: int = 64,
     return losses, weights
 
 
-def train_locally(steps: int = 20, batch_size: int = 64, features: int = 16, hidden: int = 32,
-                  lr: float = 0.1, fetch_every: int = 5):
+def train_locally(steps: int = 30, batch_size: int = 64, features: int = 16, hidden: int = 32,
+                  lr: float = 0.2, fetch_every: int = 5):
     """The same training in this process, on the full batch."""
     model = make_model(torch.manual_seed, features, hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -87,7 +87,7 @@ def train_locally(steps: int = 20, batch_size: int = 64, features: int = 16, hid
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     import distributed
 

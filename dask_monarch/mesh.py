@@ -191,7 +191,7 @@ class DeviceMesh:
             if d not in self._names:
                 raise KeyError(f"{d!r} is not a dimension of {self!r}")
         with self.activate():
-            return remote("dask_monarch.device_mesh._coordinate",
+            return remote("dask_monarch.mesh._coordinate",
                           propagate=_coordinate_propagate)(self, names)
 
     def process_group(self, dims: str | Sequence[str]) -> RemoteProcessGroup:
