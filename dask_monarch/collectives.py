@@ -16,8 +16,7 @@ from typing import Any
 from torch.utils._pytree import tree_map
 
 from .messages import ReduceOp
-from .stream import get_active_stream
-from .tensor import Tensor, check_usable
+from .tensor import Tensor, check_usable, placement
 
 REDUCTIONS: dict[str, ReduceOp | str] = {
     "sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
@@ -64,16 +63,10 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
         result_shape = shape if scatter else (n, *shape)
     else:
         result_shape = shape[1:] if scatter else shape
-    if out is not None:
-        check_usable(out)
-        if tuple(out.shape) != result_shape:
-            raise ValueError(f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
-                             f"got {list(out.shape)}")
-    stream = get_active_stream()
-    for x in (t, out):
-        if x is not None and x._stream is not stream:
-            raise TypeError(f"WRONG_STREAM: {x!r} belongs to stream {x._stream.name!r}, but "
-                            f"stream {stream.name!r} is active")
+    _, stream = placement([t] if out is None else [t, out], "reduce", "borrow it first")
+    if out is not None and tuple(out.shape) != result_shape:
+        raise ValueError(f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
+                         f"got {list(out.shape)}")
     handle = own._client.reduce(t, own, stream, tuple(sorted(names)), op, scatter, in_place,
                                 out, result_shape)
     if in_place:

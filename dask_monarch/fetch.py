@@ -13,8 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from .mesh import DeviceMesh
 from .mesh_client import MeshFuture
-from .stream import get_active_stream
-from .tensor import Tensor, active_mesh
+from .tensor import Tensor, placement
 
 
 def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
@@ -39,16 +38,8 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     if shard is not None and coords:
         raise TypeError("give the shard as a dict or as keywords, not both")
     handles = [x for x in tree_leaves(obj) if isinstance(x, Tensor)]
-    mesh = handles[0]._mesh if handles else active_mesh()
-    if mesh is None:
-        raise ValueError("fetch_shard needs mesh tensors (or an active mesh)")
-    stream = get_active_stream()
-    for h in handles:
-        if h._mesh != mesh:
-            raise TypeError(f"WRONG_MESH: {h!r} is not on {mesh!r}")
-        if h._stream is not stream:  # the fetch runs on the active stream (as in Monarch)
-            raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
-                            f"stream {stream.name!r} is active; fetch it under that stream")
+    # the fetch runs on the active stream, as in Monarch
+    mesh, _ = placement(handles, "fetch_shard", "fetch it under that stream")
     rank = shard_rank(mesh, shard if shard is not None else coords)
     return mesh._client.fetch(mesh, rank, obj)
 

@@ -213,19 +213,11 @@ class RankRouter:
         d.next_index += 1
         if d.next_index == d.total:
             streams: dict[int, None] = {}
-            for command in _flatten(d.commands):
+            for command in m.flatten_groups(d.commands):
                 for ref in _streams_of(command):
                     streams[self.stream(ref, f"recording r{d.ref}")] = None
             self.recordings[d.ref] = tuple(streams)
             self.defining = None
-
-
-def _flatten(commands):
-    for c in commands:
-        if type(c) is m.CommandGroup:
-            yield from _flatten(c.messages)
-        else:
-            yield c
 
 
 def _streams_of(msg) -> list[m.StreamRef]:

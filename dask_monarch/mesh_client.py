@@ -303,37 +303,10 @@ class MeshClient:
 
     def call_remote(self, function, mesh, stream, args, kwargs, handles, groups, spec, mutated):
         """Send a remote function call; ``spec`` is its propagated output (specs for tensors)."""
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        from .remote_function import _Spec
-
-        with self.lock:
-            stream_ref = self.stream_ref(stream)
-            for group in groups:
-                self.ensure_group_split(group, stream_ref)
-            self.first_use(handles)
-            mutates = _mutated_refs(mutated)
-            leaves, treespec = tree_flatten(spec)
-            results, out = [], []
-            for leaf in leaves:
-                if isinstance(leaf, _Spec):
-                    shape, stride, offset, dtype, device, alias = leaf
-                    ref = self.new_ref()
-                    out.append(Tensor(shape, stride, offset, dtype, device, self, mesh, stream,
-                                      ref, alias._storage if alias is not None else None))
-                    results.append(ref)
-                else:
-                    out.append(leaf)
-                    results.append(None)
-            seq = self.new_seq()
-            self.invoke(seq, [h._ref.id for h in handles],
-                        [r.id for r in results if r is not None] + mutates)
-            if self.capture is not None and self.capture.tracing:
-                self.capture.note(handles, [o for o in out if isinstance(o, Tensor)])
-            self.send(mesh._ranks, m.CallFunction(
-                seq, results, [m.Ref(r) for r in mutates], function,
-                m.ArgsKwargs.from_python(args, kwargs), stream_ref, [g.ref for g in groups]))
-        return None if spec is None else tree_unflatten(out, treespec)
+        message = lambda seq, results, mutates, stream_ref: m.CallFunction(  # noqa: E731
+            seq, results, [m.Ref(r) for r in mutates], function,
+            m.ArgsKwargs.from_python(args, kwargs), stream_ref, [g.ref for g in groups])
+        return self._bind_outputs(spec, mesh, stream, handles, message, mutated, groups)
 
     def reduce(self, t, mesh, stream, dims: tuple[str, ...], reduction, scatter: bool,
                in_place: bool, out, shape: tuple[int, ...]):
@@ -437,7 +410,8 @@ class MeshClient:
 
     def pipe_recv(self, pipe, mesh, stream, spec):
         """PipeRecv on every rank of the pipe's mesh; returns the received mesh tensors."""
-        return self._bind_outputs(spec, mesh, stream, [], lambda seq, results, stream_ref: (
+        self.flush_pending()
+        return self._bind_outputs(spec, mesh, stream, [], lambda seq, results, _, stream_ref: (
             m.PipeRecv(seq, results, pipe.ref, stream_ref)))
 
     def pipe_send(self, pipe, mesh, stream, value) -> None:
@@ -459,7 +433,7 @@ class MeshClient:
         stream = get_active_stream()
         local_state = [h._ref for h in handles]
 
-        def message(seq, results, stream_ref):
+        def message(seq, results, _, stream_ref):
             self.controller.call_actor(mesh._ranks, actors.broker, seq, stream_ref, method,
                                        args, kwargs)
             params = m.ActorCallParams(seq, actors.broker, local_state, [], stream_ref)
@@ -482,38 +456,45 @@ class MeshClient:
                     future.set_exception(failure)
                 else:
                     self._futures[seq] = future
-                self.send(mesh._ranks, message(seq, None, stream_ref))
+                self.send(mesh._ranks, message(seq, None, (), stream_ref))
                 self.request_status()
             self.controller.flush()
             return future
+        self.flush_pending()
         return self._bind_outputs(spec, mesh, stream, handles, message)
 
-    def _bind_outputs(self, spec, mesh, stream, handles, make):
-        """Send ``make(seq, results, stream_ref)`` whose results are ``spec``'s tensors."""
+    def _bind_outputs(self, spec, mesh, stream, handles, make, mutated=(), groups=()):
+        """Send ``make(seq, results, mutates, stream_ref)``, a call whose outputs are ``spec``'s
+        tensors (or nothing when ``spec`` is None); returns handles in ``spec``'s shape."""
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         from .remote_function import _Spec
 
         with self.lock:
             stream_ref = self.stream_ref(stream)
+            for group in groups:
+                self.ensure_group_split(group, stream_ref)
             self.first_use(handles)
-            self.flush_pending()
+            mutates = _mutated_refs(mutated)
             leaves, treespec = tree_flatten(spec)
             results, out = [], []
             for leaf in leaves:
                 if isinstance(leaf, _Spec):
-                    shape, stride, offset, dtype, device, _ = leaf
+                    shape, stride, offset, dtype, device, alias = leaf
                     ref = self.new_ref()
                     out.append(Tensor(shape, stride, offset, dtype, device, self, mesh, stream,
-                                      ref))
+                                      ref, alias._storage if alias is not None else None))
                     results.append(ref)
                 else:
                     out.append(leaf)
                     results.append(None)
             seq = self.new_seq()
-            self.invoke(seq, [h._ref.id for h in handles], [r.id for r in results if r])
-            self.send(mesh._ranks, make(seq, results, stream_ref))
-        return tree_unflatten(out, treespec)
+            self.invoke(seq, [h._ref.id for h in handles],
+                        [r.id for r in results if r is not None] + mutates)
+            if self.capture is not None and self.capture.tracing:
+                self.capture.note(handles, [o for o in out if isinstance(o, Tensor)])
+            self.send(mesh._ranks, make(seq, results, mutates, stream_ref))
+        return None if spec is None else tree_unflatten(out, treespec)
 
     def flush_pending(self) -> None:
         """Hand everything captured or buffered so far to the controller (internal steps that

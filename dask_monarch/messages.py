@@ -11,7 +11,7 @@ lives in :mod:`dask_monarch.worker`, routing in :mod:`dask_monarch.graph`.
 import enum
 import pickle
 from collections import namedtuple
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Union
@@ -835,3 +835,11 @@ class RemoteFunctionFailed:
 
 CONTROLLER_MESSAGES: tuple[type, ...] = (Status, FetchResult, RemoteFunctionFailed)
 
+
+def flatten_groups(commands: Iterable) -> Iterator[WorkerMessage]:
+    """The messages of ``commands`` in order, with nested CommandGroups opened."""
+    for c in commands:
+        if type(c) is CommandGroup:
+            yield from flatten_groups(c.messages)
+        else:
+            yield c

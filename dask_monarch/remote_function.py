@@ -30,8 +30,7 @@ from torch.utils._pytree import (
 
 from . import messages as m
 from .mesh import DeviceMesh, RemoteProcessGroup
-from .stream import get_active_stream
-from .tensor import Tensor, active_mesh, check_usable
+from .tensor import Tensor, placement
 
 
 def _resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
@@ -71,26 +70,11 @@ class Remote:
         if callable(fn):
             functools.update_wrapper(self, fn)
 
-    def _mesh_of(self, handles: list[Tensor]) -> DeviceMesh:
-        mesh = handles[0]._mesh if handles else active_mesh()
-        if mesh is None:
-            raise RuntimeError("a remote function needs mesh tensor arguments or an active mesh")
-        for h in handles:
-            check_usable(h)
-            if h._mesh != mesh:
-                raise TypeError(f"WRONG_MESH: {h!r} is not on {mesh!r}")
-        return mesh
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = tree_flatten((args, kwargs))
         handles = [x for x in leaves if isinstance(x, Tensor)]
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-        mesh = self._mesh_of(handles)
-        stream = get_active_stream()
-        for h in handles:
-            if h._stream is not stream:
-                raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, "
-                                f"but stream {stream.name!r} is active")
+        mesh, stream = placement(handles, repr(self), "borrow it first")
         client = mesh._client
         if self._propagate == "inspect":
             spec, mutated = None, []
@@ -124,12 +108,7 @@ class Remote:
 
         leaves, _ = tree_flatten((args, kwargs))
         handles = [x for x in leaves if isinstance(x, Tensor)]
-        mesh = self._mesh_of(handles)
-        stream = get_active_stream()
-        for h in handles:
-            if h._stream is not stream:
-                raise TypeError(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, "
-                                f"but stream {stream.name!r} is active")
+        mesh, _ = placement(handles, repr(self), "borrow it first")
         rank = shard_rank(mesh, shard or {})
         return mesh._client.fetch(mesh, rank, None, function=self._function,
                                   args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()

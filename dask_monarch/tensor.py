@@ -244,6 +244,30 @@ def active_mesh() -> DeviceMesh | None:
     return _active_meshes[-1] if _active_meshes else None
 
 
+def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Any]:
+    """The mesh and stream a use of ``handles`` runs on, after the checks of §1.2.
+
+    Every handle must be usable, on one mesh, and on the active stream; with no
+    handles the active mesh is used. ``hint`` ends the WRONG_STREAM message.
+    """
+    stream = get_active_stream()
+    if not handles:
+        mesh = active_mesh()
+        if mesh is None:
+            raise RuntimeError(f"{what}: no device mesh is active (use mesh.activate())")
+        return mesh, stream
+    mesh = handles[0]._mesh
+    for h in handles:
+        check_usable(h)
+        if h._mesh is not mesh and h._mesh != mesh:
+            raise misuse(f"WRONG_MESH: {h!r} is on {h._mesh!r}, but {what} also uses "
+                         f"tensors on {mesh!r}; move it with .to_mesh()")
+        if h._stream is not stream:
+            raise misuse(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
+                         f"stream {stream.name!r} is active; {hint}")
+    return mesh, stream
+
+
 class _MeshMode(TorchDispatchMode):
     """Under ``mesh.activate()``: factories run on the mesh, local tensors are refused."""
 
@@ -327,21 +351,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     handles: list[Tensor] = []
     ref_args = tuple(_scan(a, handles) for a in args)
     ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
-    stream = get_active_stream()
-    if handles:
-        mesh = handles[0]._mesh
-        for h in handles:
-            check_usable(h)
-            if h._mesh is not mesh and h._mesh != mesh:
-                raise misuse(f"WRONG_MESH: {h!r} is on {h._mesh!r}, but the op also uses "
-                             f"tensors on {mesh!r}; move it with .to_mesh()")
-            if h._stream is not stream:
-                raise misuse(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
-                             f"stream {stream.name!r} is active; borrow it first")
-    else:
-        mesh = active_mesh()
-        if mesh is None:
-            raise RuntimeError(f"{func}: no device mesh is active (use mesh.activate())")
+    mesh, stream = placement(handles, str(func), "borrow it first")
     client = mesh._client
     info = op_info(func)
     plan = client.propagator.plan(func, info, args, kwargs, handles)

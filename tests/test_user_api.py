@@ -173,6 +173,8 @@ def test_client_side_checks(mesh, client2):
             with side.activate():
                 with pytest.raises(TypeError, match="WRONG_STREAM"):
                     x * 2
+                with pytest.raises(TypeError, match="WRONG_STREAM"):
+                    dm.inspect(x)  # a fetch runs on the active stream: refused on the client
             x.drop()
             with pytest.raises(TypeError, match="DROPPED"):
                 x + 1

@@ -50,6 +50,8 @@ from .errors import FatalError, SeqError
 
 _MISSING = object()
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
+# torch 2.13 renamed all_gather_into_tensor (the old name warns with a FutureWarning)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Comms:
@@ -284,7 +286,7 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
             if msg.in_place:
                 raise FatalError("Reduce: an in-place stack is not possible (the shape grows)")
             output = value.new_empty((n, *value.shape))
-            dist.all_gather_into_tensor(output.view(-1), value.contiguous().view(-1), group=pg)
+            _all_gather(output.view(-1), value.contiguous().view(-1), group=pg)
         else:  # all-to-all: chunks along dim 0
             output = value if msg.in_place else out if out is not None else value.clone()
             source = value.clone() if output is value else value.contiguous()

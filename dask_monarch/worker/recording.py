@@ -156,14 +156,6 @@ def define_recording(lane, msg: m.DefineRecording) -> None:
         state.recordings[d.ref] = _build(state, d.ref, d.commands)
 
 
-def _flatten(commands):
-    for c in commands:
-        if type(c) is m.CommandGroup:
-            yield from _flatten(c.messages)
-        else:
-            yield c
-
-
 def _build(state, ref: int, commands: list) -> Recording:
     streams: dict[int, StreamRecording] = {}
     borrows: dict[int, list] = {}  # id -> [from, to, state]
@@ -173,7 +165,7 @@ def _build(state, ref: int, commands: list) -> Recording:
             raise FatalError(f"recording r{ref} uses stream {stream_id}, which does not exist")
         return streams.setdefault(stream_id, StreamRecording())
 
-    for cmd in _flatten(commands):
+    for cmd in m.flatten_groups(commands):
         t = type(cmd)
         if t in _NOT_ALLOWED:
             raise FatalError(f"recording r{ref}: {t.__name__} is not allowed in a recording"
