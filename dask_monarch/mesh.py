@@ -241,6 +241,9 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
+        ranks = self._ranks
+        if ranks != tuple(range(len(ranks))):  # a sub-mesh: say which ranks it holds
+            dims += f", ranks={list(ranks)}" if dims else f"ranks={list(ranks)}"
         return f"DeviceMesh({dims})"
 
     def __eq__(self, other: object) -> bool:
