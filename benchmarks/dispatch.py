@@ -10,6 +10,10 @@
    100x100 tensors, ``ops`` times, then one fetch: locally, on a 2-rank mesh,
    under ``coalescing()``, and under ``compile`` (a compiled block of 100 adds
    called ``ops / 100`` times). Prints microseconds per op over the local run.
+3. Latency: ``dm.inspect`` of a tiny value just computed on the mesh, next to
+   ``client.submit(...).result()`` on the same cluster, with the figures that
+   Monarch 0.7.0 and Ray 2.60 reach on this machine (quoted from
+   ``shared/spec/dask-notes.md`` §11: they are not installed here).
 
 Medians over the repeats.
 """
@@ -108,11 +112,39 @@ def user_api(client, ops: int, repeat: int) -> list[tuple[str, float]]:
     return rows
 
 
+# Quoted, not measured here: median ms per fetch of a tiny value (dask-notes §11).
+PEER_FETCH_MS = {"Monarch 0.7.0": 2.4, "Ray 2.60": 0.89}
+
+
+def latencies(client, n: int) -> list[tuple[str, float]]:
+    """Median seconds: compute-then-fetch of a tiny mesh value, and a plain Dask round trip."""
+    mesh = dm.device_mesh(client, gpu=2)
+    fetches = []
+    with mesh.activate():
+        x = torch.zeros(())
+        dm.inspect(x)
+        for _ in range(n):
+            start = time.perf_counter()
+            x = x + 1
+            dm.inspect(x)
+            fetches.append(time.perf_counter() - start)
+    mesh.exit()
+    client.submit(noop, 0, pure=False).result()
+    submits = []
+    for i in range(n):
+        start = time.perf_counter()
+        client.submit(noop, i, pure=False).result()
+        submits.append(time.perf_counter() - start)
+    return [("dask_monarch: op + dm.inspect", statistics.median(fetches)),
+            ("bare dask: submit().result()", statistics.median(submits))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20000, help="messages per run")
     parser.add_argument("--dask-n", type=int, default=2000, help="plain Dask tasks per run")
     parser.add_argument("--ops", type=int, default=10000, help="user-API ops per run")
+    parser.add_argument("--fetches", type=int, default=200, help="round trips timed")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
 
@@ -134,6 +166,7 @@ def main() -> None:
         dask_time = statistics.median(bare_dask(client, args.dask_n) for _ in range(args.repeat))
         ctrl.close()
         api_rows = user_api(client, args.ops, args.repeat)
+        latency_rows = latencies(client, args.fetches)
 
     print(f"\ndispatch of tiny CallFunction messages to 2 ranks, then sync "
           f"(median of {args.repeat}; torch {torch.__version__})")
@@ -148,6 +181,12 @@ def main() -> None:
     for label, per_op in api_rows:
         suffix = "" if label == "local torch" else " over local"
         print(f"{label:<34}{per_op * 1e6:>12.1f}{suffix}")
+    print(f"\nlatency of one round trip to the ranks (median of {args.fetches})")
+    print(f"{'path':<34}{'ms':>12}")
+    for label, seconds in latency_rows:
+        print(f"{label:<34}{seconds * 1e3:>12.2f}")
+    for peer, ms in PEER_FETCH_MS.items():
+        print(f"{peer + ' fetch (quoted, §11)':<34}{ms:>12.2f}")
 
 
 if __name__ == "__main__":
