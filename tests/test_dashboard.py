@@ -83,6 +83,24 @@ def test_state_json_has_ranks_last_completed_seq_and_rates(ctrl, dashboard):
     assert all(r["rate"] > 0 for r in second["ranks"])
 
 
+def test_worker_metrics_reach_the_scheduler(ctrl, client2):
+    """Per-worker figures ride on heartbeats: the dashboard's Workers table shows them."""
+    create_streams(ctrl, BOTH, S0)
+    for seq in range(10):
+        ctrl.send(BOTH, call(seq, Ref(seq + 1), "torch.ones", 256))
+    assert ctrl.sync() == []
+    address = ctrl.workers[0]
+
+    def metrics() -> dict:
+        return client2.scheduler_info(n_workers=-1)["workers"][address]["metrics"]
+
+    wait_until(lambda: metrics().get("monarch_refs", 0) >= 10, what="a heartbeat with refs")
+    figures = metrics()
+    assert figures["monarch_ranks"] >= 1 and figures["monarch_lanes"] >= 2  # stream + control
+    assert figures["monarch_messages"] >= 10
+    assert figures["monarch_tensor_bytes"] >= 10 * 256 * 4
+
+
 def test_failures_and_fatal_errors_are_reported_with_tracebacks(ctrl, dashboard):
     create_streams(ctrl, BOTH, S0)
     ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))

@@ -11,6 +11,7 @@ no torch import, no rendezvous.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -26,6 +27,10 @@ PLUGIN_NAME = "dask_monarch"
 RESOURCE_PREFIX = "monarch-"
 # Pins tasks to the worker without limiting them: far more than any number of lanes.
 RESOURCE_CAPACITY = 1_000_000
+# Per-worker figures in every heartbeat: the Workers table of the dashboard shows them as
+# columns and ``client.scheduler_info()`` lists them (worker "metrics").
+METRICS = ("monarch_ranks", "monarch_lanes", "monarch_refs", "monarch_messages",
+           "monarch_tensor_bytes")
 MAX_RELEASED = 256  # released controllers remembered per worker (their late tasks drain)
 
 
@@ -52,12 +57,33 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.drain = ThreadPoolExecutor(1, thread_name_prefix="monarch-drain")
         worker.handlers["dask_monarch_reports"] = self.serve_reports
         worker.handlers["dask_monarch_state"] = self.state_snapshot
+        for name in METRICS:
+            worker.metrics[name] = functools.partial(self.metric, name)
 
     async def teardown(self, worker) -> None:
         for state in list(self.ranks.values()):
             state.release()
         for handler in ("dask_monarch_reports", "dask_monarch_state"):
             worker.handlers.pop(handler, None)
+        for name in METRICS:
+            worker.metrics.pop(name, None)
+
+    def metric(self, name: str, worker=None) -> int:
+        """One of :data:`METRICS`, summed over the live ranks (read on heartbeats; no locks)."""
+        ranks = [state for state in list(self.ranks.values()) if not state.released]
+        lanes = [lane for state in ranks for lane in state.all_lanes()]
+        if name == "monarch_ranks":
+            return len(ranks)
+        if name == "monarch_lanes":
+            return len(lanes)
+        if name == "monarch_refs":
+            return sum(len(lane.env) for lane in lanes)
+        if name == "monarch_messages":
+            return sum(lane.steps for lane in lanes)
+        storages: dict[int, int] = {}
+        for lane in lanes:
+            storages.update(lane.storages())
+        return sum(storages.values())  # monarch_tensor_bytes
 
     # -- claiming -----------------------------------------------------------------------------
 
