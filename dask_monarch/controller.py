@@ -142,8 +142,11 @@ class Controller:
         return sorted(info, key=order)[:world_size]
 
     def _claim(self, device: str) -> None:
+        backend = config.get("backend", "auto")
+        if backend not in ("auto", "gloo"):
+            raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
         settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
-                    "backend": config.get("backend", "auto")}
+                    "backend": backend}
         ranks = {address: rank for rank, address in enumerate(self.workers)}
         replies = self._client.run(claim_rank, self.token, ranks, self.world_size, settings,
                                    workers=self.workers)

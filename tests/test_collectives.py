@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import pytest
 import torch
 from conftest import requires_cuda
@@ -265,6 +266,30 @@ def test_process_group_udf(ctrl4):
         assert torch.equal(first, pair[0])
         assert torch.equal(received, pair[1 - gpu])
         assert (group_rank, size) == (gpu, 2)
+
+
+def all_reduce_of_ones(ctrl, device: str) -> torch.Tensor:
+    setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
+    ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 4, device=device))
+    ctrl.send([0, 1], m.Reduce(Ref(2), Ref(1), Factory((4,), torch.float32, torch.strided, device),
+                               MESH, S0, ["gpu"], ReduceOp.SUM, False, False, None))
+    return fetch_all(ctrl, [0, 1], [Ref(2)])[(Ref(2), 1)]
+
+
+def test_backend_setting_is_checked_and_gloo_is_honoured(client2):
+    with dask.config.set({"dask_monarch.backend": "mpi"}):
+        with pytest.raises(ValueError, match="dask_monarch.backend must be 'auto' or 'gloo'"):
+            dm.Controller(client2, world_size=2)
+    with dask.config.set({"dask_monarch.backend": "gloo"}):
+        with dm.Controller(client2, world_size=2) as ctrl:
+            assert torch.equal(all_reduce_of_ones(ctrl, "cpu"), torch.full((4,), 2.0))
+
+
+@requires_cuda
+def test_gloo_backend_reduces_cuda_tensors(client2):
+    with dask.config.set({"dask_monarch.backend": "gloo"}):
+        with dm.Controller(client2, world_size=2, device="cuda") as ctrl:
+            assert torch.equal(all_reduce_of_ones(ctrl, "cuda"), torch.full((4,), 2.0))
 
 
 @requires_cuda

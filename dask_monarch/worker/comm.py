@@ -82,9 +82,11 @@ class Comms:
     def group(self, key: str, ranks: list[int]):
         """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix."""
         state = self.state
-        nccl = state.device is not None and state.settings.get("backend", "auto") != "gloo"
+        cuda = None
+        if state.device is not None:
+            cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
         return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
-                                host=self.host, timeout=self.timeout, cuda=nccl)
+                                host=self.host, timeout=self.timeout, cuda=cuda)
 
     def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""

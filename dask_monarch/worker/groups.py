@@ -40,11 +40,13 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
 
 
 def new_group(store: dist.Store, prefix: str, ranks: list[int], rank: int, *, host: str,
-              timeout: float, cuda: bool) -> dist.ProcessGroup:
+              timeout: float, cuda: str | None) -> dist.ProcessGroup:
     """The group of global ``ranks`` as seen by global ``rank`` (a blocking rendezvous).
 
     ``ranks`` is the group in group-rank order; every member must call this
-    with the same ``prefix`` and ``ranks``.
+    with the same ``prefix`` and ``ranks``. CPU tensors always use gloo; ``cuda``
+    names the backend for CUDA tensors (``"nccl"`` or ``"gloo"``; None on CPU
+    workers).
     """
     group_rank, size = ranks.index(rank), len(ranks)
     prefixed = dist.PrefixStore(prefix, store)
@@ -57,7 +59,9 @@ def new_group(store: dist.Store, prefix: str, ranks: list[int], rank: int, *, ho
     gloo = dist.ProcessGroupGloo(prefixed, group_rank, size, options)
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    if cuda:
+    if cuda == "gloo":
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    elif cuda == "nccl":
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = delta
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), group_rank, size,
