@@ -1,0 +1,30 @@
+"""The embedded cluster's rank workers are set up for torch (see dask_monarch.cluster)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from dask_monarch.cluster import MALLOC_MMAP_THRESHOLD
+
+
+def _worker_facts(dask_worker=None) -> dict:
+    import torch
+
+    return {
+        "name": dask_worker.name,
+        "resources": dict(dask_worker.state.total_resources),
+        "daemon": multiprocessing.current_process().daemon,
+        "torch_threads": torch.get_num_threads(),
+        "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+
+
+def test_rank_workers_are_named_pinned_and_tuned_for_torch(client2):
+    facts = sorted(client2.run(_worker_facts).values(), key=lambda f: f["name"])
+    assert [f["name"] for f in facts] == ["rank0", "rank1"]
+    for i, f in enumerate(facts):
+        assert f"monarch-rank{i}" in f["resources"]
+        assert not f["daemon"]  # pipes and data loaders may start processes
+        assert f["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert f["mmap_threshold"] == MALLOC_MMAP_THRESHOLD  # torch allocations stay on the heap
