@@ -29,7 +29,10 @@ from .tensor import Tensor, argument, check_mutable, check_usable
 
 _tuple_new = tuple.__new__
 STATUS_EVERY = 10_000  # ask for progress at least this often, so the history can be pruned
-DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and exit)
+DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and exit) ...
+# ... or earlier once the dropped handles name this many bytes: 1024 dropped activations of a
+# real model are gigabytes the ranks (GPUs) would keep for nothing.
+DELETE_BYTES = 64 << 20
 
 
 class MeshFuture(concurrent.futures.Future):
@@ -107,6 +110,7 @@ class MeshClient:
         self._network = False
         self._comms: set = set()
         self._pending_deletes: list[tuple[tuple[int, ...], int]] = []
+        self._pending_bytes = 0  # what the pending deletes' handles name (views overcount)
         self.capture: _Capture | None = None
         self._futures: dict[int, MeshFuture] = {}
         self._values: dict[int, dict[int, Any]] = defaultdict(dict)
@@ -136,7 +140,7 @@ class MeshClient:
         if self.capture is not None:
             self.capture.add(ranks, message)
             return
-        if len(self._pending_deletes) >= DELETE_BATCH:
+        if len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES:
             self._flush_deletes()
         self.controller.send(ranks, message)
         if self._seq - self._status_requested_at > STATUS_EVERY:
@@ -146,13 +150,16 @@ class MeshClient:
         """Setup messages (streams, meshes, communicators) are never captured."""
         self.controller.send(ranks, message)
 
-    def drop_ref(self, mesh, ref: m.Ref) -> None:
-        """Forget ``ref`` on ``mesh``'s ranks (batched; safe from ``__del__`` on any thread)."""
+    def drop_ref(self, mesh, ref: m.Ref, nbytes: int = 0) -> None:
+        """Forget ``ref`` (a handle of ``nbytes``) on ``mesh``'s ranks (batched; safe from
+        ``__del__`` on any thread)."""
         if not self.closed:
             self._pending_deletes.append((mesh._ranks, ref.id))
+            self._pending_bytes += nbytes
 
     def _flush_deletes(self) -> None:
         pending, self._pending_deletes = self._pending_deletes, []
+        self._pending_bytes = 0
         by_ranks: dict[tuple, list[m.Ref]] = defaultdict(list)
         for ranks, ref in pending:
             by_ranks[ranks].append(m.Ref(ref))

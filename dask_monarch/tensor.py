@@ -130,7 +130,7 @@ class Tensor(torch.Tensor):
             self._dropped = drop_trace()
             if self._owns_ref:
                 self._owns_ref = False
-                self._client.drop_ref(self._mesh, self._ref)
+                self._client.drop_ref(self._mesh, self._ref, self._nbytes())
 
     @property
     def dropped(self) -> bool:
@@ -172,9 +172,12 @@ class Tensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return repr(self)
 
+    def _nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
     def __del__(self):
         if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._client.drop_ref(self._mesh, self._ref)
+            self._client.drop_ref(self._mesh, self._ref, self._nbytes())
 
 
 _last_error = threading.local()

@@ -219,6 +219,18 @@ def test_unused_handles_free_their_refs(mesh2, client2):
     assert after <= before + 2  # every temporary is gone on both ranks
 
 
+def test_dropped_bytes_send_deletes_before_the_batch_fills(mesh2, monkeypatch):
+    """Garbage is bounded in bytes too: big dropped tensors are deleted without a fetch."""
+    import dask_monarch.mesh_client as mesh_client
+
+    monkeypatch.setattr(mesh_client, "DELETE_BYTES", 3 * 100 * 100 * 4)
+    client = mesh2._client
+    with mesh2.activate():
+        for _ in range(10):  # without the bound, 10 deletes would wait for a fetch
+            torch.ones(100, 100).drop()  # 40 KB each; the next message sends 3 pending
+            assert len(client._pending_deletes) <= 3
+
+
 def test_autograd_runs_backward_on_the_ranks(mesh):
     with mesh.activate():
         dm.random.manual_seed(3)
