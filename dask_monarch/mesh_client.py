@@ -455,14 +455,7 @@ class MeshClient:
                 stream_ref = self.stream_ref(stream)
                 self.first_use(handles)
                 self.flush_pending()
-                seq = self.new_seq()
-                future = MeshFuture(self, seq, ranks=len(mesh._ranks))
-                failure = self.invoke(seq, [h._ref.id for h in handles], [])
-                if failure is not None:
-                    self._observe(failure)
-                    future.set_exception(failure)
-                else:
-                    self._futures[seq] = future
+                seq, future = self._expect_result(handles, len(mesh._ranks))
                 self.send(mesh._ranks, message(seq, None, (), stream_ref))
                 self.request_status()
             self.controller.flush()
@@ -525,18 +518,24 @@ class MeshClient:
             for h in handles:
                 check_usable(h)
             self.first_use(handles)
-            seq = self.new_seq()
-            future = MeshFuture(self, seq)
-            failure = self.invoke(seq, [h._ref.id for h in handles], [])
-            if failure is not None:
-                self._observe(failure)
-                future.set_exception(failure)
-            else:
-                self._futures[seq] = future
+            seq, future = self._expect_result(handles, 1)
             self.send((rank,), m.SendValue(seq, None, [], function, args_kwargs, stream_ref))
             self.request_status()
         self.controller.flush()
         return future
+
+    def _expect_result(self, handles: list, ranks: int) -> tuple[int, MeshFuture]:
+        """A seq whose value ``ranks`` ranks will send back, and the future that gets it
+        (failed at once when ``handles`` depend on a failure already known)."""
+        seq = self.new_seq()
+        future = MeshFuture(self, seq, ranks=ranks)
+        failure = self.invoke(seq, [h._ref.id for h in handles], [])
+        if failure is not None:
+            self._observe(failure)
+            future.set_exception(failure)
+        else:
+            self._futures[seq] = future
+        return seq, future
 
     def _observe(self, failure: BaseException) -> None:
         self._unobserved.pop(id(failure), None)

@@ -5,6 +5,8 @@ Tests that kill workers make their own throw-away cluster.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from distributed import Client
@@ -53,6 +55,25 @@ def ctrl4(client4):
     controller = dm.Controller(client4, world_size=4)
     yield controller
     controller.close()
+
+
+def _user_mesh(client, **dims):
+    mesh = dm.device_mesh(client, **dims)
+    yield mesh
+    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
+        mesh.exit()  # a test may leave a failure unfetched, or break the mesh on purpose
+
+
+@pytest.fixture
+def mesh(client4):
+    """A 2x2 user-API mesh (host, gpu) on the 4-rank cluster, exited after the test."""
+    yield from _user_mesh(client4, host=2, gpu=2)
+
+
+@pytest.fixture
+def mesh2(client2):
+    """A user-API mesh (gpu=2) on the 2-rank cluster, exited after the test."""
+    yield from _user_mesh(client2, gpu=2)
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

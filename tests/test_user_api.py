@@ -11,23 +11,6 @@ from distributed import Client
 
 import dask_monarch as dm
 
-
-@pytest.fixture
-def mesh(client4):
-    mesh = dm.device_mesh(client4, host=2, gpu=2)
-    yield mesh
-    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
-        mesh.exit()
-
-
-@pytest.fixture
-def mesh2(client2):
-    mesh = dm.device_mesh(client2, gpu=2)
-    yield mesh
-    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
-        mesh.exit()
-
-
 # -------------------------------------------------------------------------------- meshes
 
 

@@ -14,11 +14,8 @@ from dask_monarch import messages as m
 
 
 @pytest.fixture
-def mesh(client2):
-    mesh = dm.device_mesh(client2, gpu=2)
-    yield mesh
-    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
-        mesh.exit()
+def mesh(mesh2):
+    return mesh2
 
 
 @contextlib.contextmanager

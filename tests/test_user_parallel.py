@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 
 import dask_monarch as dm
-
-
-@pytest.fixture
-def mesh(client4):
-    mesh = dm.device_mesh(client4, host=2, gpu=2)
-    yield mesh
-    with contextlib.suppress(dm.RemoteException, dm.DeviceException):
-        mesh.exit()
 
 
 def values_on(mesh, t):
