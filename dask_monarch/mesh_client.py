@@ -23,7 +23,7 @@ from . import messages as m
 from .controller import Controller
 from .exceptions import DeviceException, RemoteException
 from .history import History
-from .propagation import Propagator
+from .propagation import Propagator, warm_up
 from .stream import DEFAULT, Borrow, Stream, get_active_stream
 from .tensor import Tensor, argument, check_mutable, check_usable
 
@@ -97,6 +97,7 @@ class MeshClient:
     """Ids, history, futures and setup state shared by every view of one root mesh."""
 
     def __init__(self, client, world_size: int):
+        warm_up()  # before the controller freezes the GC: see propagation.warm_up
         self.controller = Controller(client, world_size)
         self.world = tuple(range(world_size))
         self.lock = threading.RLock()

@@ -116,6 +116,25 @@ class Plan:
     outputs: tuple[Output | None, ...]
 
 
+_warm = False
+
+
+def warm_up() -> None:
+    """Propagate one op on fake tensors, once per process.
+
+    The first fake op imports torch's lazy stack (sympy, dynamo, ...): some
+    800 modules and 120 000 objects. Done before the controller freezes the
+    GC (:func:`dask_monarch.config.freeze_gc`), they are frozen with the rest
+    of the imports; done later, each full collection walks them (110 ms on
+    this machine, one or two per 5 000 ops: up to 40 us per op).
+    """
+    global _warm
+    if not _warm:
+        with _disable_current_modes(), FakeTensorMode():  # an active mesh must not see it
+            torch.empty(1) + 1
+        _warm = True
+
+
 class Propagator:
     """Cached fake-tensor propagation of ops on mesh tensors."""
 
