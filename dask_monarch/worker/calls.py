@@ -75,7 +75,9 @@ def _resolve_path(path: str) -> Callable:
             obj: Any = torch
             for part in rest.split("."):
                 obj = getattr(obj, part)
-            return obj
+            # OpOverload.__call__ only forwards to its C++ callable: calling that directly
+            # saves a Python frame per op (about 1 us of the 8 an add of 100x100 costs)
+            return obj._op if type(obj) is torch._ops.OpOverload else obj
         module_name, name = path.rsplit(".", 1)
         obj = getattr(importlib.import_module(module_name), name)
         return getattr(obj, "_remote_impl", obj)
