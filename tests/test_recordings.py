@@ -67,6 +67,24 @@ def test_recording_with_a_captured_tensor_mutated_in_place(ctrl):
     assert ctrl.get_ref(0, Ref(12), S0) is None  # intermediates are deleted
 
 
+def test_replay_frees_each_intermediate_after_its_last_use(ctrl):
+    """A chain of 50 adds holds one intermediate at a time, as if sent op by op."""
+    create_streams(ctrl, [0], S0)
+    chain = [m.RecordingFormal(Ref(10), 0, S0)]
+    chain += [call(0, Ref(11 + i), "torch.ops.aten.add.Tensor", Ref(10 + i), 1) for i in range(50)]
+    chain += [call(0, Ref(100), "remote_fns.tensors_held", Ref(60)),
+              m.RecordingResult(Ref(100), 0, S0), m.RecordingResult(Ref(60), 1, S0)]
+    define(ctrl, [0], chain, nresults=2, nformals=1)
+    ctrl.send(0, call(0, Ref(1), "torch.zeros", 3))
+    ctrl.send(0, call(1, Ref(2), "remote_fns.tensors_held"))
+    ctrl.send(0, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1)]))
+    assert ctrl.sync() == []
+    held_before = int(ctrl.get_ref(0, Ref(2), S0))  # Ref(1)
+    assert int(ctrl.get_ref(0, Ref(3), S0)) == held_before + 2  # Ref(2), the chain's last value
+    assert torch.equal(ctrl.get_ref(0, Ref(4), S0), torch.full((3,), 50.0))
+    assert all(ctrl.get_ref(0, Ref(r), S0) is None for r in (10, 11, 59, 60, 100))
+
+
 def test_failing_recording_reports_once_and_poisons_capture_and_result(ctrl):
     create_streams(ctrl, BOTH, S0)
     ctrl.send(BOTH, call(0, Ref(1), "torch.tensor", [1.0, 2.0, 3.0]))

@@ -43,10 +43,15 @@ class StreamRecording:
     ``plan`` is ``commands`` with simple calls (flat arguments, one result,
     a function that resolves) compiled into :class:`FastCall` tuples: the
     function resolved and the argument positions of refs worked out once.
+    ``frees[i]`` are the refs defined inside that command ``i`` is the last to
+    name: a replay deletes them right after it, so a recording holds no more
+    intermediates than the same ops sent one by one (a chain of 100 adds holds
+    two tensors, not 100).
     """
 
     commands: list = field(default_factory=list)
     plan: list = field(default_factory=list)
+    frees: list = field(default_factory=list)
     formals: dict[int, int] = field(default_factory=dict)  # formal ref -> argument index
     internal: set[int] = field(default_factory=set)  # refs defined inside: deleted after a call
     mutated: list[int] = field(default_factory=list)  # formal or captured refs changed in place
@@ -159,6 +164,7 @@ def define_recording(lane, msg: m.DefineRecording) -> None:
 def _build(state, ref: int, commands: list) -> Recording:
     streams: dict[int, StreamRecording] = {}
     borrows: dict[int, list] = {}  # id -> [from, to, state]
+    borrowed: set[int] = set()  # borrowers' refs: BorrowLastUse removes them, unnamed
 
     def on(stream_id: int) -> StreamRecording:
         if stream_id not in state.lanes:
@@ -185,6 +191,7 @@ def _build(state, ref: int, commands: list) -> Recording:
                 raise FatalError(f"recording r{ref}: borrow {cmd.borrow} created twice")
             borrows[cmd.borrow] = [cmd.from_stream.id, cmd.to_stream.id, "created"]
             on(cmd.to_stream.id).internal.add(cmd.result.id)
+            borrowed.add(cmd.result.id)
             on(cmd.from_stream.id).commands.append(cmd)
         elif t in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop):
             b = borrows.get(cmd.borrow)
@@ -234,7 +241,44 @@ def _build(state, ref: int, commands: list) -> Recording:
     for s in streams.values():
         s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
         s.plan = [_compile(state, cmd) for cmd in s.commands]
+        s.frees = _last_uses(s.commands, s.internal - borrowed)
     return Recording(ref, streams)
+
+
+class _Opaque(Exception):
+    """A command whose refs cannot be listed (its arguments travel pickled)."""
+
+
+def _last_uses(commands: list, internal: set[int]) -> list[tuple[int, ...]]:
+    """Per command, the ``internal`` refs no later command names (see StreamRecording)."""
+    last: dict[int, int] = {}
+    try:
+        for index, cmd in enumerate(commands):
+            for ref in _named_refs(cmd, set()):
+                if ref in internal:
+                    last[ref] = index
+    except _Opaque:  # keep everything to the end of the call
+        return [()] * len(commands)
+    frees: list[list[int]] = [[] for _ in commands]
+    for ref, index in last.items():
+        frees[index].append(ref)
+    return [tuple(f) for f in frees]
+
+
+def _named_refs(value, out: set[int]) -> set[int]:
+    """Every Ref id inside a message (its fields, argument containers, nested params)."""
+    t = type(value)
+    if t is m.Ref:
+        out.add(int(value))
+    elif t is m.ArgsKwargs and value[2] is not None:
+        raise _Opaque
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _named_refs(v, out)
+    elif t is dict:
+        for v in value.values():
+            _named_refs(v, out)
+    return out
 
 
 @handles(m.RecordingFormal, m.RecordingResult)
@@ -267,12 +311,11 @@ def call_recording(lane, msg: m.CallRecording) -> None:
     lane.recording = replay
     lane.last_seq = msg.seq
     try:
-        for cmd in part.plan:
+        for cmd, frees in zip(part.plan, part.frees):
             t = type(cmd)
-            if t is FastCall:
-                if replay.error is not None:
-                    _skip(lane, cmd[5], replay.error)
-                    continue
+            if t is FastCall and replay.error is not None:
+                _skip(lane, cmd[5], replay.error)
+            elif t is FastCall:
                 fn, template, slots, kwargs, result, message = cmd
                 try:
                     args = template.copy()
@@ -306,9 +349,11 @@ def call_recording(lane, msg: m.CallRecording) -> None:
                 _skip(lane, cmd, replay.error)
             else:
                 handlers[t](lane, cmd)
+            for ref in frees:
+                env.pop(ref, None)
     finally:
         lane.recording = None
-    for ref in part.internal:
+    for ref in part.internal:  # what a fatal error left, and borrowers' refs
         env.pop(ref, None)
     error = replay.error
     if error is not None:
