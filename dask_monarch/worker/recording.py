@@ -6,8 +6,9 @@ inside must be dropped inside, no worker-level messages inside). Each
 ``CallRecording`` is fanned out to the lanes of the recording's streams, and
 each lane replays its commands on objects it already holds: formals alias
 the actual arguments, results are bound at the end, and every ref defined
-inside is deleted afterwards. Replay costs a type dispatch and the handler of
-each command: no unpickling, no graph, no scheduler.
+inside is deleted once the last command naming it has run (at the latest
+when the call ends). Replay costs a type dispatch and the handler of each
+command: no unpickling, no graph, no scheduler.
 
 Errors: the first fresh failure inside a replay is reported once, as
 ``RemoteFunctionFailed`` for the ``CallRecording`` seq with a text starting
@@ -53,7 +54,7 @@ class StreamRecording:
     plan: list = field(default_factory=list)
     frees: list = field(default_factory=list)
     formals: dict[int, int] = field(default_factory=dict)  # formal ref -> argument index
-    internal: set[int] = field(default_factory=set)  # refs defined inside: deleted after a call
+    internal: set[int] = field(default_factory=set)  # refs defined inside (see frees)
     mutated: list[int] = field(default_factory=list)  # formal or captured refs changed in place
     results: list[tuple[int, int]] = field(default_factory=list)  # (output index, inner ref)
 
