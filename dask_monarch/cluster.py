@@ -31,6 +31,7 @@ Every setting that matters for torch ranks is chosen here, not inherited:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -77,7 +78,10 @@ class SchedulerProcess(SubprocessScheduler):
                            f"(exit code {self.process.returncode})")
 
     async def close(self) -> None:
-        """Stop forwarding logs, kill the process, wait for it and close its pipes."""
+        """Stop forwarding logs, kill the process, wait for it and close its pipes.
+
+        A killed scheduler leaves its scheduler file behind: it is removed here.
+        """
         logs = getattr(self, "_logs", None)
         if logs is not None:
             logs.cancel()
@@ -89,6 +93,8 @@ class SchedulerProcess(SubprocessScheduler):
                 process.kill()
                 await process.wait()
             process._transport.close()  # or __del__ closes it after the loop is gone
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.scheduler_kwargs["scheduler_file"])
         await ProcessInterface.close(self)
 
     async def _forward_logs(self) -> None:

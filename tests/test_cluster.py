@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+from distributed import Client
+
 from dask_monarch.cluster import MALLOC_MMAP_THRESHOLD
 
 
@@ -28,3 +30,15 @@ def test_rank_workers_are_named_pinned_and_tuned_for_torch(client2):
         assert not f["daemon"]  # pipes and data loaders may start processes
         assert f["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
         assert f["mmap_threshold"] == MALLOC_MMAP_THRESHOLD  # torch allocations stay on the heap
+
+
+def test_closing_the_cluster_removes_its_scheduler_file():
+    """The scheduler process is killed on close, so the file it wrote is removed for it."""
+    import dask_monarch as dm
+
+    with dm.LocalMeshCluster(n_ranks=1, device="cpu") as cluster, Client(cluster) as client:
+        scheduler_file = cluster.scheduler.scheduler_kwargs["scheduler_file"]
+        assert os.path.exists(scheduler_file)
+        mesh = dm.device_mesh(client, gpu=1)
+        mesh.exit()
+    assert not os.path.exists(scheduler_file)
