@@ -116,6 +116,9 @@ class Compiled:
                 if open_borrows:
                     raise RuntimeError("all borrows created within a compiled function must be "
                                        f"dropped within it ({open_borrows})")
+            except BaseException:
+                _abandon(client, capture)
+                raise
             finally:
                 client.capture = None
             for h in capture.created:
@@ -163,6 +166,16 @@ def _signature(leaves, spec, tensors) -> Any:
             except TypeError:
                 parts.append((type(x), id(x)))
     return (str(spec), tuple(parts))
+
+
+def _abandon(client, capture: _Capture) -> None:
+    """A trace failed: nothing it captured was sent, so its handles and borrows name
+    nothing on the ranks and must not be deleted or dropped there."""
+    for h in capture.created:
+        h._owns_ref = False
+    for borrow in capture.borrows:
+        if not borrow.dropped:
+            client.forget_borrow(borrow, "the compiled function that borrowed it failed")
 
 
 def _refs_used(msg) -> list[int]:

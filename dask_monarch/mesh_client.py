@@ -657,6 +657,23 @@ class MeshClient:
                 origin.lent.discard(borrow)
             borrow.dropped = True
 
+    def forget_borrow(self, borrow: Borrow, why: str) -> None:
+        """Undo a borrow that never reached the ranks (its trace failed), on the client only.
+
+        Dropping it would send the ranks the steps of a borrow they never saw,
+        which breaks the mesh; leaving it would keep its lender lent.
+        """
+        with self.lock:
+            for h in borrow.borrowed._storage.handles:
+                h._owns_ref = False
+                h._dropped = h._dropped or why
+            origin = borrow.origin._storage
+            if borrow.mutable:
+                origin.lent_mutably = None
+            else:
+                origin.lent.discard(borrow)
+            borrow.dropped = True
+
     # -- shutdown -----------------------------------------------------------------------------
 
     def exit(self, timeout: float = 600) -> None:

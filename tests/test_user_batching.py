@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import pathlib
 import sys
+import warnings
 
 import pytest
 import torch
@@ -110,6 +112,27 @@ def test_compile_verify_detects_divergence(mesh):
         unstable(x)
         with pytest.raises(RuntimeError, match="diverges at operation"):
             unstable(x)
+
+
+def test_a_failed_trace_leaves_no_borrow_behind(mesh):
+    """Nothing of a failed trace was sent: its borrow is undone here, never dropped there."""
+    with mesh.activate():
+        x, outside = torch.ones(2), torch.zeros(2)
+        side = dm.Stream("side")
+
+        @dm.compile
+        def borrows_and_fails(t):
+            side.borrow(outside, mutable=True)
+            raise ValueError("the traced function failed")
+
+        with pytest.raises(ValueError, match="the traced function failed"):
+            borrows_and_fails(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gc.collect()  # a dangling borrow would warn, then break the mesh with its drop
+        assert not [w for w in caught if "without drop" in str(w.message)]
+        assert dm.inspect(outside + 1).tolist() == [1.0, 1.0]  # no longer lent
+        assert dm.inspect(x + 1).tolist() == [2.0, 2.0]  # and the mesh is fine
 
 
 def test_compile_rules(mesh):
