@@ -7,6 +7,7 @@ failed on any rank. Tensors come back on the CPU.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from torch.utils._pytree import tree_leaves
@@ -26,7 +27,15 @@ def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
     extra = [d for d in shard if d not in mesh.dims]
     if extra:
         raise KeyError(f"{extra} are not dimensions of {mesh!r}")
-    return mesh.slice_.location([shard[d] for d in mesh.dims])
+    sizes, coords = mesh.sizes, []
+    for d in mesh.dims:
+        c = shard[d]
+        if isinstance(c, bool) or not hasattr(type(c), "__index__"):
+            raise TypeError(f"shard {d}={c!r} is not an integer coordinate")
+        if not 0 <= operator.index(c) < sizes[d]:
+            raise ValueError(f"shard {d}={c!r} is outside {mesh!r}")
+        coords.append(operator.index(c))
+    return mesh.slice_.location(coords)
 
 
 def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> MeshFuture:

@@ -177,8 +177,10 @@ class DeviceMesh:
     @contextlib.contextmanager
     def activate(self) -> Iterator[DeviceMesh]:
         """Run torch code on this mesh: factories create mesh tensors, ops run on the ranks."""
-        from .tensor import activate_mesh
+        from .tensor import activate_mesh, exited
 
+        if self._client.closed:
+            raise exited(self)
         with activate_mesh(self):
             yield self
 

@@ -219,6 +219,8 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 
 def check_usable(t: Tensor) -> None:
     """The client-side checks every use of a handle passes (§1.2)."""
+    if t._client.closed:
+        raise exited(t._mesh)
     if t._dropped is not None:
         raise misuse(f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n"
                      f"{t._dropped}")
@@ -226,6 +228,11 @@ def check_usable(t: Tensor) -> None:
         raise misuse(f"BORROWED: {t!r} is borrowed by stream "
                      f"{t._storage.lent_mutably.borrowed._stream.name!r}; use the borrowed "
                      "tensor until the borrow is dropped")
+
+
+def exited(mesh) -> RuntimeError:
+    return RuntimeError(f"{mesh!r} has exited (mesh.exit()): its tensors are gone and it runs "
+                        "nothing more; create a new mesh with dask_monarch.device_mesh")
 
 
 def check_mutable(t: Tensor) -> None:

@@ -295,6 +295,8 @@ def test_fetch_shard_coordinates_and_validation(mesh):
             dm.fetch_shard(x, {"host": 0})
         with pytest.raises(KeyError):
             dm.fetch_shard(x, {"host": 0, "gpu": 0, "rack": 1})
+        with pytest.raises(ValueError, match=r"shard gpu=2 is outside DeviceMesh\(host=2, gpu=2\)"):
+            dm.fetch_shard(x, host=0, gpu=2)
 
 
 def test_dependent_fetch_raises_with_traceback_and_independent_values_stay(mesh2):
@@ -322,6 +324,17 @@ def test_unfetched_failure_is_raised_by_exit(client2):
         _explode(x)  # nobody fetches anything that depends on it
     with pytest.raises(dm.RemoteException, match="nobody looked"):
         mesh.exit()
+
+
+def test_an_exited_mesh_says_so(client2):
+    mesh = dm.device_mesh(client2, gpu=2)
+    with mesh.activate():
+        x = torch.ones(2)
+    mesh.exit()
+    for use in (lambda: x + 1, lambda: dm.inspect(x), lambda: mesh.activate().__enter__()):
+        with pytest.raises(RuntimeError, match=r"DeviceMesh\(gpu=2\) has exited"):
+            use()
+    mesh.exit()  # a second exit does nothing
 
 
 @dm.remote(propagate=lambda x: x.clone())
