@@ -92,26 +92,21 @@ class Pipe:
         self.key = msg.key
         self.ended: str | None = None
         self.held: list = []  # a value read ahead by peek(), handed to the next recv
-        if multiprocessing.current_process().daemon:
+        in_thread = multiprocessing.current_process().daemon
+        if in_thread:
             logger.warning("pipe %r runs its producer in a thread: this Dask worker is "
                            "daemonic and may not start processes "
                            "(distributed.worker.daemon: false allows it)", msg.key)
-            self.out_queue = queue.Queue(msg.max_messages)
-            self.in_queue = queue.Queue()
-            self.process = None
-            self.thread = threading.Thread(
-                target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
-                args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
-            self.thread.start()
+            make_queue, producer_type = queue.Queue, threading.Thread
         else:
             ctx = tmp.get_context("spawn")
-            self.out_queue = ctx.Queue(msg.max_messages)
-            self.in_queue = ctx.Queue()
-            self.thread = None
-            self.process = ctx.Process(
-                target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
-                args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
-            self.process.start()
+            make_queue, producer_type = ctx.Queue, ctx.Process
+        self.out_queue, self.in_queue = make_queue(msg.max_messages), make_queue()
+        producer = producer_type(
+            target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
+            args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
+        producer.start()
+        self.process = None if in_thread else producer  # a thread cannot be terminated
 
     def recv(self, lane) -> Any:
         """The next value (blocks the lane); raises PipeFailed when the producer cannot give one."""
