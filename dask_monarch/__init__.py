@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 _NAMES = {
     "Controller": "controller",
-    "LocalMeshCluster": "cluster",
+    "LocalMeshCluster": "deployment.cluster",
     "MonarchWorkerPlugin": "worker",
     "DeviceException": "exceptions",
     "RemoteException": "exceptions",

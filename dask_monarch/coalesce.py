@@ -6,7 +6,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
 
-from . import messages as m
+from .protocol import messages as m
 from .tensor import active_mesh
 
 

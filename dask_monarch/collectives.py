@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.utils._pytree import tree_map
 
-from .messages import ReduceOp
+from .protocol.messages import ReduceOp
 from .tensor import Tensor, check_usable, placement
 
 REDUCTIONS: dict[str, ReduceOp | str] = {

@@ -18,8 +18,8 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import messages as m
 from .mesh_client import _Capture
+from .protocol import messages as m
 from .tensor import Tensor, active_mesh, check_usable
 
 CHUNK = 1000  # commands per DefineRecording message

@@ -17,8 +17,8 @@ from typing import Any
 
 import distributed
 
-from . import messages as m
-from .ndslice import Slice
+from .protocol import messages as m
+from .protocol.ndslice import Slice
 
 
 class DeviceMesh:

@@ -19,11 +19,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from . import messages as m
-from .controller import Controller
+from .controller.controller import Controller
+from .controller.history import History
 from .exceptions import DeviceException, RemoteException
-from .history import History
 from .propagation import Propagator, warm_up
+from .protocol import messages as m
 from .stream import DEFAULT, Borrow, Stream, get_active_stream
 from .tensor import Tensor, argument, check_mutable, check_usable
 

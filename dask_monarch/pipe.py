@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
-from . import messages as m
+from .protocol import messages as m
 from .remote_function import _propagate_locally, _resolvable, _Spec
 from .stream import get_active_stream
 from .tensor import Tensor, active_mesh

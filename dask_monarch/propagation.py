@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import messages as m
+from .protocol import messages as m
 
 _SCALARS = frozenset({int, float, bool, str, type(None), complex, torch.dtype, torch.device,
                       torch.layout, torch.memory_format})

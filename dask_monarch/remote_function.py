@@ -28,8 +28,8 @@ from torch.utils._pytree import (
     treespec_loads,
 )
 
-from . import messages as m
 from .mesh import DeviceMesh, RemoteProcessGroup
+from .protocol import messages as m
 from .tensor import Tensor, placement
 
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import messages as m
+from .protocol import messages as m
 
 if TYPE_CHECKING:
     from .tensor import Tensor

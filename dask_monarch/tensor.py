@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import messages as m
 from .propagation import op_info
+from .protocol import messages as m
 from .stream import get_active_stream
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import Any
 from torch.utils._pytree import tree_map
 
 from .mesh import DeviceMesh
-from .ndslice import Slice
+from .protocol.ndslice import Slice
 from .stream import Stream, get_active_stream
 from .tensor import Tensor, check_usable
 

@@ -1,13 +1,12 @@
-"""The embedded cluster's rank workers are set up for torch (see dask_monarch.cluster)."""
+"""The embedded cluster's rank workers are set up for torch (see dask_monarch.deployment.cluster)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 
+from dask_monarch.deployment.cluster import MALLOC_MMAP_THRESHOLD
 from distributed import Client
-
-from dask_monarch.cluster import MALLOC_MMAP_THRESHOLD
 
 
 def _worker_facts(dask_worker=None) -> dict:

@@ -1,6 +1,6 @@
 """The dependency history (monarch-semantics §4.2), as pure bookkeeping."""
 
-from dask_monarch.history import History
+from dask_monarch.controller.history import History
 
 
 def test_failure_poisons_transitive_users_only():

@@ -24,8 +24,8 @@ from typing import Any
 import cloudpickle
 from torch.utils._pytree import tree_map
 
-from ..messages import ActorCallParams, CallActorMethod, Ref, SendResultOfActorCall
-from ..wire import ActorCall, Fetched
+from ..protocol.messages import ActorCallParams, CallActorMethod, Ref, SendResultOfActorCall
+from ..protocol.wire import ActorCall, Fetched
 from . import calls
 from .dispatch import handles
 from .errors import DependentError, FatalError

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
+from ..protocol.messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
 from .dispatch import handles
 from .errors import FatalError, SeqError
 

@@ -17,7 +17,7 @@ import dask.config
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from ..messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
+from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
 from .errors import DependentError, FatalError, RefNotFound, SeqError
 
 TEST_PANIC = "__test_panic"

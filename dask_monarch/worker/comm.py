@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from distributed.comm.addressing import get_address_host
 
-from ..messages import (
+from ..protocol.messages import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
     CreateRemoteProcessGroup,

@@ -6,7 +6,7 @@ in their own modules. Semantics: monarch-semantics §3; error model §4.1.
 
 from __future__ import annotations
 
-from ..messages import (
+from ..protocol.messages import (
     CallFunction,
     CommandGroup,
     CreateDeviceMesh,
@@ -19,7 +19,7 @@ from ..messages import (
     SetRefUnitTestsOnly,
     Status,
 )
-from ..wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
+from ..protocol.wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
 from . import calls
 from .dispatch import handle, handles
 from .errors import DependentError, FatalError, SeqError

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..messages import StreamCreationMode
+from ..protocol.messages import StreamCreationMode
 from .calls import lookup
 from .errors import ReplayRefused, SeqError
 

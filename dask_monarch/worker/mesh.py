@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from ..ndslice import Slice
+from ..protocol.ndslice import Slice
 
 
 @dataclass(frozen=True)

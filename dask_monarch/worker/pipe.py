@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from ..messages import CreatePipe, PipeRecv, Ref
+from ..protocol.messages import CreatePipe, PipeRecv, Ref
 from . import calls
 from .dispatch import handles
 from .errors import FatalError, format_exception

@@ -18,7 +18,7 @@ import torch
 from distributed.protocol.serialize import ToPickle
 
 from .. import config
-from ..wire import CONTROL, Fatal, LaneDone
+from ..protocol.wire import CONTROL, Fatal, LaneDone
 from . import actor, borrow, comm, handlers, pipe, recording  # noqa: F401  (handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception

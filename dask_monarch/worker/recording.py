@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .. import messages as m
+from ..protocol import messages as m
 from .calls import TEST_PANIC, bind_results, poison, resolve_function
 from .dispatch import HANDLERS, handles
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception

@@ -27,10 +27,9 @@ from distributed import Client, wait
 from distributed.comm import connect
 from distributed.comm.core import CommClosedError
 
-from . import config
-from .exceptions import DeviceException, RemoteException
-from .graph import Compiler, InternalStep
-from .messages import (
+from .. import config
+from ..exceptions import DeviceException, RemoteException
+from ..protocol.messages import (
     WORKER_MESSAGES,
     ArgsKwargs,
     FetchResult,
@@ -40,10 +39,10 @@ from .messages import (
     Status,
     StreamRef,
 )
-from .ndslice import Slice
-from .wire import ActorCall, Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
-from .worker.actor import construct_actor
-from .worker.plugin import (
+from ..protocol.ndslice import Slice
+from ..protocol.wire import ActorCall, Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
+from ..worker.actor import construct_actor
+from ..worker.plugin import (
     claim_rank,
     create_lanes,
     describe_worker,
@@ -51,6 +50,7 @@ from .worker.plugin import (
     set_rendezvous,
     start_rendezvous,
 )
+from .compiler import Compiler, InternalStep
 
 logger = logging.getLogger("dask_monarch.controller")
 

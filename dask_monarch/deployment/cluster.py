@@ -45,7 +45,7 @@ from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
-from .worker.plugin import RESOURCE_CAPACITY, RESOURCE_PREFIX, MonarchWorkerPlugin
+from ..worker.plugin import RESOURCE_CAPACITY, RESOURCE_PREFIX, MonarchWorkerPlugin
 
 logger = logging.getLogger("dask_monarch.cluster")
 

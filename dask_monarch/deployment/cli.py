@@ -145,7 +145,7 @@ def _dashboard_note(client) -> str:
 def _connect(address: str | None, scheduler_file: str | None, ranks: int | None):
     from distributed import Client
 
-    from . import config
+    from .. import config
 
     timeout = config.seconds("cli.wait-for-workers") or 60
     if scheduler_file is not None:
@@ -177,7 +177,7 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
 def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None):
     from distributed import Client
 
-    from . import config
+    from .. import config
     from .cluster import LocalMeshCluster, _visible_gpus
 
     if ranks is None and (device == "cpu" or not _visible_gpus()):
@@ -201,7 +201,7 @@ def _close_controllers(drain: bool = True) -> None:
     after Ctrl-C nothing drains and the workers free the state when this
     process's report streams close.
     """
-    from .controller import live_controllers
+    from ..controller.controller import live_controllers
 
     if not drain:  # the cluster closes under the controllers: that is expected, not news
         logging.getLogger("dask_monarch.controller").setLevel(logging.ERROR)
@@ -306,7 +306,7 @@ def _in_chain(exc: BaseException, kind: type) -> BaseException | None:
 
 def report_exception(exc: BaseException, stderr: TextIO) -> int:
     """Print ``exc`` as Python would (minus our own frames), plus what dask_monarch knows."""
-    from .exceptions import DeviceException, RemoteException
+    from ..exceptions import DeviceException, RemoteException
 
     tb = exc.__traceback__
     here = os.path.abspath(__file__)
@@ -344,7 +344,7 @@ class ProgressLine:
 
     def __init__(self, stream: TextIO, interval: float | None = None,
                  delay: float | None = None):
-        from . import config
+        from .. import config
 
         self.stream = stream
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -372,7 +372,7 @@ class ProgressLine:
         return self._measure()[1]
 
     def _measure(self) -> tuple[tuple, str]:
-        from .controller import live_controllers
+        from ..controller.controller import live_controllers
 
         stats = [c.progress() for c in live_controllers()]
         now = time.monotonic()
@@ -426,7 +426,7 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
     import dask.config
     from distributed import Client
 
-    from .worker.plugin import describe_worker
+    from ..worker.plugin import describe_worker
 
     scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
     if not (scheduler_address or scheduler_file):

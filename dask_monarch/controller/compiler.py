@@ -38,9 +38,9 @@ import cloudpickle
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from . import messages as m
-from .wire import CONTROL, ReadRef, StatusProbe
-from .worker.plugin import run_segment
+from ..protocol import messages as m
+from ..protocol.wire import CONTROL, ReadRef, StatusProbe
+from ..worker.plugin import run_segment
 
 
 class ProtocolError(Exception):

@@ -1,0 +1,1 @@
+"""Deployment: the embedded cluster, preloads for `dask scheduler`/`dask worker`, the CLI."""

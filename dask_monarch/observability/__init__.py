@@ -1,0 +1,1 @@
+"""Observability: the dashboard page, worker log forwarding."""

@@ -1,0 +1,253 @@
+"""The dask_monarch page of the Dask dashboard: what every mesh, rank and stream is doing.
+
+The scheduler's HTTP server serves (dask-notes §5):
+
+* ``/monarch/`` — an HTML page that polls the JSON below with plain
+  JavaScript (no CDN, works offline): per controller (mesh) and rank, the
+  streams and what each runs or waits on (e.g. a borrow), refs and tensor
+  memory, the last completed seq, messages per second, recent errors with
+  their tracebacks;
+* ``/monarch/state.json`` — one snapshot, gathered from the rank workers
+  through the plugin's ``dask_monarch_state`` comm handler, plus rates
+  computed here from successive snapshots (the worker's own clock, so
+  polling jitter does not skew them);
+* ``/individual-monarch`` — the same page, listed in the dashboard's
+  "More..." menu (the entry is made in distributed's internal table of
+  Bokeh pages, so it is best effort; the page itself is a plain route).
+
+Installing it: :class:`~dask_monarch.LocalMeshCluster` preloads this module
+into its scheduler; on other deployments use ``dask scheduler --preload
+dask_monarch.dashboard`` (or ``plugins/dask_monarch_scheduler.py``), or list
+``dask_monarch.dashboard`` in ``distributed.scheduler.http.routes``.
+Settings: ``dask_monarch.dashboard.*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+import dask.config
+from distributed.http.utils import RequestHandler, get_handlers, redirect
+
+from .. import config
+from ..worker.plugin import RESOURCE_PREFIX
+
+logger = logging.getLogger("dask_monarch.dashboard")
+
+PAGE_PATH = "/individual-monarch"
+_HTML = os.path.join(os.path.dirname(__file__), "dashboard.html")
+_FORGET_AFTER_S = 120.0  # rate history of a rank or lane not seen for this long is dropped
+_MAX_SAMPLES = 64
+
+
+class Rates:
+    """Counts per second from successive (time, count) samples of one key each.
+
+    The rate spans about the last ``window`` seconds of samples (more when
+    samples are sparse), so a page that polls fast or slow shows much the
+    same figure; ``None`` until a key has two samples.
+    """
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple, deque] = {}
+        self.seen: dict[tuple, float] = {}
+
+    def rate(self, key: tuple, t: float, count: int, window: float) -> float | None:
+        samples = self.samples.get(key)
+        if samples is None:
+            samples = self.samples[key] = deque()
+        self.seen[key] = time.monotonic()
+        if samples and count < samples[-1][1]:  # a counter that went back: a new lane
+            samples.clear()
+        if not samples or t > samples[-1][0]:
+            samples.append((t, count))
+        while len(samples) > 2 and (t - samples[1][0] >= window or len(samples) > _MAX_SAMPLES):
+            samples.popleft()
+        if len(samples) < 2:
+            return None
+        t0, c0 = samples[0]
+        return (count - c0) / (t - t0) if t > t0 else None
+
+    def forget_old(self) -> None:
+        cutoff = time.monotonic() - _FORGET_AFTER_S
+        for key in [k for k, seen in self.seen.items() if seen < cutoff]:
+            self.samples.pop(key, None)
+            self.seen.pop(key, None)
+
+
+_rates = Rates()  # one per process: a process holds one scheduler outside tests
+
+
+def rank_workers(scheduler) -> list[str]:
+    """Addresses of the workers that advertise a dask_monarch rank resource."""
+    return [address for address, ws in scheduler.workers.items()
+            if any(name.startswith(RESOURCE_PREFIX) for name in ws.resources)]
+
+
+async def _ask(scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
+    try:
+        reply = await asyncio.wait_for(
+            scheduler.broadcast(msg={"op": "dask_monarch_state"}, workers=[address]), timeout)
+        return address, reply.get(address, []), None
+    except asyncio.TimeoutError:
+        return address, [], f"no answer within {timeout:g}s (its event loop is busy or blocked)"
+    except Exception as e:
+        return address, [], f"{type(e).__name__}: {e}"
+
+
+async def collect(scheduler) -> dict:
+    """One snapshot of every rank of every controller on ``scheduler``'s rank workers.
+
+    Runs on the scheduler's event loop; each worker answers from its own
+    event loop (never from a lane), so a lane blocked in a borrow or a
+    collective still shows up, as ``waiting``.
+    """
+    timeout = config.seconds("dashboard.worker-timeout") or 5.0
+    window = config.seconds("dashboard.rate-window") or 5.0
+    addresses = rank_workers(scheduler)
+    answers = await asyncio.gather(*(_ask(scheduler, a, timeout) for a in addresses))
+    controllers: dict[str, dict] = {}
+    workers = []
+    for address, ranks, error in answers:
+        ws = scheduler.workers.get(address)
+        name = str(ws.name) if ws is not None else address
+        workers.append({"address": address, "name": name, "error": error, "ranks": len(ranks),
+                        "resources": dict(ws.resources) if ws is not None else {},
+                        "nthreads": ws.nthreads if ws is not None else None})
+        for rank in ranks:
+            token = rank["token"]
+            rank["worker"], rank["worker_name"] = address, name
+            rank["rate"] = _rates.rate((address, token, rank["rank"]), rank["time"],
+                                       rank["messages"], window)
+            for lane in rank["lanes"]:
+                lane["rate"] = _rates.rate((address, token, rank["rank"], lane["stream"]),
+                                           rank["time"], lane["steps"], window)
+            entry = controllers.setdefault(token, {"token": token,
+                                                   "world_size": rank["world_size"], "ranks": []})
+            entry["ranks"].append(rank)
+    _rates.forget_old()
+    for entry in controllers.values():
+        ranks = sorted(entry["ranks"], key=lambda r: r["rank"])
+        rates = [r["rate"] for r in ranks if r["rate"] is not None]
+        entry.update(
+            ranks=ranks,
+            state=("failed" if any(r["failed"] for r in ranks)
+                   else "released" if all(r["released"] for r in ranks) else "running"),
+            messages=sum(r["messages"] for r in ranks),
+            rate=sum(rates) if rates else None,
+            last_done_seq=max(r["last_done_seq"] for r in ranks),
+            tensor_bytes=sum(r["tensor_bytes"] for r in ranks),
+            refs=sum(r["refs"] for r in ranks),
+            errors=sum(len(r["errors"]) for r in ranks),
+            missing_ranks=sorted(set(range(entry["world_size"])) - {r["rank"] for r in ranks}),
+        )
+    return {
+        "time": time.time(),
+        "scheduler": scheduler.address,
+        "n_workers": len(scheduler.workers),
+        "workers": sorted(workers, key=lambda w: w["name"]),
+        "controllers": sorted(controllers.values(), key=lambda c: c["token"]),
+    }
+
+
+class StateJSON(RequestHandler):
+    """``/monarch/state.json``: :func:`collect` as JSON."""
+
+    async def get(self) -> None:
+        body = await collect(self.server)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(body, default=str))
+
+
+_page_cache: dict[str, str] = {}
+
+
+def page_html(root: str = "../") -> str:
+    """The page, with the poll interval and ``root`` (the dashboard's root, relative) filled in."""
+    if "page" not in _page_cache:  # read once
+        with open(_HTML, encoding="utf-8") as f:
+            _page_cache["page"] = f.read()
+    interval_ms = int(1000 * (config.seconds("dashboard.interval") or 1.0))
+    return (_page_cache["page"].replace("__INTERVAL_MS__", str(max(100, interval_ms)))
+            .replace("__ROOT__", root))
+
+
+class Page(RequestHandler):
+    """``/monarch/`` (and ``/individual-monarch``): the HTML page."""
+
+    def get(self) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.write(page_html(self.extra.get("root", "../")))
+
+
+# Read by distributed when this module is listed in distributed.scheduler.http.routes.
+# The HTTP server's own routes win over Bokeh's pages, so /individual-monarch serves the
+# plain page too; the Bokeh entry below only puts it into the "More..." menu.
+routes: list[tuple] = [
+    (r"monarch", redirect("monarch/"), {}),
+    (r"monarch/", Page, {"extra": {"root": "../"}}),
+    (r"monarch/state\.json", StateJSON, {}),
+    (PAGE_PATH.lstrip("/"), Page, {"extra": {"root": ""}}),
+]
+
+
+def _more_menu_page(scheduler, extra, doc) -> None:
+    """The Bokeh page registered for the "More..." menu (a frame around ``/monarch/``).
+
+    Served only where our HTTP routes are missing; normally the plain page wins.
+    """
+    from bokeh.models import Div
+
+    doc.title = "Dask: Monarch"
+    doc.add_root(Div(
+        text='<iframe src="monarch/" title="dask_monarch" '
+             'style="border:0;width:100%;height:calc(100vh - 16px)"></iframe>',
+        sizing_mode="stretch_both"))
+
+
+def _register_more_menu_page() -> None:
+    """Add ``/individual-monarch`` to distributed's page table (before the scheduler starts).
+
+    The table is internal (dask-notes §5 item 3); a distributed without it
+    just loses the menu entry, never the page.
+    """
+    try:
+        from distributed.dashboard import scheduler as pages
+    except Exception:  # no bokeh, or the internal module moved
+        return
+    applications = getattr(pages, "applications", None)
+    if isinstance(applications, dict):
+        applications.setdefault(PAGE_PATH, _more_menu_page)
+
+
+def install(scheduler) -> None:
+    """Serve the page on ``scheduler``'s HTTP server (a no-op without one, or if listed)."""
+    application = getattr(scheduler, "http_application", None)
+    if application is None:
+        return
+    if __name__ in dask.config.get("distributed.scheduler.http.routes", []):
+        return  # distributed already serves our routes
+    application.add_handlers(r".*", get_handlers(server=scheduler, modules=[__name__]))
+    logger.debug("dask_monarch dashboard page at /monarch/")
+
+
+def dask_setup(scheduler) -> None:
+    """Preload hook: ``dask scheduler --preload dask_monarch.dashboard``."""
+    from distributed import Scheduler
+
+    if not isinstance(scheduler, Scheduler):
+        raise TypeError(f"dask_monarch.dashboard is a scheduler preload, not one for {scheduler!r}")
+    install(scheduler)
+
+
+# Imported by a scheduler preload inside Scheduler.__init__, before the dashboard starts:
+# the "More..." entry must be in the table by then.
+_register_more_menu_page()
