@@ -1,0 +1,274 @@
+"""What ``dask-monarch run`` does: give a script a cluster and a default client, run it, exit.
+
+The contract with a script: a :class:`distributed.Client` is created before
+the script starts and made the default client, so the script finds it with
+``distributed.default_client()`` — which is what
+``dask_monarch.device_mesh(client=None, ...)`` does (and what a raw
+``dask_monarch.Controller(distributed.default_client(), world_size=N)``
+needs). The script runs as ``__main__`` (``python SCRIPT ARGS`` semantics:
+``sys.argv == [SCRIPT, *ARGS]``, its directory first on ``sys.path``), or as
+a module with ``-m``. Processes spawned while it runs (a restarted rank of
+the embedded cluster, for one) do not re-import it, so a script needs no
+``if __name__ == "__main__":`` guard for dask_monarch's sake.
+
+Exit status: the script's own (``sys.exit``); 0 when it returns; 1 when it
+raises; 3 for a :class:`dask_monarch.RemoteException` (a remote function
+failed: its remote traceback is printed) and 4 for a
+:class:`dask_monarch.DeviceException` (the mesh broke). (2, a usage error,
+is the command line's.) Problems found before the script starts (no
+scheduler, too few workers, no GPU) raise :class:`SetupError`.
+
+Only the standard library is imported at import time; Dask and the
+controller come with the first run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+EXIT_ERROR = 1
+EXIT_REMOTE = 3
+EXIT_DEVICE = 4
+EXIT_INTERRUPTED = 130
+
+
+class SetupError(Exception):
+    """The run could not start: its cluster is unreachable, too small or impossible."""
+
+
+def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int | None = None,
+        device: str = "auto", scheduler_address: str | None = None,
+        scheduler_file: str | None = None, dashboard_address: str | None = None,
+        progress: bool = False, say: Callable[[str], None] = lambda text: None) -> int:
+    """Run ``script`` on an existing cluster, or on an embedded one; return its exit status.
+
+    With ``scheduler_address`` or ``scheduler_file`` the cluster exists (wait
+    for ``ranks`` workers); otherwise a LocalMeshCluster of ``ranks``
+    ``device`` ranks starts here and closes at the end. ``say`` receives the
+    information lines (where the cluster and its dashboard are).
+    """
+    from ..observability.progress import ProgressLine
+    from .cluster_info import dashboard_note
+
+    with contextlib.ExitStack() as stack:
+        if scheduler_address or scheduler_file:
+            client = _connect(scheduler_address, scheduler_file, ranks)
+            stack.enter_context(client)
+            say(f"using the cluster at {client.scheduler.address} "
+                f"({len(client.scheduler_info()['workers'])} workers)"
+                + dashboard_note(client.dashboard_link))
+        else:
+            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address))
+            cluster = client.cluster
+            say(f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
+                f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link))
+        line = ProgressLine(sys.stderr) if progress else None
+        if line is not None:
+            line.start()
+        try:
+            code = run_script(script, args, as_module=as_module)
+        finally:
+            if line is not None:
+                line.stop()
+        _close_controllers(drain=code != EXIT_INTERRUPTED)
+    return code
+
+
+def _connect(address: str | None, scheduler_file: str | None, ranks: int | None):
+    from distributed import Client
+
+    from .. import config
+
+    timeout = config.seconds("cli.wait-for-workers") or 60
+    if scheduler_file is not None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(scheduler_file):  # a scheduler that is still starting
+            if time.monotonic() > deadline:
+                raise SetupError(f"no scheduler file at {scheduler_file}")
+            time.sleep(0.2)
+    try:
+        if scheduler_file is not None:
+            client = Client(scheduler_file=scheduler_file, set_as_default=True)
+        else:
+            client = Client(address, set_as_default=True)
+    except OSError as e:
+        where = address or f"the address in {scheduler_file}"
+        raise SetupError(f"cannot reach the scheduler at {where}: {e}") from None
+    if ranks:
+        try:
+            client.wait_for_workers(ranks, timeout=timeout)
+        except TimeoutError:
+            client.close()
+            raise SetupError(
+                f"the cluster has {len(client.scheduler_info()['workers'])} workers, "
+                f"fewer than --ranks {ranks}, after {timeout:g}s") from None
+    return client
+
+
+@contextlib.contextmanager
+def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None) -> Iterator:
+    from distributed import Client
+
+    from .. import config
+    from .cluster import LocalMeshCluster, _visible_gpus
+
+    if ranks is None and (device == "cpu" or not _visible_gpus()):
+        if device == "cuda":
+            raise SetupError("--device cuda but no GPU is visible")
+        ranks = int(config.get("cli.cpu-ranks", 2))
+        device = "cpu" if device == "auto" else device
+    try:
+        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    with cluster, Client(cluster, set_as_default=True) as client:
+        yield client
+
+
+def _close_controllers(drain: bool = True) -> None:
+    """Close what the script left open before its cluster goes away.
+
+    A controller drains its outstanding work first (up to
+    ``dask_monarch.timeouts.close``), as the script's own ``close`` would;
+    after Ctrl-C nothing drains and the workers free the state when this
+    process's report streams close.
+    """
+    from ..controller.controller import live_controllers
+
+    if not drain:  # the cluster closes under the controllers: that is expected, not news
+        logging.getLogger("dask_monarch.controller").setLevel(logging.ERROR)
+        return
+    for controller in live_controllers():
+        try:
+            controller.close()
+        except Exception as e:  # already reported by the controller; exit anyway
+            logging.getLogger("dask_monarch.cli").info("closing %r: %s", controller, e)
+
+
+# -- running the script in this process ------------------------------------------------------
+
+
+def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
+               stderr: TextIO | None = None) -> int:
+    """Run ``script`` like ``python script args`` (or ``python -m``); return an exit status.
+
+    Exceptions are printed like Python prints them (without this module's
+    frames); a RemoteException also gets its remote traceback, and the
+    status says which kind of failure it was (see the module docstring).
+    """
+    stderr = stderr or sys.stderr
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if as_module:
+            sys.path.insert(0, os.getcwd())  # as python -m does, before looking it up
+            code = _module_code(script)
+            path = code.co_filename
+            sys.argv = [path, *args]
+        else:
+            path = os.path.abspath(script)
+            with open(path, "rb") as f:
+                code = compile(f.read(), path, "exec")
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(path))
+        _exec_main(code, path)
+    except SystemExit as e:
+        return _exit_status(e.code, stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc(file=stderr)
+        return EXIT_INTERRUPTED
+    except BaseException as e:
+        return report_exception(e, stderr)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+def _module_code(name: str):
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named {name}", name=name)
+    if spec.submodule_search_locations is not None:  # a package: run its __main__
+        return _module_code(f"{name}.__main__")
+    return spec.loader.get_code(name)
+
+
+def _exec_main(code, path: str) -> None:
+    """Execute ``code`` as the ``__main__`` module, as ``python path`` would.
+
+    Its ``__spec__`` is named ``__main__``, which tells multiprocessing's
+    spawn not to re-run the script in child processes (a nanny restarting a
+    rank of the embedded cluster spawns one from this process).
+    """
+    import builtins
+    import types
+
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__builtins__ = builtins
+    module.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=path)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _exit_status(code: Any, stderr: TextIO) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=stderr)
+    return EXIT_ERROR
+
+
+# -- reporting what the script raised --------------------------------------------------------
+
+
+def _in_chain(exc: BaseException, kind: type) -> BaseException | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def report_exception(exc: BaseException, stderr: TextIO) -> int:
+    """Print ``exc`` as Python would (minus our own frames), plus what dask_monarch knows."""
+    from ..exceptions import DeviceException, RemoteException
+
+    tb = exc.__traceback__
+    here = os.path.abspath(__file__)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
+        tb = tb.tb_next  # the frames of run_script and _exec_main
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    stderr.write(text)
+    remote = _in_chain(exc, RemoteException)
+    if remote is not None:
+        if remote.traceback and remote.traceback.strip() not in text:
+            where = f" (rank {remote.rank})" if remote.rank is not None else ""
+            stderr.write(f"\nRemote traceback{where}:\n{remote.traceback}")
+        where = ", ".join(f"{k} {v}" for k, v in (("rank", remote.rank), ("seq", remote.seq))
+                          if v is not None)
+        stderr.write(f"\ndask-monarch: a remote function failed{f' ({where})' if where else ''}"
+                     "; the remote traceback is above\n")
+        return EXIT_REMOTE
+    device = _in_chain(exc, DeviceException)
+    if device is not None:
+        stderr.write(f"\ndask-monarch: the mesh broke: {device}\n")
+        return EXIT_DEVICE
+    return EXIT_ERROR
