@@ -1,1 +1,1 @@
-"""Observability: the dashboard page, worker log forwarding."""
+"""Observability: the dashboard page, worker log forwarding, the progress line."""
