@@ -1,12 +1,13 @@
-"""The embedded cluster's rank workers are set up for torch (see dask_monarch.deployment.cluster)."""
+"""The embedded cluster's rank workers are set up for torch (deployment/cluster.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 
-from dask_monarch.deployment.cluster import MALLOC_MMAP_THRESHOLD
 from distributed import Client
+
+from dask_monarch.deployment.cluster import MALLOC_MMAP_THRESHOLD
 
 
 def _worker_facts(dask_worker=None) -> dict:

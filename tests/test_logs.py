@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from dask_monarch.logs import forward_worker_logs, plugin_name, stop_worker_logs
 from protocol import S0, create_streams
 
 import dask_monarch as dm
+from dask_monarch.logs import forward_worker_logs, plugin_name, stop_worker_logs
 
 
 class Collect(logging.Handler):

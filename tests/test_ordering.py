@@ -8,12 +8,12 @@ import time
 import dask
 import pytest
 import torch
-from dask_monarch.controller.compiler import Compiler, ProtocolError
 from distributed.utils import key_split
 from protocol import S0, S1, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller.compiler import Compiler, ProtocolError
 from dask_monarch.messages import Ref
 from dask_monarch.ndslice import Slice
 
