@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from .protocol import messages as m
+from .protocol.names import described_tensor
 from .remote_function import _propagate_locally, _resolvable, _Spec
 from .stream import get_active_stream
 from .tensor import Tensor, active_mesh
@@ -51,8 +51,8 @@ class Pipe:
             packed, treespec = future.result()
             treespec = treespec_loads(treespec)
             self._spec = tree_unflatten(
-                [_Spec((p[1], p[2], p[3], p[4], torch.device(p[5]), None)) if p[0] == "tensor"
-                 else None for p in packed], treespec)
+                [None if (t := described_tensor(p)) is None else _Spec((*t, None))
+                 for p in packed], treespec)
         return self._client.pipe_recv(self, self.mesh, get_active_stream(), self._spec)
 
     def send(self, value: Any) -> None:

@@ -30,6 +30,7 @@ from torch.utils._pytree import (
 
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .protocol import messages as m
+from .protocol.names import describe_output, described_tensor
 from .tensor import Tensor, placement
 
 
@@ -197,14 +198,12 @@ def _propagate_on_rank(function, args, kwargs):
     with mode:
         out = fn(*fake_args, **fake_kwargs)
     leaves, spec = tree_flatten(out)
-    packed = [("tensor", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype,
-               str(x.device)) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
+    packed = [describe_output(x) for x in leaves]
     return packed, treespec_dumps(spec)
 
 
 def _unpack_spec(reply):
     packed, spec = reply
     spec = treespec_loads(spec)
-    leaves = [_Spec((p[1], p[2], p[3], p[4], torch.device(p[5]), None)) if p[0] == "tensor"
-              else p[1] for p in packed]
+    leaves = [p[1] if (t := described_tensor(p)) is None else _Spec((*t, None)) for p in packed]
     return tree_unflatten(leaves, spec), []

@@ -39,6 +39,7 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..protocol import messages as m
+from ..protocol.names import executor_name
 from ..protocol.wire import CONTROL, ReadRef, StatusProbe
 from ..worker.plugin import run_segment
 
@@ -317,7 +318,7 @@ class Compiler:
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
 
     def executor(self, lane: Any) -> str:
-        return f"monarch-{self.token}-{lane}"
+        return executor_name(self.token, lane)
 
     def compile(self, buffer: list[tuple[tuple[int, ...], Any]]) -> Plan:
         segments: list[Segment] = []

@@ -45,7 +45,8 @@ from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
-from ..worker.plugin import RESOURCE_CAPACITY, RESOURCE_PREFIX, MonarchWorkerPlugin
+from ..protocol.names import RESOURCE_CAPACITY, rank_resource
+from ..worker.plugin import MonarchWorkerPlugin
 
 logger = logging.getLogger("dask_monarch.cluster")
 
@@ -188,7 +189,7 @@ class LocalMeshCluster(SpecCluster):
                 "name": f"rank{i}",
                 "nthreads": 1,
                 "host": "127.0.0.1",
-                "resources": {f"{RESOURCE_PREFIX}rank{i}": RESOURCE_CAPACITY},
+                "resources": {rank_resource(i): RESOURCE_CAPACITY},
                 "plugins": {MonarchWorkerPlugin()},
                 "memory_limit": memory_limit,
                 "env": env,

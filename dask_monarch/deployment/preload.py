@@ -35,26 +35,15 @@ import click
 # Imported here, not in dask_setup: a scheduler imports its preloads before its dashboard
 # starts, and the "More..." menu entry must exist by then.
 from ..observability import dashboard
+from ..protocol.names import PLUGIN_NAME, RESOURCE_CAPACITY, RESOURCE_PREFIX, rank_resource
 
 logger = logging.getLogger("dask_monarch.preload")
-
-
-def rank_resource(rank: int) -> str:
-    """The resource that names rank ``rank`` (controllers order ranks by it)."""
-    from ..worker.plugin import RESOURCE_PREFIX
-
-    return f"{RESOURCE_PREFIX}rank{rank}"
 
 
 async def setup_worker(worker, rank: int | None = None, gpu: str | None = None,
                        torch_threads: int | None = None) -> None:
     """Make ``worker`` a dask_monarch rank: GPU choice, rank resource, the plugin."""
-    from ..worker.plugin import (
-        PLUGIN_NAME,
-        RESOURCE_CAPACITY,
-        RESOURCE_PREFIX,
-        MonarchWorkerPlugin,
-    )
+    from ..worker.plugin import MonarchWorkerPlugin
 
     if gpu is not None:
         import torch

@@ -36,7 +36,7 @@ import dask.config
 from distributed.http.utils import RequestHandler, get_handlers, redirect
 
 from .. import config
-from ..worker.plugin import RESOURCE_PREFIX
+from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER
 
 logger = logging.getLogger("dask_monarch.dashboard")
 
@@ -93,7 +93,7 @@ def rank_workers(scheduler) -> list[str]:
 async def _ask(scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
     try:
         reply = await asyncio.wait_for(
-            scheduler.broadcast(msg={"op": "dask_monarch_state"}, workers=[address]), timeout)
+            scheduler.broadcast(msg={"op": STATE_HANDLER}, workers=[address]), timeout)
         return address, reply.get(address, []), None
     except asyncio.TimeoutError:
         return address, [], f"no answer within {timeout:g}s (its event loop is busy or blocked)"

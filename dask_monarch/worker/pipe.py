@@ -23,10 +23,10 @@ import queue
 import threading
 from typing import Any
 
-import torch
 import torch.multiprocessing as tmp
 
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
+from ..protocol.names import describe_output
 from . import calls
 from .dispatch import handles
 from .errors import FatalError, format_exception
@@ -169,8 +169,7 @@ def peek(pipe: Pipe) -> tuple:
     value = pipe.recv(current_lane())
     pipe.held.append(value)
     leaves, spec = tree_flatten(value)
-    packed = [("tensor", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype,
-               str(x.device)) if isinstance(x, torch.Tensor) else ("value", None) for x in leaves]
+    packed = [describe_output(x, keep_value=False) for x in leaves]
     return packed, treespec_dumps(spec)
 
 

@@ -21,12 +21,18 @@ from distributed import WorkerPlugin, get_worker
 from distributed.batched import BatchedSend
 from distributed.comm.core import CommClosedError
 
+from ..protocol.names import (
+    PLUGIN_NAME,
+    REPORTS_HANDLER,
+    RESOURCE_CAPACITY,
+    RESOURCE_PREFIX,
+    STATE_HANDLER,
+    executor_prefix,
+    worker_resource,
+)
+
 logger = logging.getLogger("dask_monarch.worker")
 
-PLUGIN_NAME = "dask_monarch"
-RESOURCE_PREFIX = "monarch-"
-# Pins tasks to the worker without limiting them: far more than any number of lanes.
-RESOURCE_CAPACITY = 1_000_000
 # Per-worker figures in every heartbeat: the Workers table of the dashboard shows them as
 # columns and ``client.scheduler_info()`` lists them (worker "metrics").
 METRICS = ("monarch_ranks", "monarch_lanes", "monarch_refs", "monarch_messages",
@@ -55,15 +61,15 @@ class MonarchWorkerPlugin(WorkerPlugin):
         # Tasks a released controller had queued may still start: they find its lanes'
         # names pointing here, and return without running anything.
         self.drain = ThreadPoolExecutor(1, thread_name_prefix="monarch-drain")
-        worker.handlers["dask_monarch_reports"] = self.serve_reports
-        worker.handlers["dask_monarch_state"] = self.state_snapshot
+        worker.handlers[REPORTS_HANDLER] = self.serve_reports
+        worker.handlers[STATE_HANDLER] = self.state_snapshot
         for name in METRICS:
             worker.metrics[name] = functools.partial(self.metric, name)
 
     async def teardown(self, worker) -> None:
         for state in list(self.ranks.values()):
             state.release()
-        for handler in ("dask_monarch_reports", "dask_monarch_state"):
+        for handler in (REPORTS_HANDLER, STATE_HANDLER):
             worker.handlers.pop(handler, None)
         for name in METRICS:
             worker.metrics.pop(name, None)
@@ -92,7 +98,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         for name in self.worker.state.total_resources:
             if name.startswith(RESOURCE_PREFIX):
                 return name
-        name = f"{RESOURCE_PREFIX}{self.worker.name}"
+        name = worker_resource(self.worker.name)
         await self.worker.set_resources(**{name: RESOURCE_CAPACITY})
         return name
 
@@ -133,9 +139,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.released[state.token] = None
         while len(self.released) > MAX_RELEASED:
             token, _ = self.released.popitem(last=False)
+            prefix = executor_prefix(token)
             self.worker.executors = {  # a new dict: Worker.close may iterate the old one
                 k: v for k, v in self.worker.executors.items()
-                if not k.startswith(f"monarch-{token}-")
+                if not k.startswith(prefix)
             }
         names = [lane.executor_name for lane in state.all_lanes()]
         executors = dict(self.worker.executors)

@@ -18,6 +18,7 @@ import torch
 from distributed.protocol.serialize import ToPickle
 
 from .. import config
+from ..protocol import names
 from ..protocol.wire import CONTROL, Fatal, LaneDone
 from . import actor, borrow, comm, handlers, pipe, recording  # noqa: F401  (handlers)
 from .dispatch import HANDLERS
@@ -43,7 +44,7 @@ class RankState:
         self.device = device
         self.settings = settings
         self.lanes: dict[int, Lane] = {}
-        self.control = Lane(self, CONTROL, f"monarch-{token}-control", device)
+        self.control = Lane(self, CONTROL, names.executor_name(token, CONTROL), device)
         self.meshes: dict[int, Any] = {}
         self.lock = threading.Lock()
         self.borrows: dict[int, Any] = {}
@@ -69,7 +70,7 @@ class RankState:
     # -- lanes --------------------------------------------------------------------------------
 
     def executor_name(self, stream_id: int) -> str:
-        return f"monarch-{self.token}-{stream_id}"
+        return names.executor_name(self.token, stream_id)
 
     def add_lane(self, stream_id: int) -> Lane | None:
         """Create the lane of a stream (on the event loop, before a task names it)."""

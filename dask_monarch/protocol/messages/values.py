@@ -1,0 +1,358 @@
+"""The values messages carry: refs, functions, arguments, tensor factories, enums.
+
+Each type pickles by value and compares by value. The checks for fields of
+these types are registered here, so messages can annotate fields with them.
+"""
+
+import enum
+import pickle
+from collections.abc import Iterable
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, Union
+
+import cloudpickle
+import torch
+
+from ..ndslice import Slice
+from .checked import CheckedId, check_int, checked, instance_of, list_of, optional, register_checks
+
+_tuple_new = tuple.__new__  # rebuilds an ArgsKwargs without checks
+
+# --------------------------------------------------------------------------- ids
+
+
+class Ref(CheckedId):
+    """Anything a controller can name on a worker: a tensor, mesh, stream, group, pipe..."""
+
+    __slots__ = ()
+
+    @property
+    def ref(self) -> int:
+        return self.id
+
+    def __str__(self):
+        return f"r{int(self)}"
+
+
+class StreamRef(CheckedId):
+    """The id of a stream (a lane on every rank)."""
+
+    __slots__ = ()
+
+
+def as_ref(obj: Any) -> Ref:
+    """``obj`` as a Ref: a Ref, or anything with ``__monarch_ref__()`` (Ref or int)."""
+    if type(obj) is Ref:
+        return obj
+    method = getattr(type(obj), "__monarch_ref__", None)
+    if method is None:
+        raise TypeError(f"expected a Ref, got {obj!r}")
+    value = method(obj)
+    return value if type(value) is Ref else Ref(value)
+
+
+# --------------------------------------------------------------------------- functions
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionPath:
+    """A function named by import path, e.g. ``torch.ops.aten.add.Tensor``."""
+
+    path: str
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not self.path:
+            raise TypeError(f"FunctionPath.path must be a non-empty str, got {self.path!r}")
+
+    def __reduce__(self):
+        return (FunctionPath, (self.path,))
+
+    def __repr__(self):
+        return f"FunctionPath({self.path!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Cloudpickle:
+    """A function (closure, ``__main__`` or test-module function) as cloudpickled bytes."""
+
+    bytes: bytes
+
+    def __post_init__(self):
+        if not isinstance(self.bytes, (bytes, bytearray)):
+            raise TypeError(f"Cloudpickle.bytes must be bytes, got {type(self.bytes).__name__}")
+
+    def __reduce__(self):
+        return (Cloudpickle, (self.bytes,))
+
+    @classmethod
+    def dumps(cls, obj: Any) -> "Cloudpickle":
+        return cls(cloudpickle.dumps(obj))
+
+    def __repr__(self):
+        return f"Cloudpickle(<{len(self.bytes)} bytes>)"
+
+
+ResolvableFunction = Union[FunctionPath, Cloudpickle]
+
+
+def as_function(value: Any) -> ResolvableFunction:
+    """A ResolvableFunction from a FunctionPath, Cloudpickle, import path or callable."""
+    if isinstance(value, (FunctionPath, Cloudpickle)):
+        return value
+    if isinstance(value, str):
+        return FunctionPath(value)
+    if callable(value):
+        return Cloudpickle.dumps(value)
+    raise TypeError(f"expected a FunctionPath, Cloudpickle, import path or callable, got {value!r}")
+
+
+# --------------------------------------------------------------------------- arguments
+
+# Leaves that plain pickle handles and that cannot change after they are sent.
+_IMMUTABLE_LEAVES = (
+    type(None), bool, int, float, complex, str, bytes, Ref, StreamRef, torch.dtype,
+    torch.device, torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis),
+)
+
+
+_FLAT_LEAVES = frozenset(
+    {type(None), bool, int, float, str, Ref, StreamRef, torch.dtype, torch.device, torch.layout}
+)
+
+
+class ArgsKwargs(tuple):
+    """Arguments of a remote call; make them with :meth:`from_python`.
+
+    Objects with ``__monarch_ref__`` become their :class:`Ref`; containers are
+    copied. Arguments made only of immutable leaves travel inside the message
+    batch (plain pickle, no per-message cloudpickle); anything else (local
+    tensors, closures, user objects) is cloudpickled at once, so later changes
+    on the client do not leak into the call. ``flat`` says no argument is a
+    container, which lets the worker skip the pytree walk. A plain tuple
+    underneath ``(args, kwargs, payload, flat)``, so batches pickle it in C.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, fields=()):
+        if len(self) != 4 or type(self[0]) is not tuple or type(self[1]) is not dict:
+            raise TypeError("make ArgsKwargs with ArgsKwargs.from_python(args, kwargs)")
+
+    _args = property(itemgetter(0))
+    _kwargs = property(itemgetter(1))
+    _payload = property(itemgetter(2))
+    flat = property(itemgetter(3))
+
+    @classmethod
+    def from_python(cls, args: Iterable[Any] = (),
+                    kwargs: dict[str, Any] | None = None) -> "ArgsKwargs":
+        if not kwargs and type(args) is tuple and all(type(a) in _FLAT_LEAVES for a in args):
+            return _tuple_new(cls, (args, {}, None, True))
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise TypeError(f"kwargs must be a dict with str keys, got {kwargs!r}")
+        args = tuple(args)
+        simple = [True]
+        flat = all(not isinstance(a, (list, tuple, dict)) or type(a) is torch.Size for a in args)
+        flat = flat and all(
+            not isinstance(v, (list, tuple, dict)) or type(v) is torch.Size for v in kwargs.values()
+        )
+        new_args = tuple(_convert_refs(a, simple) for a in args)
+        new_kwargs = {k: _convert_refs(v, simple) for k, v in kwargs.items()}
+        if simple[0]:
+            return _tuple_new(cls, (new_args, new_kwargs, None, flat))
+        return _tuple_new(cls, ((), {}, cloudpickle.dumps((new_args, new_kwargs)), False))
+
+    def to_python(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with Refs in place of referenceable objects."""
+        if self[2] is not None:
+            return pickle.loads(self[2])
+        return self[0], dict(self[1])
+
+    def __eq__(self, other):
+        if type(other) is not ArgsKwargs:
+            return NotImplemented
+        if self[2] is not None or other[2] is not None:
+            return self[2] == other[2]
+        try:
+            return bool(self[0] == other[0] and self[1] == other[1])
+        except Exception:  # leaves without a boolean ==, e.g. tensors
+            return pickle.dumps(self.to_python()) == pickle.dumps(other.to_python())
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __reduce_ex__(self, protocol):
+        return (_tuple_new, (ArgsKwargs, tuple(self)))
+
+    def __repr__(self):
+        if self[2] is not None:
+            return f"ArgsKwargs(<{len(self[2])} cloudpickled bytes>)"
+        return f"ArgsKwargs({self[0]!r}, {self[1]!r})"
+
+
+def _convert_refs(obj: Any, simple: list[bool]) -> Any:
+    """Copy containers, turning ``__monarch_ref__`` objects into Refs; note non-simple leaves."""
+    if isinstance(obj, _IMMUTABLE_LEAVES):
+        return obj
+    if getattr(type(obj), "__monarch_ref__", None) is not None:
+        return as_ref(obj)
+    cls = type(obj)
+    if cls is list:
+        return [_convert_refs(x, simple) for x in obj]
+    if cls is tuple:
+        return tuple(_convert_refs(x, simple) for x in obj)
+    if cls is dict:
+        return {k: _convert_refs(v, simple) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return cls(*(_convert_refs(x, simple) for x in obj))
+    simple[0] = False
+    return obj
+
+
+# --------------------------------------------------------------------------- tensors and enums
+
+
+@dataclass(frozen=True, slots=True)
+class Factory:
+    """How to make a tensor like another one: used to fabricate zeros or receive buffers."""
+
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    layout: torch.layout
+    device: str
+
+    def __post_init__(self):
+        if isinstance(self.size, (str, bytes)) or not isinstance(self.size, Iterable):
+            raise TypeError(f"Factory.size must be a sequence of ints, got {self.size!r}")
+        size = tuple(self.size)
+        if not all(type(s) is int and s >= 0 for s in size):
+            raise ValueError(f"Factory.size must hold non-negative ints, got {self.size!r}")
+        object.__setattr__(self, "size", size)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"Factory.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.layout, torch.layout):
+            raise TypeError(f"Factory.layout must be a torch.layout, got {self.layout!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(f"Factory.device must be a str or torch.device, got {self.device!r}")
+        object.__setattr__(self, "device", str(torch.device(self.device)))
+
+    def __reduce__(self):
+        return (Factory, (self.size, self.dtype, self.layout, self.device))
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Factory":
+        return cls(tuple(t.shape), t.dtype, t.layout, str(t.device))
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=self.dtype, layout=self.layout, device=self.device)
+
+    def empty(self, size: Iterable[int] | None = None) -> torch.Tensor:
+        size = self.size if size is None else tuple(size)
+        return torch.empty(size, dtype=self.dtype, layout=self.layout, device=self.device)
+
+
+class ReduceOp(enum.Enum):
+    """Reduction operators, named as in ``torch.distributed.ReduceOp``."""
+
+    SUM = "sum"
+    PRODUCT = "product"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __repr__(self):
+        return f"ReduceOp.{self.name}"
+
+
+Reduction = Union[str, ReduceOp]  # "stack" or a ReduceOp
+
+
+class StreamCreationMode(enum.Enum):
+    """Whether a stream runs on the device's default stream or on a new one."""
+
+    UseDefaultStream = "UseDefaultStream"
+    CreateNewStream = "CreateNewStream"
+
+    def __repr__(self):
+        return f"StreamCreationMode.{self.name}"
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _ref(v, where):
+    if type(v) is Ref:
+        return v
+    try:
+        return as_ref(v)
+    except TypeError:
+        raise TypeError(f"{where} must be a Ref, got {v!r}") from None
+
+
+def _stream(v, where):
+    if type(v) is not StreamRef:
+        raise TypeError(f"{where} must be a StreamRef, got {v!r}")
+    return v
+
+
+def _function(v, where):
+    if type(v) is FunctionPath or type(v) is Cloudpickle:
+        return v
+    try:
+        return as_function(v)
+    except TypeError as e:
+        raise TypeError(f"{where}: {e}") from None
+
+
+def _reduction(v, where):
+    if isinstance(v, ReduceOp) or v == "stack":
+        return v
+    raise ValueError(f"{where} must be 'stack' or a ReduceOp, got {v!r}")
+
+
+def _broker_id(v, where):
+    if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)):
+        raise TypeError(f"{where} must be a (str, int) tuple, got {v!r}")
+    return (v[0], check_int(v[1], where))
+
+
+register_checks({
+    Ref: _ref,
+    StreamRef: _stream,
+    Ref | None: optional(_ref),
+    list[Ref]: list_of(_ref, {Ref}),
+    list[Ref | None]: list_of(optional(_ref), {Ref, type(None)}),
+    Slice: instance_of(Slice),
+    Factory: instance_of(Factory),
+    ArgsKwargs: instance_of(ArgsKwargs),
+    StreamCreationMode: instance_of(StreamCreationMode),
+    ResolvableFunction: _function,
+    ResolvableFunction | None: optional(_function),
+    Reduction: _reduction,
+    tuple[str, int]: _broker_id,
+})
+
+
+# --------------------------------------------------------------------------- params
+
+
+@checked
+class ActorCallParams:
+    """An actor method call fed with tensors from a stream's ref table."""
+
+    seq: int
+    broker_id: tuple[str, int]
+    local_state: list[Ref]
+    mutates: list[Ref]
+    stream: StreamRef
+
+
+register_checks({ActorCallParams: instance_of(ActorCallParams)})
