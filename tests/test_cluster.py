@@ -5,9 +5,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import pytest
 from distributed import Client
 
-from dask_monarch.deployment.cluster import MALLOC_MMAP_THRESHOLD
+from dask_monarch.deployment.workers import MALLOC_MMAP_THRESHOLD
 
 
 def _worker_facts(dask_worker=None) -> dict:
@@ -42,3 +43,13 @@ def test_closing_the_cluster_removes_its_scheduler_file():
         mesh = dm.device_mesh(client, gpu=1)
         mesh.exit()
     assert not os.path.exists(scheduler_file)
+
+
+def test_rank_workers_see_their_own_gpu_first():
+    from dask_monarch.deployment.workers import parse_gpus, rotated
+
+    gpus = parse_gpus("0, 1,2,3")
+    assert [rotated(gpus, i) for i in range(4)] == ["0,1,2,3", "1,2,3,0", "2,3,0,1", "3,0,1,2"]
+    for bad in ("0,,1", "0,1,0"):
+        with pytest.raises(ValueError, match="--gpus"):
+            parse_gpus(bad)

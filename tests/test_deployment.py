@@ -143,3 +143,53 @@ def test_dask_cli_cluster_with_preloads_runs_a_batch_script(tmp_path):
     finally:
         stop(processes)
     assert all(p.poll() is not None for p in processes)
+
+
+@pytest.mark.timeout(180)
+def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
+    """``dask-monarch worker`` on a node: a worker per listed GPU, each seeing its own GPU first,
+    with its rank resource and the plugin; a mesh runs on them; SIGTERM stops every worker.
+
+    CPU torch ignores CUDA_VISIBLE_DEVICES, so the command runs here as on a GPU node."""
+    from distributed import Client
+
+    import dask_monarch as dm
+    from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+
+    env = {**os.environ}
+    scheduler_file = tmp_path / "scheduler.json"
+    processes = []
+    try:
+        processes.append(start(
+            [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+             "--no-dashboard", "--scheduler-file", str(scheduler_file)],
+            tmp_path / "scheduler.log", env))
+        address = wait_for_address(scheduler_file, tmp_path)
+        node = start([str(BIN / "dask-monarch"), "worker", address, "--gpus", "0,1",
+                      "--first-rank", "2", "--host", "127.0.0.1", "--name", "node",
+                      "--memory-limit", "2GB"], tmp_path / "node.log", env)
+        processes.append(node)
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            info = client.scheduler_info()["workers"].values()
+            assert sorted(w["name"] for w in info) == ["node-gpu0", "node-gpu1"], logs(tmp_path)
+            resources = {w["name"]: sorted(w["resources"]) for w in info}
+            assert resources == {"node-gpu0": ["monarch-rank2"], "node-gpu1": ["monarch-rank3"]}
+            visible = client.run(lambda dask_worker: (
+                dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "dask_monarch" in dask_worker.plugins, dask_worker.state.nthreads))
+            assert sorted(visible.values()) == [("node-gpu0", "0,1", True, 1),
+                                                ("node-gpu1", "1,0", True, 1)]
+            with dm.Controller(client, world_size=2) as ctrl:
+                assert ctrl.resources == ["monarch-rank2", "monarch-rank3"]
+                s0 = StreamRef(0)
+                ctrl.send([0, 1], dm.messages.CreateStream(
+                    s0, dm.messages.StreamCreationMode.UseDefaultStream))
+                ctrl.send([0, 1], dm.messages.CallFunction(
+                    0, [Ref(1)], [], "torch.ones", ArgsKwargs.from_python(([3],), {}), s0, []))
+                ctrl.sync(timeout=60)
+                assert ctrl.get_ref(1, Ref(1), s0).tolist() == [1.0, 1.0, 1.0]
+        os.killpg(node.pid, signal.SIGTERM)
+        node.wait(timeout=30)  # the command stops its workers and exits on a signal
+    finally:
+        stop(processes)

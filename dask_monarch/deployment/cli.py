@@ -6,6 +6,7 @@
     dask-monarch run --ranks 4 --device cpu train.py
     dask-monarch run --scheduler-file sched.json train.py    # an existing Dask cluster
     dask-monarch info --scheduler-file sched.json            # its ranks: workers, resources, GPUs
+    dask-monarch worker tcp://sched:8786 --first-rank 0      # a rank worker per GPU of this node
 
 ``run`` is :func:`dask_monarch.deployment.runner.run` (the contract with a
 script and the exit statuses are documented there; 2 is a usage error,
@@ -129,6 +130,61 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
         return
     for line in table_lines(report):
         click.echo(line)
+
+
+# -- worker ----------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("scheduler", required=False)
+@click.option("--scheduler-file", default=None, type=click.Path(dir_okay=False),
+              help="The cluster's scheduler file (instead of SCHEDULER).")
+@click.option("--gpus", default=None, metavar="LIST",
+              help="GPUs to start a rank worker for, indices or UUIDs, comma separated "
+                   "[default: every visible GPU, CUDA_VISIBLE_DEVICES if set].")
+@click.option("--first-rank", type=click.IntRange(min=0), default=None,
+              help="Advertise the rank resources monarch-rank<N>, <N+1>, ... in GPU order, so "
+                   "controllers take these workers as those ranks (node k of 8-GPU nodes: 8k).")
+@click.option("--torch-threads", type=click.IntRange(min=1), default=None,
+              help="Torch intra-op threads per worker [default: the cores divided among them].")
+@click.option("--memory-limit", default="auto", show_default=True,
+              help="Per worker: bytes, '16GB', or 'auto' (the node's memory divided among them).")
+@click.option("--host", default=None, help="The address the workers listen on (and are "
+                                           "reached at) [default: Dask's choice].")
+@click.option("--name", "name_prefix", default=None,
+              help="Worker names are NAME-gpu<ID> [default: the host name].")
+def worker(scheduler: str | None, scheduler_file: str | None, gpus: str | None,
+           first_rank: int | None, torch_threads: int | None, memory_limit: str,
+           host: str | None, name_prefix: str | None) -> None:
+    """Start one rank worker per GPU of this node, as `dask cuda worker` does.
+
+    Each worker sees its own GPU as device 0 (a rotated CUDA_VISIBLE_DEVICES),
+    has the dask_monarch plugin, torch threads and memory settings of
+    LocalMeshCluster's ranks, and (with --first-rank) its rank resource.
+    """
+    import asyncio
+
+    from .workers import parse_gpus, run_node, visible_gpus
+
+    if not (scheduler or scheduler_file):
+        raise click.UsageError("give the SCHEDULER address or --scheduler-file")
+    try:
+        devices = parse_gpus(gpus) if gpus is not None else visible_gpus()
+        if not devices:
+            raise ValueError("no GPU is visible on this node; for CPU ranks use `dask worker "
+                             "SCHEDULER --preload dask_monarch.preload --monarch-rank=N`")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    limit: int | str | None = memory_limit
+    if memory_limit not in ("auto", "0", "none", "None"):
+        from dask.utils import parse_bytes
+
+        limit = parse_bytes(memory_limit)
+    elif memory_limit != "auto":
+        limit = None
+    asyncio.run(run_node(scheduler, scheduler_file, devices, first_rank=first_rank,
+                         torch_threads=torch_threads, memory_limit=limit, host=host,
+                         name_prefix=name_prefix))
 
 
 def _ensure_handler(logger: logging.Logger) -> None:

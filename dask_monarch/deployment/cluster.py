@@ -2,22 +2,13 @@
 
 Every setting that matters for torch ranks is chosen here, not inherited:
 
-* one worker process per rank, named ``rank<i>``, advertising the resource
-  ``monarch-rank<i>`` (far above the number of lanes: it pins, never limits);
-* ``nthreads=1`` for plain Dask tasks: stream lanes bring their own threads
-  and raise the worker's thread budget as they are created;
-* torch intra-op threads: the cores divided among the ranks (nanny workers
-  default to ``OMP_NUM_THREADS=1``);
-* workers are not daemonic, so pipes and data loaders can start processes;
-* glibc keeps serving torch's large allocations from its heap
-  (``MALLOC_MMAP_THRESHOLD_``): Dask's own malloc setting alone makes torch
-  compute 2-3x slower in a worker (see :class:`RankNanny`);
-* tensors are unmanaged memory to Dask (DESIGN decision 11): no spilling and
-  no pausing (a paused rank would stall its lanes silently); a rank that
-  crosses the terminate threshold is killed and its controller fails with
-  ``DeviceException``;
-* on GPUs, one worker per visible device with a rotated
-  ``CUDA_VISIBLE_DEVICES``, as dask-cuda does;
+* one rank worker per rank, named ``rank<i>`` and advertising the resource
+  ``monarch-rank<i>``, set up by :func:`~.workers.rank_worker_options` (the same
+  recipe ``dask monarch worker`` uses on a GPU node: threads, allocator,
+  memory manager, non-daemonic processes, rotated ``CUDA_VISIBLE_DEVICES``);
+* torch intra-op threads: the cores divided among the ranks;
+* a rank that crosses the memory manager's terminate threshold is killed
+  and its controller fails with ``DeviceException`` (DESIGN decision 11);
 * Dask's sampling profiler is off (``profile=True`` turns it on): it walks
   every thread's stack each 10 ms, which cost a 16 M-element gloo all-reduce
   12 % on a 2-core machine;
@@ -38,15 +29,13 @@ import os
 import sys
 import time
 
-import dask
 import psutil
-from distributed import Nanny, Scheduler, SpecCluster
+from distributed import Scheduler, SpecCluster
 from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
-from ..protocol.names import RESOURCE_CAPACITY, rank_resource
-from ..worker.plugin import MonarchWorkerPlugin
+from .workers import RankNanny, rank_worker_options, visible_gpus
 
 logger = logging.getLogger("dask_monarch.cluster")
 
@@ -107,44 +96,6 @@ class SchedulerProcess(SubprocessScheduler):
             logger.debug("scheduler: %s", line.decode(errors="replace").rstrip())
 
 
-# Dask starts workers with MALLOC_TRIM_THRESHOLD_=65536, which also turns off glibc's dynamic
-# mmap threshold: every allocation over 128 KiB is then mmapped and unmapped on free, and
-# torch pays page faults on each activation. Measured on an MLP step (1024 rows, 1024 hidden,
-# one thread): 8.8 ms in a plain process, 25.8 ms with Dask's setting, 8.3 ms with this
-# threshold added. Allocations below it come from the heap and are reused.
-MALLOC_MMAP_THRESHOLD = str(64 << 20)
-
-
-class RankNanny(Nanny):
-    """A nanny whose worker process may have children (pipes, data loaders) and whose
-    allocator serves torch well.
-
-    Nanny reads ``distributed.worker.daemon`` from the global config of its
-    own process each time it (re)starts the worker, not from its ``config``
-    option, so the setting is applied around every start. The malloc setting
-    must be in the environment before the process starts (``pre_spawn_env``);
-    one the user gave (environment or Dask config) wins.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-            self.pre_spawn_env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
-
-    async def instantiate(self):
-        with dask.config.set({"distributed.worker.daemon": False}):
-            return await super().instantiate()
-
-
-def _visible_gpus() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d for d in visible.split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-
-
 class LocalMeshCluster(SpecCluster):
     """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
 
@@ -163,7 +114,7 @@ class LocalMeshCluster(SpecCluster):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):
             raise ValueError(f"n_ranks must be a positive int or None, got {n_ranks!r}")
-        gpus = _visible_gpus() if device != "cpu" else []
+        gpus = visible_gpus() if device != "cpu" else []
         if device == "auto":
             device = "cuda" if gpus and (n_ranks is None or len(gpus) >= n_ranks) else "cpu"
         if device == "cuda":
@@ -182,29 +133,12 @@ class LocalMeshCluster(SpecCluster):
             memory_limit = MEMORY_LIMIT // n_ranks
         workers = {}
         for i in range(n_ranks):
-            env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-            if device == "cuda":  # worker i sees i, i+1, ..., 0, ..., i-1: its default GPU is i
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i:] + gpus[:i])
-            options = {
-                "name": f"rank{i}",
-                "nthreads": 1,
-                "host": "127.0.0.1",
-                "resources": {rank_resource(i): RESOURCE_CAPACITY},
-                "plugins": {MonarchWorkerPlugin()},
-                "memory_limit": memory_limit,
-                "env": env,
-                "config": {
-                    "distributed.worker.memory.target": False,
-                    "distributed.worker.memory.spill": False,
-                    "distributed.worker.memory.pause": False,
-                    "distributed.worker.memory.terminate": 0.95,
-                    "distributed.worker.profile.enabled": profile,
-                },
-                "dashboard_address": "127.0.0.1:0",
-                "silence_logs": silence_logs,
-                **(worker_options or {}),
-            }
-            workers[f"rank{i}"] = {"cls": RankNanny, "options": options}
+            options = rank_worker_options(
+                f"rank{i}", rank=i, torch_threads=threads, memory_limit=memory_limit,
+                gpus=gpus if device == "cuda" else None, gpu_index=i, host="127.0.0.1",
+                profile=profile, silence_logs=silence_logs)
+            workers[f"rank{i}"] = {"cls": RankNanny, "options": {**options,
+                                                                  **(worker_options or {})}}
         scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
                              "dashboard_address": dashboard_address}
         if dashboard_address is not None:  # the /monarch/ page (a preload reaches a subprocess)

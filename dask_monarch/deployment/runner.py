@@ -118,9 +118,10 @@ def _embedded_client(ranks: int | None, device: str, dashboard_address: str | No
     from distributed import Client
 
     from .. import config
-    from .cluster import LocalMeshCluster, _visible_gpus
+    from .cluster import LocalMeshCluster
+    from .workers import visible_gpus
 
-    if ranks is None and (device == "cpu" or not _visible_gpus()):
+    if ranks is None and (device == "cpu" or not visible_gpus()):
         if device == "cuda":
             raise SetupError("--device cuda but no GPU is visible")
         ranks = int(config.get("cli.cpu-ranks", 2))
