@@ -2,7 +2,9 @@
 
 A fetch resolves only after every rank has passed it, and raises
 :class:`~dask_monarch.RemoteException` if anything the value depends on
-failed on any rank. Tensors come back on the CPU.
+failed on any rank. Tensors come back on the CPU. :func:`fetch_value` sends
+the ``SendValue`` every fetch is made of (also the internal ones of pipes and
+remote functions).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Their shapes come from ``propagate``: a callable run on fake tensors,
 runs the function once on fake copies of its inputs, and the answer is
 cached by input metadata. Functions importable by their module path travel
 as that path; closures and ``__main__`` functions are cloudpickled.
+:func:`bind_outputs` sends a call whose outputs are described this way (remote
+functions, pipe receives, actor calls that return mesh tensors).
 """
 
 from __future__ import annotations
