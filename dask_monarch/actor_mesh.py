@@ -14,7 +14,11 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .remote_function import _propagate_locally
+from .borrows import first_use
+from .controller.session import MeshFuture
+from .protocol import messages as m
+from .remote_function import bind_outputs, propagate_locally
+from .stream import get_active_stream
 from .tensor import Tensor, check_usable
 
 
@@ -24,8 +28,9 @@ class ActorMesh:
     def __init__(self, mesh, name: str, cls: type, *args: Any, **kwargs: Any):
         self.mesh = mesh
         self.name = name
-        self._client = mesh._client
-        self.broker = self._client.controller.spawn_actor(mesh._ranks, name, cls, *args, **kwargs)
+        self._session = mesh._session
+        self.broker = self._session.controller.spawn_actor(mesh._ranks, name, cls, *args,
+                                                           **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict):
         leaves = tree_flatten((args, kwargs))[0]
@@ -38,10 +43,24 @@ class ActorMesh:
                                             (args, kwargs))
         return handles, local_args, local_kwargs
 
-    def call(self, method: str, *args: Any, **kwargs: Any):
+    def call(self, method: str, *args: Any, **kwargs: Any) -> MeshFuture:
         """Run ``method`` on every rank; a future of the values, in rank order."""
         handles, local_args, local_kwargs = self._prepare(args, kwargs)
-        return self._client.actor_call(self, method, handles, local_args, local_kwargs, None)
+        session, ranks = self._session, self.mesh._ranks
+        stream = get_active_stream()
+        self._refuse_tracing()
+        if session.capture is not None:
+            raise NotImplementedError("NYI: fetching results during a coalescing block")
+        message = self._message(method, handles, local_args, local_kwargs)
+        with session.lock:
+            stream_ref = session.stream_ref(stream)
+            first_use(session, handles)
+            session.flush_pending()
+            seq, future = session.expect_result([h._ref.id for h in handles], len(ranks))
+            session.send(ranks, message(seq, None, (), stream_ref))
+            session.request_status()
+        session.controller.flush()
+        return future
 
     def call_tensor(self, method: str, *args: Any, propagate: Callable | None = None,
                     **kwargs: Any) -> Any:
@@ -50,9 +69,32 @@ class ActorMesh:
             raise ValueError("call_tensor needs propagate=: a function of fake tensors that "
                              "returns tensors shaped like the method's result")
         handles, local_args, local_kwargs = self._prepare(args, kwargs)
-        spec, _ = _propagate_locally(propagate, args, kwargs)
-        return self._client.actor_call(self, method, handles, local_args, local_kwargs, spec)
+        spec, _ = propagate_locally(propagate, args, kwargs)
+        stream = get_active_stream()
+        self._refuse_tracing()
+        message = self._message(method, handles, local_args, local_kwargs)
+        self._session.flush_pending()
+        return bind_outputs(spec, self.mesh, stream, handles, message)
+
+    def _refuse_tracing(self) -> None:
+        capture = self._session.capture
+        if capture is not None and capture.tracing:
+            raise NotImplementedError("actor calls inside compiled functions are not supported")
+
+    def _message(self, method: str, handles: list[Tensor], args: tuple, kwargs: dict):
+        """What sends one call: the actor call itself goes to the ranks' actors through the
+        controller, the returned message puts it in order on the stream."""
+        session, ranks, broker = self._session, self.mesh._ranks, self.broker
+        local_state = [h._ref for h in handles]
+
+        def message(seq: int, results: list | None, _: Any, stream_ref: m.StreamRef):
+            session.controller.call_actor(ranks, broker, seq, stream_ref, method, args, kwargs)
+            if results is None:
+                return m.SendResultOfActorCall(seq, broker, local_state, [], stream_ref)
+            return m.CallActorMethod(results, m.ActorCallParams(seq, broker, local_state, [],
+                                                                stream_ref))
+
+        return message
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} on {self.mesh!r}>"
-

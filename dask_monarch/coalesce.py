@@ -6,6 +6,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
 
+from .controller.session import Capture
 from .protocol import messages as m
 from .tensor import active_mesh
 
@@ -19,21 +20,19 @@ def coalescing(mesh=None) -> Iterator[None]:
     mesh = mesh or active_mesh()
     if mesh is None:
         raise RuntimeError("coalescing() needs an active mesh (or mesh=)")
-    client = mesh._client
-    if client.capture is not None:  # nested: the outer block sends everything
+    session = mesh._session
+    if session.capture is not None:  # nested: the outer block sends everything
         yield
         return
-    from .mesh_client import _Capture
-
-    capture = client.capture = _Capture("coalescing")
+    capture = session.capture = Capture("coalescing")
     try:
         yield
     finally:
-        client.capture = None
+        session.capture = None
         by_rank: dict[int, list] = defaultdict(list)
         for ranks, message in capture.messages:
             for rank in ranks:
                 by_rank[rank].append(message)
-        with client.lock:  # straight to the controller: deletes queued meanwhile go after
+        with session.lock:  # straight to the controller: deletes queued meanwhile go after
             for rank in sorted(by_rank):
-                client.controller.send((rank,), m.CommandGroup(by_rank[rank]))
+                session.controller.send((rank,), m.CommandGroup(by_rank[rank]))

@@ -15,8 +15,10 @@ from typing import Any
 
 from torch.utils._pytree import tree_map
 
+from .borrows import first_use
+from .protocol import messages as m
 from .protocol.messages import ReduceOp
-from .tensor import Tensor, check_usable, placement
+from .tensor import Tensor, check_usable, contiguous, mutated_refs, placement
 
 REDUCTIONS: dict[str, ReduceOp | str] = {
     "sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
@@ -63,12 +65,37 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
         result_shape = shape if scatter else (n, *shape)
     else:
         result_shape = shape[1:] if scatter else shape
-    _, stream = placement([t] if out is None else [t, out], "reduce", "borrow it first")
+    inputs = [t] if out is None else [t, out]
+    _, stream = placement(inputs, "reduce", "borrow it first")
     if out is not None and tuple(out.shape) != result_shape:
         raise ValueError(f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
                          f"got {list(out.shape)}")
-    handle = own._client.reduce(t, own, stream, tuple(sorted(names)), op, scatter, in_place,
-                                out, result_shape)
+    dims = tuple(sorted(names))
+    session = own._session
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        mesh_ref = session.mesh_ref(own.dims, own.slice_)
+        session.ensure_split(mesh_ref, stream_ref, dims)
+        first_use(session, inputs)
+        result = session.new_ref()
+        target = t if in_place else out
+        if target is not None:  # the result lands in an existing storage: it is redefined
+            storage, mutates = target._storage, mutated_refs([target])
+            stride, offset = tuple(target.stride()), target.storage_offset()
+        else:
+            storage, mutates = None, []
+            stride, offset = contiguous(result_shape), 0
+        handle = Tensor(result_shape, stride, offset, t.dtype, t.device, session, own, stream,
+                        result, storage)
+        seq = session.new_seq()
+        session.invoke(seq, [h._ref.id for h in inputs], [result.id] + mutates)
+        capture = session.capture
+        if capture is not None and capture.tracing:
+            capture.note([(h._ref.id, h) for h in inputs], [handle])
+        factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
+        session.send(own._ranks, m.Reduce(result, t._ref, factory, mesh_ref, stream_ref,
+                                          list(dims), op, scatter, in_place,
+                                          out._ref if out is not None else None))
     if in_place:
         return t
     return out if out is not None else handle

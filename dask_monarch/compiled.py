@@ -1,7 +1,7 @@
 """``compile``: trace a function once into a recording, replay it with one message (§1.9).
 
 The first call with given argument metadata runs the function with stand-in
-("formal") tensors while the mesh client captures every message instead of
+("formal") tensors while the session captures every message instead of
 sending it; the capture becomes a ``DefineRecording`` per rank. Later calls
 with the same metadata send a single ``CallRecording``. The cache is keyed by
 the non-tensor arguments and, for tensors, their sizes, strides, dtype,
@@ -14,13 +14,17 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .mesh_client import _Capture
+from .borrows import first_use
+from .controller.session import Capture, Session
 from .protocol import messages as m
-from .tensor import Tensor, active_mesh, check_usable
+from .tensor import Tensor, active_mesh, check_usable, mutated_refs
+
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
 
 CHUNK = 1000  # commands per DefineRecording message
 TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
@@ -78,15 +82,15 @@ class Compiled:
             again = self._trace(mesh, leaves, spec, tensors, define=False)
             _compare(self.fn, trace.messages, again.messages)
             trace.verified = True
-        return mesh._client.call_recording(trace, mesh, [t for _, t in tensors])
+        return _call_recording(mesh, trace, [t for _, t in tensors])
 
     def _trace(self, mesh, leaves, spec, tensors, define: bool = True) -> _Trace:
-        client = mesh._client
-        with client.lock:
-            if client.capture is not None:
+        session = mesh._session
+        with session.lock:
+            if session.capture is not None:
                 raise RuntimeError("compiled functions cannot run inside coalescing() or "
                                    "another compiled function")
-            capture = client.capture = _Capture("recording", client.new_id())
+            capture = session.capture = Capture("recording", session.new_id())
             first_id = capture.first_id
             try:
                 stand_ins = list(leaves)
@@ -95,11 +99,12 @@ class Compiled:
                 for index, (position, t) in enumerate(tensors):
                     shape, stride, offset, dtype, device = t._mkey
                     storage = storages.get(id(t._storage))
-                    formal = Tensor(shape, stride, offset, dtype, device, client, t._mesh,
-                                    t._stream, client.new_ref(), storage)
+                    formal = Tensor(shape, stride, offset, dtype, device, session, t._mesh,
+                                    t._stream, session.new_ref(), storage)
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(t._mesh._ranks,
-                                m.RecordingFormal(formal._ref, index, client.stream_ref(t._stream)))
+                                m.RecordingFormal(formal._ref, index,
+                                                  session.stream_ref(t._stream)))
                     stand_ins[position] = formals[index] = formal
                 args, kwargs = tree_unflatten(stand_ins, spec)
                 out = self.fn(*args, **kwargs)
@@ -109,7 +114,7 @@ class Compiled:
                     if h.requires_grad:
                         raise ValueError("outputs of a compiled function may not require grad")
                     capture.add(h._mesh._ranks,
-                                m.RecordingResult(h._ref, j, client.stream_ref(h._stream)))
+                                m.RecordingResult(h._ref, j, session.stream_ref(h._stream)))
                     is_formal = next((i for i, f in formals.items() if f is h), None)
                     outputs.append((*h._mkey, h._stream, is_formal))
                 open_borrows = [b for b in capture.borrows if not b.dropped]
@@ -117,10 +122,10 @@ class Compiled:
                     raise RuntimeError("all borrows created within a compiled function must be "
                                        f"dropped within it ({open_borrows})")
             except BaseException:
-                _abandon(client, capture)
+                _abandon(capture)
                 raise
             finally:
-                client.capture = None
+                session.capture = None
             for h in capture.created:
                 h._owns_ref = False  # internal to the recording: the replay deletes them
             formal_ids = {f._ref.id: i for i, f in formals.items()}
@@ -136,9 +141,10 @@ class Compiled:
                         mutated[(None, ref)] = None
             captured = [weakref.ref(capture.captured[r]) for r in used if r in capture.captured]
             ranks = sorted({r for ranks, _ in capture.messages for r in ranks})
-            ref = client.new_ref()
+            ref = session.new_ref()
             if define:
-                client.define_recording(ref, ranks, capture.messages, len(outputs), len(formals))
+                _define_recording(session, ref, ranks, capture.messages, len(outputs),
+                                  len(formals))
             template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
             return _Trace(ref, ranks, formals, outputs, template, out_spec, captured,
                           list(mutated), capture.messages)
@@ -157,7 +163,7 @@ def _signature(leaves, spec, tensors) -> Any:
     for x in leaves:
         if isinstance(x, Tensor):
             group = storages.setdefault(id(x._storage), len(storages))
-            parts.append((x._mkey, id(x._mesh._client), x._mesh.dims, x._mesh.slice_,
+            parts.append((x._mkey, id(x._mesh._session), x._mesh.dims, x._mesh.slice_,
                           x._stream, x.requires_grad, group))
         else:
             try:
@@ -168,14 +174,58 @@ def _signature(leaves, spec, tensors) -> Any:
     return (str(spec), tuple(parts))
 
 
-def _abandon(client, capture: _Capture) -> None:
+def _abandon(capture: Capture) -> None:
     """A trace failed: nothing it captured was sent, so its handles and borrows name
     nothing on the ranks and must not be deleted or dropped there."""
     for h in capture.created:
         h._owns_ref = False
     for borrow in capture.borrows:
         if not borrow.dropped:
-            client.forget_borrow(borrow, "the compiled function that borrowed it failed")
+            borrow.forget("the compiled function that borrowed it failed")
+
+
+def _define_recording(session: Session, ref: m.Ref, ranks: list[int], messages: list,
+                      nresults: int, nformals: int) -> None:
+    """Send a traced recording to each of its ranks, in chunks (never captured)."""
+    with session.lock:
+        for rank in ranks:
+            commands = [msg for msg_ranks, msg in messages if rank in msg_ranks]
+            chunks = [commands[i:i + CHUNK] for i in range(0, len(commands), CHUNK)] or [[]]
+            for index, chunk in enumerate(chunks):
+                session.send_setup((rank,), m.DefineRecording(ref, nresults, nformals, chunk,
+                                                              len(chunks), index))
+
+
+def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> Any:
+    """Replay a recording: one CallRecording to its ranks; returns its outputs."""
+    session = mesh._session
+    with session.lock:
+        if session.capture is not None:
+            raise RuntimeError("a compiled function cannot be called while messages are "
+                               "being captured")
+        for t in actuals:
+            check_usable(t)
+        first_use(session, actuals)
+        results, handles = [], []
+        for shape, stride, offset, dtype, device, stream, is_formal in trace.outputs:
+            ref = session.new_ref()
+            storage = actuals[is_formal]._storage if is_formal is not None else None
+            handles.append(Tensor(shape, stride, offset, dtype, device, session, mesh, stream,
+                                  ref, storage))
+            results.append(ref)
+        captured = [ref() for ref in trace.captured]
+        changed = [actuals[i] if i is not None else next(
+            (h for h in captured if h is not None and h._ref.id == ref), None)
+            for i, ref in trace.mutated]
+        mutates = mutated_refs([h for h in changed if h is not None])
+        seq = session.new_seq()
+        uses = [a._ref.id for a in actuals] + [h._ref.id for h in captured if h is not None]
+        session.invoke(seq, uses, [r.id for r in results] + mutates)
+        session.send(tuple(trace.ranks), m.CallRecording(seq, trace.ref, results,
+                                                         [a._ref for a in actuals]))
+    it = iter(handles)
+    leaves = [next(it) if x is TENSOR_SLOT else x for x in trace.template]
+    return tree_unflatten(leaves, trace.out_spec)
 
 
 def _refs_used(msg) -> list[int]:

@@ -2,7 +2,9 @@
 
 A fetch resolves only after every rank has passed it, and raises
 :class:`~dask_monarch.RemoteException` if anything the value depends on
-failed on any rank. Tensors come back on the CPU.
+failed on any rank. Tensors come back on the CPU. :func:`fetch_value` sends
+the ``SendValue`` every fetch is made of (also the internal ones of pipes and
+remote functions).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from typing import Any
 
 from torch.utils._pytree import tree_leaves
 
+from .borrows import first_use
+from .controller.session import MeshFuture, Session
 from .mesh import DeviceMesh
-from .mesh_client import MeshFuture
-from .tensor import Tensor, placement
+from .protocol import messages as m
+from .stream import get_active_stream
+from .tensor import Tensor, check_usable, placement
 
 
 def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
@@ -50,9 +55,30 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     # the fetch runs on the active stream, as in Monarch
     mesh, _ = placement(handles, "fetch_shard", "fetch it under that stream")
     rank = shard_rank(mesh, shard if shard is not None else coords)
-    return mesh._client.fetch(mesh, rank, obj)
+    return fetch_value(mesh._session, rank, obj)
 
 
 def inspect(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
     """``fetch_shard(obj, ...).result()``: the value on one rank, tensors on the CPU."""
     return fetch_shard(obj, shard, **coords).result()
+
+
+def fetch_value(session: Session, rank: int, value: Any,
+                function: m.FunctionPath | m.Cloudpickle | None = None,
+                args_kwargs: m.ArgsKwargs | None = None) -> MeshFuture:
+    """Send ``value`` (or ``function(*args)``) from global ``rank`` back to the client."""
+    if session.capture is not None:
+        raise NotImplementedError("NYI: fetching results during a coalescing block")
+    with session.lock:
+        stream_ref = session.stream_ref(get_active_stream())
+        if args_kwargs is None:
+            args_kwargs = m.ArgsKwargs.from_python((value,))
+        handles = [h for h in tree_leaves(value) if isinstance(h, Tensor)]
+        for h in handles:
+            check_usable(h)
+        first_use(session, handles)
+        seq, future = session.expect_result([h._ref.id for h in handles], 1)
+        session.send((rank,), m.SendValue(seq, None, [], function, args_kwargs, stream_ref))
+        session.request_status()
+    session.controller.flush()
+    return future

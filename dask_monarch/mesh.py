@@ -13,30 +13,33 @@ import contextlib
 import html
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import distributed
 
 from .protocol import messages as m
 from .protocol.ndslice import Slice
 
+if TYPE_CHECKING:
+    from .controller.session import Session
+    from .propagation import Propagator
+
 
 class DeviceMesh:
     """Named dimensions over a slice of global ranks."""
 
-    def __init__(self, client, names: Sequence[str], ranks: Slice,
-                 parent: DeviceMesh | None = None):
+    def __init__(self, session: Session, names: Sequence[str], ranks: Slice,
+                 propagator: Propagator):
         names = tuple(names)
         if len(set(names)) != len(names):
             raise ValueError(f"Duplicate dimension name in {list(names)}")
         if len(names) != ranks.ndim:
             raise ValueError(f"{len(names)} names for a {ranks.ndim}-d slice")
-        self._client = client
+        self._session = session
+        self._propagator = propagator  # one per root mesh: its views share the op cache
         self._names = names
         self._slice = ranks
-        self._parent = parent
         self._ranks = tuple(ranks)
-        self._ref: m.Ref | None = None  # defined on the ranks lazily
 
     # -- shape --------------------------------------------------------------------------------
 
@@ -167,10 +170,10 @@ class DeviceMesh:
         return self.slice(**selection)
 
     def _view(self, names, ranks: Slice) -> DeviceMesh:
-        return DeviceMesh(self._client, names, ranks, parent=self)
+        return DeviceMesh(self._session, names, ranks, self._propagator)
 
     def _is_subset_of(self, other: DeviceMesh) -> bool:
-        return self._client is other._client and set(self._ranks) <= set(other._ranks)
+        return self._session is other._session and set(self._ranks) <= set(other._ranks)
 
     # -- running on it ------------------------------------------------------------------------
 
@@ -179,7 +182,7 @@ class DeviceMesh:
         """Run torch code on this mesh: factories create mesh tensors, ops run on the ranks."""
         from .tensor import activate_mesh, exited
 
-        if self._client.closed:
+        if self._session.closed:
             raise exited(self)
         with activate_mesh(self):
             yield self
@@ -202,7 +205,12 @@ class DeviceMesh:
         for d in names:
             if d not in self._names:
                 raise KeyError(f"{d!r} is not a dimension of {self!r}")
-        return self._client.process_group(self, names)
+        session = self._session
+        with session.lock:
+            ref = session.new_ref()
+            session.send_setup(self._ranks, m.CreateRemoteProcessGroup(
+                ref, session.mesh_ref(self._names, self._slice), list(names)))
+        return RemoteProcessGroup(self, names, ref)
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any):
         """An actor per rank (``cls(*args, **kwargs)``) whose methods take mesh tensors."""
@@ -212,13 +220,13 @@ class DeviceMesh:
 
     def exit(self) -> None:
         """Wait for everything sent, release the ranks; raises a failure nobody fetched."""
-        self._client.exit()
+        self._session.exit()
 
     # -- display ------------------------------------------------------------------------------
 
     def to_table(self) -> str:
         """One line per rank: its coordinates and its worker."""
-        workers = self._client.controller.workers
+        workers = self._session.controller.workers
         header = [*self._names, "rank", "worker"]
         rows = []
         for rank in self._ranks:
@@ -230,7 +238,7 @@ class DeviceMesh:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        workers = self._client.controller.workers
+        workers = self._session.controller.workers
         head = "".join(f"<th>{html.escape(n)}</th>" for n in (*self._names, "rank", "worker"))
         body = "".join(
             "<tr>" + "".join(f"<td>{c}</td>" for c in self._slice.coordinates(r))
@@ -249,14 +257,14 @@ class DeviceMesh:
         return f"DeviceMesh({dims})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, DeviceMesh) and other._client is self._client
+        return (isinstance(other, DeviceMesh) and other._session is self._session
                 and other._names == self._names and other._slice == self._slice)
 
     def __hash__(self) -> int:
-        return hash((id(self._client), self._names, self._slice))
+        return hash((id(self._session), self._names, self._slice))
 
     def __monarch_ref__(self) -> m.Ref:
-        return self._client.mesh_ref(self)
+        return self._session.mesh_ref(self._names, self._slice)
 
 
 class RemoteProcessGroup:
@@ -280,7 +288,10 @@ def device_mesh(client: distributed.Client | None = None, **dims: int) -> Device
     ``client=None`` uses Dask's default client (the one a script run by
     ``dask-monarch run`` gets).
     """
-    from .mesh_client import MeshClient
+    # imported here: the workers import this module (for _coordinate) and need none of these
+    from .controller.session import Session
+    from .propagation import Propagator, warm_up
+    from .tensor import Tensor
 
     if not dims:
         raise ValueError("device_mesh needs at least one dimension: device_mesh(client, gpu=2)")
@@ -290,8 +301,9 @@ def device_mesh(client: distributed.Client | None = None, **dims: int) -> Device
     if client is None:
         client = distributed.default_client()
     sizes = list(dims.values())
-    mesh_client = MeshClient(client, math.prod(sizes))
-    return DeviceMesh(mesh_client, list(dims), Slice.row_major(sizes))
+    warm_up()  # before the controller freezes the GC: see propagation.warm_up
+    session = Session(client, math.prod(sizes))
+    return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 
 def _coordinate(mesh, names):

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten, treespec_loads
 
+from .borrows import first_use
+from .fetch import fetch_value
 from .protocol import messages as m
 from .protocol.names import described_tensor
-from .remote_function import _propagate_locally, _resolvable, _Spec
+from .remote_function import Spec, bind_outputs, propagate_locally, resolvable
 from .stream import get_active_stream
 from .tensor import Tensor, active_mesh
 
@@ -30,14 +32,14 @@ class Pipe:
         if type(max_messages) is not int or max_messages < 1:
             raise ValueError(f"max_messages must be a positive int, got {max_messages!r}")
         self.mesh = mesh
-        self._client = mesh._client
-        self._spec = _propagate_locally(propagate, (), {})[0] if propagate else None
+        self._session = session = mesh._session
+        self._spec = propagate_locally(propagate, (), {})[0] if propagate else None
         name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", "pipe")
-        with self._client.lock:
-            self.ref = self._client.new_ref()
-            self._client.send_setup(mesh._ranks, m.CreatePipe(
-                self.ref, str(name), _resolvable(fn), max_messages,
-                self._client.mesh_ref(mesh), m.ArgsKwargs.from_python(args, kwargs)))
+        with session.lock:
+            self.ref = session.new_ref()
+            session.send_setup(mesh._ranks, m.CreatePipe(
+                self.ref, str(name), resolvable(fn), max_messages,
+                session.mesh_ref(mesh.dims, mesh.slice_), m.ArgsKwargs.from_python(args, kwargs)))
 
     def __monarch_ref__(self) -> m.Ref:
         return self.ref
@@ -46,18 +48,32 @@ class Pipe:
         """The next value from every rank's producer, as mesh tensors (blocks on the ranks)."""
         if self._spec is None:
             peek = m.FunctionPath("dask_monarch.worker.pipe.peek")
-            future = self._client.fetch(self.mesh, self.mesh._ranks[0], None, function=peek,
-                                        args_kwargs=m.ArgsKwargs.from_python((self,)))
+            future = fetch_value(self._session, self.mesh._ranks[0], None, function=peek,
+                                 args_kwargs=m.ArgsKwargs.from_python((self,)))
             packed, treespec = future.result()
             treespec = treespec_loads(treespec)
             self._spec = tree_unflatten(
-                [None if (t := described_tensor(p)) is None else _Spec((*t, None))
+                [None if (t := described_tensor(p)) is None else Spec((*t, None))
                  for p in packed], treespec)
-        return self._client.pipe_recv(self, self.mesh, get_active_stream(), self._spec)
+        self._session.flush_pending()
+
+        def message(seq: int, results: list, _: list, stream_ref: m.StreamRef) -> m.PipeRecv:
+            return m.PipeRecv(seq, results, self.ref, stream_ref)
+
+        return bind_outputs(self._spec, self.mesh, get_active_stream(), [], message)
 
     def send(self, value: Any) -> None:
         """Hand ``value`` (mesh tensors or plain values) to every rank's producer."""
-        self._client.pipe_send(self, self.mesh, get_active_stream(), value)
+        session, mesh = self._session, self.mesh
+        stream = get_active_stream()
+        with session.lock:
+            stream_ref = session.stream_ref(stream)
+            handles = [h for h in tree_leaves(value) if isinstance(h, Tensor)]
+            first_use(session, handles)
+            seq = session.new_seq()
+            session.invoke(seq, [h._ref.id for h in handles], [])
+            session.send(mesh._ranks, m.SendValue(seq, self.ref, [], None,
+                                                  m.ArgsKwargs.from_python((value,)), stream_ref))
 
     def __repr__(self) -> str:
         return f"<Pipe {self.ref} on {self.mesh!r}>"

@@ -136,9 +136,10 @@ def warm_up() -> None:
 
 
 class Propagator:
-    """Cached fake-tensor propagation of ops on mesh tensors."""
+    """Cached fake-tensor propagation of ops on mesh tensors (instances of ``tensor_type``)."""
 
-    def __init__(self):
+    def __init__(self, tensor_type: type):
+        self._tensor_type = tensor_type  # the mesh tensor class, which this module sits below
         self._cache: dict[tuple, Plan] = {}
         self._mode = FakeTensorMode(allow_non_fake_inputs=False)
 
@@ -164,15 +165,14 @@ class Propagator:
             _propagating.active = False
 
     def _run_fake(self, func, info: OpInfo, args, kwargs) -> Plan:
-        from .tensor import Tensor
-
+        mesh_tensor = self._tensor_type
         with self._mode:
             bases: dict[int, torch.Tensor] = {}
 
             def fake(x):
-                if isinstance(x, Tensor):
+                if isinstance(x, mesh_tensor):
                     return _fake_like(x, bases)
-                if isinstance(x, (list, tuple)) and any(isinstance(v, Tensor) for v in x):
+                if isinstance(x, (list, tuple)) and any(isinstance(v, mesh_tensor) for v in x):
                     return type(x)(fake(v) for v in x)
                 return x
 

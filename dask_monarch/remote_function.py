@@ -7,13 +7,15 @@ Their shapes come from ``propagate``: a callable run on fake tensors,
 runs the function once on fake copies of its inputs, and the answer is
 cached by input metadata. Functions importable by their module path travel
 as that path; closures and ``__main__`` functions are cloudpickled.
+:func:`bind_outputs` sends a call whose outputs are described this way (remote
+functions, pipe receives, actor calls that return mesh tensors).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +30,16 @@ from torch.utils._pytree import (
     treespec_loads,
 )
 
+from .borrows import first_use
+from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .protocol import messages as m
 from .protocol.names import describe_output, described_tensor
-from .tensor import Tensor, placement
+from .stream import Stream
+from .tensor import Tensor, mutated_refs, placement
 
 
-def _resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
+def resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
     """An import path when the function can be found by one, else its cloudpickle."""
     if isinstance(fn, str):
         return m.FunctionPath(fn)
@@ -65,7 +70,7 @@ class Remote:
         if propagate is not None and propagate != "inspect" and not callable(propagate):
             raise ValueError(f"propagate must be a callable, 'inspect' or None, got {propagate!r}")
         self._fn = fn
-        self._function = _resolvable(fn)
+        self._function = resolvable(fn)
         self._propagate = propagate
         self._cache: dict = {}
         if callable(fn):
@@ -76,15 +81,19 @@ class Remote:
         handles = [x for x in leaves if isinstance(x, Tensor)]
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
         mesh, stream = placement(handles, repr(self), "borrow it first")
-        client = mesh._client
         if self._propagate == "inspect":
             spec, mutated = None, []
         elif self._propagate is not None:
-            spec, mutated = _propagate_locally(self._propagate, args, kwargs)
+            spec, mutated = propagate_locally(self._propagate, args, kwargs)
         else:
             spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
-        return client.call_remote(self._function, mesh, stream, args, kwargs, handles, groups,
-                                  spec, mutated)
+
+        def message(seq: int, results: list, mutates: list[int], stream_ref: m.StreamRef):
+            return m.CallFunction(seq, results, [m.Ref(r) for r in mutates], self._function,
+                                  m.ArgsKwargs.from_python(args, kwargs), stream_ref,
+                                  [g.ref for g in groups])
+
+        return bind_outputs(spec, mesh, stream, handles, message, mutated, groups)
 
     def _propagate_remotely(self, mesh: DeviceMesh, args, kwargs, handles):
         key = tuple((h._mkey, id(h._storage)) for h in handles)
@@ -95,7 +104,7 @@ class Remote:
         cached = self._cache.get(key) if key is not None else None
         if cached is None:
             rank = mesh._ranks[0]
-            future = mesh._client.fetch(mesh, rank, None, function=m.FunctionPath(
+            future = fetch_value(mesh._session, rank, None, function=m.FunctionPath(
                 "dask_monarch.remote_function._propagate_on_rank"),
                 args_kwargs=m.ArgsKwargs.from_python((self._function, args, kwargs)))
             cached = _unpack_spec(future.result())
@@ -105,14 +114,12 @@ class Remote:
 
     def call_on_shard_and_fetch(self, *args: Any, shard: dict | None = None, **kwargs: Any) -> Any:
         """Run the function on one rank only and return its value (tensors on the CPU)."""
-        from .fetch import shard_rank
-
         leaves, _ = tree_flatten((args, kwargs))
         handles = [x for x in leaves if isinstance(x, Tensor)]
         mesh, _ = placement(handles, repr(self), "borrow it first")
         rank = shard_rank(mesh, shard or {})
-        return mesh._client.fetch(mesh, rank, None, function=self._function,
-                                  args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()
+        return fetch_value(mesh._session, rank, None, function=self._function,
+                           args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()
 
     def __repr__(self) -> str:
         name = self._fn if isinstance(self._fn, str) else getattr(self._fn, "__qualname__", "?")
@@ -129,6 +136,44 @@ def remote(fn: Callable | str | None = None, *, propagate: Callable | str | None
     return Remote(fn, propagate)
 
 
+def bind_outputs(spec: Any, mesh: DeviceMesh, stream: Stream, handles: list[Tensor],
+                 make: Callable, mutated: Sequence[Tensor] = (),
+                 groups: Sequence[RemoteProcessGroup] = ()) -> Any:
+    """Send ``make(seq, results, mutates, stream_ref)``, a call whose outputs are ``spec``'s
+    tensors (or nothing when ``spec`` is None); returns handles in ``spec``'s shape.
+
+    Remote functions, pipes and actors describe their outputs this way.
+    """
+    session = mesh._session
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        for group in groups:
+            session.ensure_group_split(group.mesh._ranks, group.ref, stream_ref)
+        first_use(session, handles)
+        mutates = mutated_refs(mutated)
+        leaves, treespec = tree_flatten(spec)
+        results, out = [], []
+        for leaf in leaves:
+            if isinstance(leaf, Spec):
+                shape, stride, offset, dtype, device, alias = leaf
+                ref = session.new_ref()
+                out.append(Tensor(shape, stride, offset, dtype, device, session, mesh, stream,
+                                  ref, alias._storage if alias is not None else None))
+                results.append(ref)
+            else:
+                out.append(leaf)
+                results.append(None)
+        seq = session.new_seq()
+        session.invoke(seq, [h._ref.id for h in handles],
+                       [r.id for r in results if r is not None] + mutates)
+        capture = session.capture
+        if capture is not None and capture.tracing:
+            capture.note([(h._ref.id, h) for h in handles],
+                         [o for o in out if isinstance(o, Tensor)])
+        session.send(mesh._ranks, make(seq, results, mutates, stream_ref))
+    return None if spec is None else tree_unflatten(out, treespec)
+
+
 # -- propagation -----------------------------------------------------------------------------
 
 _fake_mode = None
@@ -141,7 +186,7 @@ def _fake_mode_() -> FakeTensorMode:
     return _fake_mode
 
 
-def _propagate_locally(propagate: Callable, args, kwargs):
+def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
     """Run ``propagate`` on fake copies of the arguments: output metadata and mutated inputs."""
     mode = _fake_mode_()
     fakes: dict[int, torch.Tensor] = {}
@@ -169,15 +214,15 @@ def _propagate_locally(propagate: Callable, args, kwargs):
     return spec, mutated
 
 
-class _Spec(tuple):
+class Spec(tuple):
     """(shape, stride, offset, dtype, device, aliased input handle or None) of an output tensor."""
 
     __slots__ = ()
 
 
-def _spec(t: torch.Tensor, storages: dict) -> _Spec:
+def _spec(t: torch.Tensor, storages: dict) -> Spec:
     alias = storages.get(StorageWeakRef(t.untyped_storage())) if storages else None
-    return _Spec((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
+    return Spec((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
                   alias))
 
 
@@ -205,5 +250,5 @@ def _propagate_on_rank(function, args, kwargs):
 def _unpack_spec(reply):
     packed, spec = reply
     spec = treespec_loads(spec)
-    leaves = [p[1] if (t := described_tensor(p)) is None else _Spec((*t, None)) for p in packed]
+    leaves = [p[1] if (t := described_tensor(p)) is None else Spec((*t, None)) for p in packed]
     return tree_unflatten(leaves, spec), []

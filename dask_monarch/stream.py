@@ -1,20 +1,20 @@
-"""Streams and borrows on the client (monarch-semantics §1.6).
+"""Streams on the client, and the creation of borrows (monarch-semantics §1.6).
 
 A :class:`Stream` is a named lane on every rank: work on different streams
 runs concurrently, work on one stream in order. Tensors belong to the stream
-that made them; another stream uses them only through a borrow, which the
-client turns into the four borrow messages at the right moments (first use
-lazily, last use and drop on :meth:`Borrow.drop`).
+that made them; another stream uses them only through a borrow:
+:meth:`Stream.borrow` sends ``BorrowCreate``, :mod:`dask_monarch.borrows`
+the later steps (first use lazily, last use and drop on ``Borrow.drop``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import traceback
-import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from .borrows import Borrow, first_use
 from .protocol import messages as m
 
 if TYPE_CHECKING:
@@ -49,13 +49,42 @@ class Stream:
 
         Immutable: both streams may read it, neither may change it. Mutable:
         only this stream may touch it until the drop, and its changes are
-        visible to ``t``'s stream afterwards.
+        visible to ``t``'s stream afterwards. Sends ``BorrowCreate``.
         """
-        from .tensor import Tensor
+        from .tensor import Tensor, check_usable
 
         if not isinstance(t, Tensor):
             raise TypeError(f"only mesh tensors can be borrowed, got {type(t).__name__}")
-        return t._client.borrow(t, self, mutable)
+        session = t._session
+        with session.lock:
+            check_usable(t)
+            if self is t._stream:
+                raise ValueError(f"{t!r} already belongs to stream {self.name!r}")
+            if t._storage.borrow is not None:
+                raise RuntimeError(f"{t!r} is itself borrowed; borrow the original tensor")
+            if mutable and t._storage._lent:
+                raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed "
+                                   "immutably")
+            src, dst = session.stream_ref(t._stream), session.stream_ref(self)
+            borrow_id, result = session.new_id(), session.new_ref()
+            first_use(session, [t])
+            seq = session.new_seq()
+            session.invoke(seq, [t._ref.id], [result.id])
+            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
+            shape, stride, offset, dtype, device = t._mkey
+            borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self,
+                              result)
+            handle = Borrow(session, borrow_id, t, borrowed, mutable)
+            borrowed._storage.borrow = handle
+            capture = session.capture
+            if capture is not None and capture.tracing:
+                capture.borrows.append(handle)
+                capture.note([(t._ref.id, t)], [borrowed])
+            if mutable:
+                t._storage.lent_mutably = handle
+            else:
+                t._storage.lent.add(handle)
+            return borrowed, handle
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"
@@ -68,42 +97,6 @@ _active: list[Stream] = [DEFAULT]
 def get_active_stream() -> Stream:
     """The stream new work runs on (``main`` unless another one is active)."""
     return _active[-1]
-
-
-class Borrow:
-    """A tensor lent from one stream to another until :meth:`drop` (also a context manager)."""
-
-    def __init__(self, client, borrow_id: int, origin: Tensor, borrowed: Tensor, mutable: bool):
-        self.client = client
-        self.id = borrow_id
-        self.origin = origin
-        self.borrowed = borrowed
-        self.mutable = mutable
-        self.first_used = False
-        self.dropped = False
-
-    def drop(self) -> None:
-        """Give the tensor back: the borrowed handle (and its views) can no longer be used."""
-        if not self.dropped:
-            self.client.drop_borrow(self)
-
-    def __enter__(self) -> Borrow:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.drop()
-
-    def __del__(self):
-        if not getattr(self, "dropped", True) and not self.client.closed:
-            warnings.warn(f"borrow {self.id} was garbage collected without drop(); dropping it",
-                          stacklevel=2)
-            with contextlib.suppress(Exception):
-                self.drop()
-
-    def __repr__(self) -> str:
-        state = "dropped" if self.dropped else "active"
-        kind = "mutable" if self.mutable else "immutable"
-        return f"<Borrow {self.id} ({kind}, {state})>"
 
 
 def drop_trace() -> str:

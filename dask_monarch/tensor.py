@@ -9,88 +9,49 @@ Autograd runs on the client over these handles, so ``loss.backward()`` sends
 the backward ops to the ranks too.
 
 Handles that share storage (views, in-place results) share a
-:class:`StorageInfo`, which tracks aliases for mutation (every live alias of
-a mutated storage is poisoned together if the op fails) and borrows.
+:class:`~dask_monarch.borrows.StorageInfo`, which tracks aliases for
+mutation (every live alias of a mutated storage is poisoned together if the
+op fails) and borrows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .propagation import op_info
+from .borrows import StorageInfo, first_use
+from .propagation import OpInfo, op_info
 from .protocol import messages as m
-from .stream import get_active_stream
+from .stream import Stream, drop_trace, get_active_stream
 
 if TYPE_CHECKING:
+    from .controller.session import Session
     from .mesh import DeviceMesh
 
 _tuple_new = tuple.__new__
-
-
-class StorageInfo:
-    """What the client knows of one storage on the ranks: its live aliases and borrows."""
-
-    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "__weakref__")
-
-    def __init__(self):
-        self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
-        self._lent_mutably = None  # weakref to the Borrow that took this storage away
-        # immutable borrows out of this storage; weak, so that a borrow nobody holds is
-        # collected (and drops itself, with a warning)
-        self._lent: weakref.WeakSet | None = None
-        self.borrow = None  # the Borrow this storage was lent through (borrower side)
-
-    def add(self, handle) -> None:
-        self._handles.append(weakref.ref(handle))
-
-    @property
-    def handles(self) -> list:
-        alive = [h for h in (r() for r in self._handles) if h is not None]
-        if len(alive) != len(self._handles):
-            self._handles = [weakref.ref(h) for h in alive]
-        return alive
-
-    @property
-    def lent(self) -> weakref.WeakSet:
-        if self._lent is None:
-            self._lent = weakref.WeakSet()
-        return self._lent
-
-    @property
-    def lent_mutably(self):
-        return self._lent_mutably() if self._lent_mutably is not None else None
-
-    @lent_mutably.setter
-    def lent_mutably(self, borrow) -> None:
-        self._lent_mutably = weakref.ref(borrow) if borrow is not None else None
-
-    def refs(self) -> list[int]:
-        return [h._ref.id for h in self.handles if h._owns_ref]
 
 
 class Tensor(torch.Tensor):
     """A tensor on every rank of a mesh; this object holds its metadata and its ref."""
 
     _ref: m.Ref
-    _client: Any
+    _session: Session
     _mesh: DeviceMesh
-    _stream: Any
+    _stream: Stream
 
     @staticmethod
-    def __new__(cls, shape, stride, offset, dtype, device, client, mesh, stream, ref,
+    def __new__(cls, shape, stride, offset, dtype, device, session, mesh, stream, ref,
                 storage: StorageInfo | None = None, owns_ref: bool = True):
         t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride,
                                                 storage_offset=offset, dtype=dtype,
                                                 device=device)
         t._mkey = (shape, stride, offset, dtype, device)
-        t._client = client
+        t._session = session
         t._mesh = mesh
         t._stream = stream
         t._ref = ref
@@ -115,7 +76,7 @@ class Tensor(torch.Tensor):
         return self._mesh
 
     @property
-    def stream(self):
+    def stream(self) -> Stream:
         return self._stream
 
     def __monarch_ref__(self) -> m.Ref:
@@ -125,12 +86,10 @@ class Tensor(torch.Tensor):
     def drop(self) -> None:
         """Delete the value on the ranks now; the handle cannot be used afterwards."""
         if self._dropped is None:
-            from .stream import drop_trace
-
             self._dropped = drop_trace()
             if self._owns_ref:
                 self._owns_ref = False
-                self._client.drop_ref(self._mesh, self._ref, self._nbytes())
+                self._session.drop_ref(self._mesh._ranks, self._ref.id, self._nbytes())
 
     @property
     def dropped(self) -> bool:
@@ -177,7 +136,7 @@ class Tensor(torch.Tensor):
 
     def __del__(self):
         if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._client.drop_ref(self._mesh, self._ref, self._nbytes())
+            self._session.drop_ref(self._mesh._ranks, self._ref.id, self._nbytes())
 
 
 _last_error = threading.local()
@@ -219,7 +178,7 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 
 def check_usable(t: Tensor) -> None:
     """The client-side checks every use of a handle passes (§1.2)."""
-    if t._client.closed:
+    if t._session.closed:
         raise exited(t._mesh)
     if t._dropped is not None:
         raise misuse(f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n"
@@ -353,7 +312,7 @@ def _scan(value, handles: list) -> Any:
     return value
 
 
-def dispatch(func, args: tuple, kwargs: dict):
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
     if func in _NEEDS_FETCH:
         raise RuntimeError(f"{func} needs the value of a mesh tensor on the client: fetch it "
@@ -362,17 +321,87 @@ def dispatch(func, args: tuple, kwargs: dict):
     ref_args = tuple(_scan(a, handles) for a in args)
     ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
     mesh, stream = placement(handles, str(func), "borrow it first")
-    client = mesh._client
     info = op_info(func)
-    plan = client.propagator.plan(func, info, args, kwargs, handles)
-    return client.call_op(func, info, plan, mesh, stream, args, kwargs, ref_args, ref_kwargs,
-                          handles)
+    plan = mesh._propagator.plan(func, info, args, kwargs, handles)
+    session = mesh._session
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        if handles:
+            first_use(session, handles)
+        mutated = []
+        for index in info.writes:
+            value = argument(info, args, kwargs, index)
+            if isinstance(value, Tensor):
+                mutated.append(value)
+            elif isinstance(value, (list, tuple)):
+                mutated.extend(v for v in value if isinstance(v, Tensor))
+        mutates = mutated_refs(mutated)
+        outputs, results = [], []
+        for out in plan.outputs:
+            if out is None:
+                outputs.append(None)
+                results.append(None)
+                continue
+            if out.is_arg:  # in place or out=: the caller's own handle
+                outputs.append(argument(info, args, kwargs, out.alias))
+                results.append(None)
+                continue
+            storage = None
+            if out.alias is not None:  # a view: it shares the argument's storage
+                base = argument(info, args, kwargs, out.alias)
+                if isinstance(base, (list, tuple)):
+                    base = base[0] if base else None
+                storage = base._storage if isinstance(base, Tensor) else None
+            ref = session.new_ref()
+            outputs.append(Tensor(out.shape, out.stride, out.offset, out.dtype, out.device,
+                                  session, mesh, stream, ref, storage))
+            results.append(ref)
+        if not results:
+            results = [None]
+        seq = session.new_seq()
+        session.invoke(seq, [h._ref.id for h in handles],
+                       [r.id for r in results if r is not None] + mutates)
+        capture = session.capture
+        if capture is not None and capture.tracing:
+            capture.note([(h._ref.id, h) for h in handles],
+                         [o for o in outputs if isinstance(o, Tensor)])
+        flat = not any(type(a) in (list, tuple) for a in ref_args)
+        if ref_kwargs:
+            flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
+        # built without the field checks: every field is known to be well formed here
+        session.send(mesh._ranks, m.CallFunction._make((
+            seq, results, [m.Ref(r) for r in mutates], info.function,
+            _tuple_new(m.ArgsKwargs, (ref_args, ref_kwargs, None, flat)), stream_ref, [])))
+    if plan.kind == "tensor":
+        return outputs[0]
+    if plan.kind == "none":
+        return None
+    return outputs if plan.kind == "list" else tuple(outputs)
 
 
-def argument(info, args: tuple, kwargs: dict, index: int):
+def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:
     """The value passed for schema argument ``index``."""
     if index < len(args):
         return args[index]
     return kwargs.get(info.names[index])
 
 
+def mutated_refs(handles: list[Tensor]) -> list[int]:
+    """Every live alias of every mutated storage (all of them are redefined by the op)."""
+    if not handles:
+        return []
+    refs: dict[int, None] = {}
+    for h in handles:
+        check_mutable(h)
+        for ref in h._storage.refs():
+            refs[ref] = None
+    return list(refs)
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))

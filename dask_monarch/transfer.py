@@ -15,10 +15,12 @@ from typing import Any
 
 from torch.utils._pytree import tree_map
 
+from .borrows import first_use
 from .mesh import DeviceMesh
+from .protocol import messages as m
 from .protocol.ndslice import Slice
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, check_usable
+from .tensor import Tensor, check_usable, contiguous
 
 
 class MeshSliceTensor:
@@ -62,7 +64,7 @@ def _reorder(mesh: DeviceMesh, names: list[str]) -> Slice:
 
 def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None) -> Tensor:
     check_usable(t)
-    if source._client is not dest._client:
+    if source._session is not dest._session:
         raise ValueError("to_mesh moves tensors between meshes of one device_mesh (one "
                          "controller); fetch and re-create them to cross controllers")
     missing = [d for d in source.dims if d not in dest.dims]
@@ -84,4 +86,24 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
         part = dest.slice(**dict(zip(broadcast, coords))) if broadcast else dest
         pairs.append((from_ranks, _reorder(part, common)))
     stream = stream or get_active_stream()
-    return source._client.send_tensor(t, source, dest, stream, pairs)
+    session = source._session
+    with session.lock:  # one SendTensor per destination slice, all defining one ref
+        src_ref = session.stream_ref(t._stream)
+        dst_ref = session.stream_ref(stream)
+        session.ensure_p2p(src_ref, dst_ref)
+        first_use(session, [t])
+        result = session.new_ref()
+        factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
+        seq = session.new_seq()
+        session.invoke(seq, [t._ref.id], [result.id])
+        for from_ranks, to_ranks in pairs:
+            ranks = tuple(sorted(set(from_ranks) | set(to_ranks)))
+            session.send(ranks, m.SendTensor(result, from_ranks, to_ranks, t._ref, factory,
+                                             src_ref, dst_ref))
+        shape = tuple(t.shape)
+        handle = Tensor(shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream,
+                        result)
+        capture = session.capture
+        if capture is not None and capture.tracing:
+            capture.note([(t._ref.id, t)], [handle])
+        return handle

@@ -187,7 +187,7 @@ def _ref_count(client, controller) -> int:
 
 
 def test_unused_handles_free_their_refs(mesh2, client2):
-    controller = mesh2._client.controller
+    controller = mesh2._session.controller
     with mesh2.activate():
         keep = torch.ones(2)
         dm.inspect(keep)
@@ -204,14 +204,14 @@ def test_unused_handles_free_their_refs(mesh2, client2):
 
 def test_dropped_bytes_send_deletes_before_the_batch_fills(mesh2, monkeypatch):
     """Garbage is bounded in bytes too: big dropped tensors are deleted without a fetch."""
-    import dask_monarch.mesh_client as mesh_client
+    import dask_monarch.controller.session as session_module
 
-    monkeypatch.setattr(mesh_client, "DELETE_BYTES", 3 * 100 * 100 * 4)
-    client = mesh2._client
+    monkeypatch.setattr(session_module, "DELETE_BYTES", 3 * 100 * 100 * 4)
+    session = mesh2._session
     with mesh2.activate():
         for _ in range(10):  # without the bound, 10 deletes would wait for a fetch
             torch.ones(100, 100).drop()  # 40 KB each; the next message sends 3 pending
-            assert len(client._pending_deletes) <= 3
+            assert len(session._pending_deletes) <= 3
 
 
 def test_autograd_runs_backward_on_the_ranks(mesh):
@@ -351,7 +351,7 @@ def test_lost_worker_is_a_device_exception():
         with mesh.activate():
             x = torch.ones(2)
             dm.inspect(x)
-            victim = mesh._client.controller.workers[1]
+            victim = mesh._session.controller.workers[1]
             pid = client.run(os.getpid, workers=[victim])[victim]
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(dm.DeviceException, match="rank 1"):

@@ -23,7 +23,7 @@ def mesh(mesh2):
 @contextlib.contextmanager
 def sent_messages(mesh):
     """Record what the mesh's controller is given (observing, not replacing, send)."""
-    controller = mesh._client.controller
+    controller = mesh._session.controller
     log, original = [], controller.send
 
     def send(ranks, message):

@@ -1,0 +1,161 @@
+"""Aliases and borrows of a storage on the client, and the borrow steps after its creation.
+
+Handles that share storage (views, in-place results) share a
+:class:`StorageInfo`: every live alias of a mutated storage is redefined by
+the op (and poisoned together if it fails), and a storage lent to another
+stream may not be used (mutable borrow) or changed (immutable borrow) until
+the borrow is dropped. :meth:`dask_monarch.Stream.borrow` sends
+``BorrowCreate``; this module sends the other three steps: ``BorrowFirstUse``
+lazily, on the borrowed tensor's first use, and ``BorrowLastUse`` and
+``BorrowDrop`` on :meth:`Borrow.drop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .protocol import messages as m
+
+if TYPE_CHECKING:
+    from .controller.session import Session
+    from .tensor import Tensor
+
+
+class StorageInfo:
+    """What the client knows of one storage on the ranks: its live aliases and borrows."""
+
+    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "__weakref__")
+
+    def __init__(self):
+        self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
+        self._lent_mutably = None  # weakref to the Borrow that took this storage away
+        # immutable borrows out of this storage; weak, so that a borrow nobody holds is
+        # collected (and drops itself, with a warning)
+        self._lent: weakref.WeakSet | None = None
+        self.borrow = None  # the Borrow this storage was lent through (borrower side)
+
+    def add(self, handle) -> None:
+        self._handles.append(weakref.ref(handle))
+
+    @property
+    def handles(self) -> list:
+        alive = [h for h in (r() for r in self._handles) if h is not None]
+        if len(alive) != len(self._handles):
+            self._handles = [weakref.ref(h) for h in alive]
+        return alive
+
+    @property
+    def lent(self) -> weakref.WeakSet:
+        if self._lent is None:
+            self._lent = weakref.WeakSet()
+        return self._lent
+
+    @property
+    def lent_mutably(self):
+        return self._lent_mutably() if self._lent_mutably is not None else None
+
+    @lent_mutably.setter
+    def lent_mutably(self, borrow) -> None:
+        self._lent_mutably = weakref.ref(borrow) if borrow is not None else None
+
+    def refs(self) -> list[int]:
+        return [h._ref.id for h in self.handles if h._owns_ref]
+
+
+class Borrow:
+    """A tensor lent from one stream to another until :meth:`drop` (also a context manager)."""
+
+    def __init__(self, session: Session, borrow_id: int, origin: Tensor, borrowed: Tensor,
+                 mutable: bool):
+        self.session = session
+        self.id = borrow_id
+        self.origin = origin
+        self.borrowed = borrowed
+        self.mutable = mutable
+        self.first_used = False
+        self.dropped = False
+
+    def drop(self) -> None:
+        """Give the tensor back: the borrowed handle (and its views) can no longer be used."""
+        if self.dropped:
+            return
+        session = self.session
+        with session.lock:
+            capture = session.capture
+            if capture is not None and capture.tracing and self not in capture.borrows:
+                raise ValueError("cannot explicitly drop a tensor inside a compiled block that "
+                                 "was borrowed outside of it")
+            ranks = self.origin._mesh._ranks
+            if not self.first_used:
+                self.first_used = True
+                session.send(ranks, m.BorrowFirstUse(self.id))
+            storage = self.borrowed._storage
+            views = [h for h in storage.handles if h is not self.borrowed and h._owns_ref]
+            if views:
+                session.send(ranks, m.DeleteRefs([h._ref for h in views]))
+            for h in storage.handles:
+                h._owns_ref = False
+                h._dropped = h._dropped or f"the borrow {self.id} it came from was dropped"
+            session.send(ranks, m.BorrowLastUse(self.id))
+            session.send(ranks, m.BorrowDrop(self.id))
+            seq = session.new_seq()
+            origin = self.origin._storage
+            if self.mutable:  # the lender's aliases now hold what the borrower made of them
+                session.invoke(seq, [self.borrowed._ref.id], origin.refs())
+                origin.lent_mutably = None
+            else:
+                session.invoke(seq, [], [])
+                origin.lent.discard(self)
+            self.dropped = True
+
+    def forget(self, why: str) -> None:
+        """Undo a borrow that never reached the ranks (its trace failed), on the client only.
+
+        Dropping it would send the ranks the steps of a borrow they never saw,
+        which breaks the mesh; leaving it would keep its lender lent.
+        """
+        with self.session.lock:
+            for h in self.borrowed._storage.handles:
+                h._owns_ref = False
+                h._dropped = h._dropped or why
+            origin = self.origin._storage
+            if self.mutable:
+                origin.lent_mutably = None
+            else:
+                origin.lent.discard(self)
+            self.dropped = True
+
+    def __enter__(self) -> Borrow:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drop()
+
+    def __del__(self):
+        if not getattr(self, "dropped", True) and not self.session.closed:
+            warnings.warn(f"borrow {self.id} was garbage collected without drop(); dropping it",
+                          stacklevel=2)
+            with contextlib.suppress(Exception):
+                self.drop()
+
+    def __repr__(self) -> str:
+        state = "dropped" if self.dropped else "active"
+        kind = "mutable" if self.mutable else "immutable"
+        return f"<Borrow {self.id} ({kind}, {state})>"
+
+
+def first_use(session: Session, handles: list[Tensor]) -> None:
+    """Borrowed tensors tell their lender's stream on their first use (lazily)."""
+    for h in handles:
+        borrow = h._storage.borrow
+        if borrow is not None and not borrow.first_used:
+            borrow.first_used = True
+            message = m.BorrowFirstUse(borrow.id)
+            capture = session.capture
+            if capture is not None and capture.tracing and borrow not in capture.borrows:
+                session.send_setup(h._mesh._ranks, message)  # borrowed outside: not recorded
+            else:
+                session.send(h._mesh._ranks, message)

@@ -1,0 +1,369 @@
+"""The state every view of one root mesh shares on the controller side (Monarch's ``Client``).
+
+A :class:`Session` owns the :class:`~dask_monarch.controller.Controller` and
+what the user API needs on top of the raw protocol: ref, id and seq
+allocation, the dependency :class:`~dask_monarch.controller.history.History`,
+batched deletes, the refs created lazily on the ranks (streams, meshes,
+communicators), the :class:`Capture` used by ``coalescing`` and ``compile``,
+fetch futures and the ranks' reports. It builds no message of a user-API
+concept: each concept module (``tensor``, ``collectives``, ``compiled``, ...)
+builds its own and sends it through :meth:`Session.send`. Reports arrive on
+the client's event loop thread (a controller listener); everything else runs
+on the user's thread; one lock keeps them apart.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from distributed import Client
+
+from ..exceptions import DeviceException, RemoteException
+from ..protocol import messages as m
+from ..protocol.ndslice import Slice
+from .controller import Controller
+from .history import History
+
+STATUS_EVERY = 10_000  # ask for progress at least this often, so the history can be pruned
+DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and exit) ...
+# ... or earlier once the dropped handles name this many bytes: 1024 dropped activations of a
+# real model are gigabytes the ranks (GPUs) would keep for nothing.
+DELETE_BYTES = 64 << 20
+
+
+class MeshFuture(concurrent.futures.Future):
+    """The value of a fetch: resolves once every rank has passed it (``.result()``)."""
+
+    def __init__(self, session: Session, seq: int, ranks: int = 1):
+        super().__init__()
+        self._session = session
+        self.seq = seq
+        self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._session.controller.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return super().result(timeout=0.05)
+            except concurrent.futures.TimeoutError:
+                broken = self._session.controller.broken
+                if broken is not None:
+                    raise broken from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the fetch of seq {self.seq} did not resolve within "
+                                       f"{timeout}s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except (RemoteException, DeviceException) as e:
+            return e
+        return None
+
+
+class Capture:
+    """Messages held back instead of sent (coalescing, or a recording being traced)."""
+
+    def __init__(self, kind: str, first_id: int = 0):
+        self.kind = kind
+        self.first_id = first_id  # refs below it existed before the capture
+        self.messages: list[tuple[tuple[int, ...], Any]] = []
+        self.created: list = []  # handles made while tracing: internal to the recording
+        self.captured: dict[int, Any] = {}  # outside handles a traced op used, by ref id
+        self.borrows: list = []  # borrows created while tracing
+
+    @property
+    def tracing(self) -> bool:
+        return self.kind == "recording"
+
+    def add(self, ranks: tuple[int, ...], message: Any) -> None:
+        self.messages.append((ranks, message))
+
+    def note(self, inputs: Iterable[tuple[int, Any]], outputs: Iterable[Any] = ()) -> None:
+        """Remember the outside handles traced work uses (``(ref id, handle)`` pairs) and the
+        handles it makes."""
+        first = self.first_id
+        for ref, handle in inputs:
+            if ref < first:
+                self.captured[ref] = handle
+        self.created.extend(outputs)
+
+
+class Session:
+    """Ids, history, futures and setup state shared by every view of one root mesh."""
+
+    def __init__(self, client: Client, world_size: int):
+        self.controller = Controller(client, world_size)
+        self.world = tuple(range(world_size))
+        self.lock = threading.RLock()
+        self.history = History()
+        self._ids = itertools.count(1)
+        self._seq = 0
+        self._status_requested_at = 0
+        self._streams: dict[Any, m.StreamRef] = {}
+        self._meshes: dict[tuple, m.Ref] = {}
+        self._network = False
+        self._comms: set = set()
+        self._pending_deletes: list[tuple[tuple[int, ...], int]] = []
+        self._pending_bytes = 0  # what the pending deletes' handles name (views overcount)
+        self.capture: Capture | None = None
+        self._futures: dict[int, MeshFuture] = {}
+        self._values: dict[int, dict[int, Any]] = defaultdict(dict)
+        self._first_incomplete = [0] * world_size
+        self._completion = threading.Condition(self.lock)
+        self._unobserved: dict[int, RemoteException] = {}
+        self.closed = False
+        self.controller.add_listener(self._on_message)
+
+    # -- ids ----------------------------------------------------------------------------------
+
+    def new_ref(self) -> m.Ref:
+        return m.Ref(next(self._ids))
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def new_seq(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def send(self, ranks: tuple[int, ...], message: Any) -> None:
+        """Send (or capture) a message; pending deletes go out first."""
+        if self.capture is not None:
+            self.capture.add(ranks, message)
+            return
+        if len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES:
+            self._flush_deletes()
+        self.controller.send(ranks, message)
+        if self._seq - self._status_requested_at > STATUS_EVERY:
+            self.request_status()
+
+    def send_setup(self, ranks: tuple[int, ...], message: Any) -> None:
+        """Setup messages (streams, meshes, communicators) are never captured."""
+        self.controller.send(ranks, message)
+
+    def drop_ref(self, ranks: tuple[int, ...], ref: int, nbytes: int = 0) -> None:
+        """Forget ref id ``ref`` (a handle of ``nbytes``) on ``ranks`` (batched; safe from
+        ``__del__`` on any thread)."""
+        if not self.closed:
+            self._pending_deletes.append((ranks, ref))
+            self._pending_bytes += nbytes
+
+    def _flush_deletes(self) -> None:
+        pending, self._pending_deletes = self._pending_deletes, []
+        self._pending_bytes = 0
+        by_ranks: dict[tuple, list[m.Ref]] = defaultdict(list)
+        for ranks, ref in pending:
+            by_ranks[ranks].append(m.Ref(ref))
+        with self.lock:
+            for ranks, refs in by_ranks.items():
+                self.controller.send(ranks, m.DeleteRefs(refs))
+            self.history.drop(r.id for refs in by_ranks.values() for r in refs)
+
+    def flush_pending(self) -> None:
+        """Hand everything buffered so far to the controller (internal steps that bypass the
+        capture must not overtake it)."""
+        if self._pending_deletes and self.capture is None:
+            self._flush_deletes()
+
+    def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
+        """Register an invocation in the history (not while tracing: nothing runs then)."""
+        capture = self.capture
+        if capture is not None and capture.tracing:
+            return None
+        failure = self.history.invoke(seq, uses, defs)
+        self.history.invocations[seq].origin = _user_frame()
+        return failure
+
+    def request_status(self) -> None:
+        """Ask every rank to report progress up to the last seq issued (deletes go first)."""
+        if self._pending_deletes and self.capture is None:
+            self._flush_deletes()
+        self._status_requested_at = self._seq
+        self.controller.send(self.world, m.RequestStatus(max(self._seq - 1, 0)))
+
+    # -- lazily created state on the ranks ----------------------------------------------------
+
+    def stream_ref(self, stream: Any) -> m.StreamRef:
+        """The ref of ``stream`` (anything with a ``creation_mode``), created on first use."""
+        ref = self._streams.get(stream)
+        if ref is None:
+            ref = self._streams[stream] = m.StreamRef(self.new_id())
+            self.send_setup(self.world, m.CreateStream(ref, stream.creation_mode))
+        return ref
+
+    def mesh_ref(self, names: tuple[str, ...], ranks: Slice) -> m.Ref:
+        """The ref of the mesh ``names`` over ``ranks``, created on its ranks on first use."""
+        key = (names, ranks)
+        ref = self._meshes.get(key)
+        if ref is None:
+            ref = self._meshes[key] = self.new_ref()
+            self.send_setup(tuple(ranks), m.CreateDeviceMesh(ref, list(names), ranks))
+        return ref
+
+    def ensure_network(self) -> None:
+        if not self._network:
+            self._network = True
+            self.send_setup(self.world, m.BackendNetworkInit())
+
+    def ensure_split(self, mesh: m.Ref, stream: m.StreamRef, dims: tuple[str, ...]) -> None:
+        """The communicator of ``dims`` of ``mesh`` on ``stream`` (for collectives)."""
+        key = ("split", mesh.id, stream.id, dims)
+        if key not in self._comms:
+            self.ensure_network()
+            self._comms.add(key)
+            self.send_setup(self.world, m.SplitComm(list(dims), mesh, stream))
+
+    def ensure_p2p(self, src: m.StreamRef, dst: m.StreamRef) -> None:
+        """The point-to-point communicator from stream ``src`` to ``dst`` (for sends)."""
+        key = ("p2p", src.id, dst.id)
+        if key not in self._comms:
+            self.ensure_network()
+            self._comms.add(key)
+            self.send_setup(self.world, m.BackendNetworkPointToPointInit(src, dst))
+
+    def ensure_group_split(self, ranks: tuple[int, ...], group: m.Ref,
+                           stream: m.StreamRef) -> None:
+        """The communicator of process group ``group`` (on ``ranks``) on ``stream``."""
+        key = ("group", group.id, stream.id)
+        if key not in self._comms:
+            self.ensure_network()
+            self._comms.add(key)
+            self.send_setup(ranks, m.SplitCommForProcessGroup(group, stream))
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    def expect_result(self, uses: list[int], ranks: int) -> tuple[int, MeshFuture]:
+        """A seq whose value ``ranks`` ranks will send back, and the future that gets it
+        (failed at once when the ref ids ``uses`` depend on a failure already known)."""
+        seq = self.new_seq()
+        future = MeshFuture(self, seq, ranks=ranks)
+        failure = self.invoke(seq, uses, [])
+        if failure is not None:
+            self._observe(failure)
+            future.set_exception(failure)
+        else:
+            self._futures[seq] = future
+        return seq, future
+
+    def _observe(self, failure: BaseException) -> None:
+        self._unobserved.pop(id(failure), None)
+
+    def _on_message(self, msg) -> None:
+        """A report from a rank (event loop thread): resolve futures, record failures."""
+        t = type(msg)
+        with self.lock:
+            if t is m.FetchResult:
+                if msg.seq in self._futures:
+                    self._values[msg.seq][msg.rank] = msg.value
+            elif t is m.RemoteFunctionFailed:
+                self._failed(msg)
+            elif t is m.Status:
+                self._progress(msg)
+
+    def _failed(self, msg: m.RemoteFunctionFailed) -> None:
+        inv = self.history.invocations.get(msg.seq)
+        origin = getattr(inv, "origin", None) if inv is not None else None
+        lines = [line for line in msg.error.strip().splitlines() if line.strip()]
+        summary = lines[-1] if lines else "remote function failed"
+        where = f'  File "{origin[0]}", line {origin[1]}, in {origin[2]}' if origin else ""
+        failure = RemoteException(summary, rank=msg.rank, seq=msg.seq, traceback=msg.error,
+                                  controller_traceback=where)
+        newly = self.history.fail(msg.seq, failure)
+        if not newly:
+            return
+        self._unobserved[id(failure)] = failure
+        for seq in newly:
+            future = self._futures.pop(seq, None)
+            if future is not None:
+                self._values.pop(seq, None)
+                self._observe(failure)
+                future.set_exception(failure)
+
+    def _progress(self, msg: m.Status) -> None:
+        ranks = self._first_incomplete
+        if msg.seq > ranks[msg.rank]:
+            ranks[msg.rank] = msg.seq
+        done = min(ranks)
+        if done <= self.history.completed:
+            return
+        for seq in [s for s in self._futures if s < done]:
+            future = self._futures.pop(seq)
+            values = self._values.pop(seq, {})
+            failure = self.history.failure(seq)
+            if failure is not None:
+                self._observe(failure)
+                future.set_exception(failure)
+            elif values and future.ranks > 1:
+                future.set_result([values[r] for r in sorted(values)])
+            elif values:
+                future.set_result(next(iter(values.values())))
+            else:
+                future.set_exception(RemoteException(f"seq {seq} completed without a value",
+                                                     seq=seq))
+        self.history.complete(done)
+        self._completion.notify_all()
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def exit(self, timeout: float = 600) -> None:
+        """Wait for everything sent, release the ranks, raise a failure nobody fetched."""
+        if self.closed:
+            return
+        try:
+            with self.lock:
+                self.request_status()
+                target = self._seq
+            self.controller.flush()
+            deadline = time.monotonic() + timeout
+            with self._completion:
+                while self.history.completed < target:
+                    broken = self.controller.broken
+                    if broken is not None:
+                        raise broken
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks")
+                    self._completion.wait(min(remaining, 0.1))
+            unobserved = next(iter(self._unobserved.values()), None)
+        finally:
+            self.closed = True
+            self.controller.close()
+        if unobserved is not None:
+            raise unobserved
+
+
+def _user_frame():
+    """Where the user's code issued the current op (file, line, function), cheaply."""
+    f = sys._getframe(2)
+    internal = _internal_code
+    while f is not None:
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            name = code.co_filename
+            inside = internal[code] = (name.startswith(_INTERNAL) or "/torch/" in name
+                                       or name.startswith("<frozen"))
+        if not inside:
+            return (code.co_filename, f.f_lineno, code.co_name)
+        f = f.f_back
+    return None
+
+
+_INTERNAL = os.path.dirname(os.path.dirname(__file__))  # the dask_monarch folder
+_internal_code: dict = {}  # code object -> is it dask_monarch's or torch's own
+
+
+__all__ = ["Capture", "MeshFuture", "Session"]
