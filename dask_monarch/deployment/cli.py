@@ -426,6 +426,7 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
     import dask.config
     from distributed import Client
 
+    from ..controller.placement import natural_key
     from ..worker.plugin import describe_worker
 
     scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
@@ -449,7 +450,7 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
                 "plugin": d.get("has_plugin", False), "meshes": meshes.get(address, []),
                 "resources": w.get("resources", {}),
             })
-        rows.sort(key=lambda r: (r["resource"] is None, _natural(r["resource"] or r["name"])))
+        rows.sort(key=lambda r: (r["resource"] is None, natural_key(r["resource"] or r["name"])))
         link = client.dashboard_link
         scheduler = client.scheduler.address
     if as_json:
@@ -477,12 +478,6 @@ def _meshes_held(dask_worker=None) -> list[str]:
     plugin = dask_worker.plugins.get("dask_monarch")
     ranks = getattr(plugin, "ranks", {}) if plugin is not None else {}
     return [f"{token} (rank {state.rank})" for token, state in list(ranks.items())]
-
-
-def _natural(text: str) -> tuple:
-    import re
-
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
 def _ensure_handler(logger: logging.Logger) -> None:
