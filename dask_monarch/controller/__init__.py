@@ -1,7 +1,9 @@
 """The controller layer: seqs, refs, buffering, the compiler, reports and failure detection.
 
-``controller`` (the raw :class:`Controller` of Monarch's protocol), ``compiler``
-(a flush becomes one Dask graph), ``history`` (which values a failure poisons),
+``controller`` (the raw :class:`Controller` of Monarch's protocol: send, flush,
+sync, failure), ``placement`` (which workers become ranks, and what is set up on
+them), ``reports`` (what the ranks report, on one stream each), ``compiler`` (a
+flush becomes one Dask graph), ``history`` (which values a failure poisons) and
 ``session`` (what the user API shares per root mesh: ids, history, futures).
 """
 

@@ -1,20 +1,17 @@
 """The raw controller: drives Monarch's worker protocol on the workers of a Dask client.
 
-A :class:`Controller` claims ``world_size`` workers as ranks, buffers the
-messages it is given, compiles each flush into one Dask graph
-(:mod:`dask_monarch.graph`) and reads every rank's reports from a stream the
-rank's worker serves (:mod:`dask_monarch.worker.plugin`). Reports come back
-on that stream rather than through task results: a fetch costs no extra
-gather, and a lost worker shows up at once as a closed stream.
+A :class:`Controller` claims ``world_size`` workers as ranks
+(:mod:`~dask_monarch.controller.placement`), buffers the messages it is given,
+compiles each flush into one Dask graph (:mod:`~dask_monarch.controller.compiler`)
+and reads every rank's reports from a stream the rank's worker serves
+(:mod:`~dask_monarch.controller.reports`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import pickle
-import re
 import threading
 import time
 import uuid
@@ -24,33 +21,17 @@ from typing import Any
 
 import cloudpickle
 from distributed import Client, wait
-from distributed.comm import connect
-from distributed.comm.core import CommClosedError
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
-from ..protocol.messages import (
-    WORKER_MESSAGES,
-    ArgsKwargs,
-    FetchResult,
-    GetRefUnitTestsOnly,
-    Ref,
-    RemoteFunctionFailed,
-    Status,
-    StreamRef,
-)
+from ..protocol.messages import WORKER_MESSAGES, ArgsKwargs, GetRefUnitTestsOnly, Ref, StreamRef
 from ..protocol.ndslice import Slice
-from ..protocol.wire import ActorCall, Exited, Fatal, Fetched, LaneDone, ReadRef, RefValue
+from ..protocol.wire import ActorCall, ReadRef
 from ..worker.actor import construct_actor
-from ..worker.plugin import (
-    claim_rank,
-    create_lanes,
-    describe_worker,
-    register_actor,
-    set_rendezvous,
-    start_rendezvous,
-)
+from ..worker.plugin import register_actor
 from .compiler import Compiler, InternalStep
+from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
+from .reports import Reports
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -73,7 +54,7 @@ class Controller:
     """
 
     def __init__(self, client: Client, world_size: int, *, device: str = "auto",
-                 workers: list[str] | None = None):
+                 workers: list[str] | None = None) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"Controller needs a distributed.Client, got {client!r}")
         if client.asynchronous:
@@ -92,24 +73,22 @@ class Controller:
         self._progress = threading.Condition()  # reports, completion, failure
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
-        self._expected: dict[tuple[int, Any], int] = {}  # (rank, lane) -> newest segment
-        self._done: dict[tuple[int, Any], int] = {}  # (rank, lane) -> last finished segment
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
-        self._inbox: list = []
-        self._replies: dict[int, RefValue] = {}
-        self._listeners: list[Callable[[Any], None]] = []
+        self._reports = Reports(self.token, self._progress, self._break_locked)
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
-        self._comms: dict[int, Any] = {}
         self._rendezvous: tuple[str, int] | None = None
         self._actor_ids = itertools.count()
         self._actors: list = []  # Dask actor futures: they live as long as the controller
-        self.exited: set[int] = set()
+        self.exited: set[int] = self._reports.exited  # ranks that reported their exit
 
         config.freeze_gc()
-        self.workers = self._choose_workers(world_size, device, workers)
-        self._claim(device)
+        self.workers = choose_workers(client, world_size, device, workers)
+        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device)
+        client.sync(self._reports.subscribe, self.workers, client.connection_args,
+                    callback_timeout=config.seconds("timeouts.claim"))
+        tune_batched_comms(client, self.workers)
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
@@ -122,65 +101,16 @@ class Controller:
         self.flushes = 0
         _live.add(self)
 
-    # -- placement ----------------------------------------------------------------------------
-
-    def _choose_workers(self, world_size: int, device: str, workers: list[str] | None) -> list[str]:
-        info = self._client.run(describe_worker, workers=workers)
-        if device == "cuda":
-            info = {a: i for a, i in info.items() if i["gpus"]}
-        if len(info) < world_size:
-            kind = "GPU workers" if device == "cuda" else "workers"
-            raise ValueError(
-                f"Controller needs {world_size} {kind} but the cluster has {len(info)}; "
-                "start more workers or ask for a smaller world_size"
-            )
-        # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
-        def order(addr):
-            i = info[addr]
-            return (not i["gpus"], _natural(i["resource"] or ""), _natural(i["name"]), addr)
-
-        return sorted(info, key=order)[:world_size]
-
-    def _claim(self, device: str) -> None:
-        backend = config.get("backend", "auto")
-        if backend not in ("auto", "gloo"):
-            raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
-        settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
-                    "backend": backend}
-        ranks = {address: rank for rank, address in enumerate(self.workers)}
-        replies = self._client.run(claim_rank, self.token, ranks, self.world_size, settings,
-                                   workers=self.workers)
-        self.resources = [replies[a]["resource"] for a in self.workers]
-        self.devices = [replies[a]["device"] for a in self.workers]
-        self._client.sync(self._subscribe_all, callback_timeout=config.seconds("timeouts.claim"))
-        self._tune_batched_comms()
-
-    async def _subscribe_all(self) -> None:
-        comms = await asyncio.gather(*(self._subscribe(a) for a in self.workers))
-        for rank, comm in enumerate(comms):
-            self._comms[rank] = comm
-            asyncio.ensure_future(self._read_reports(rank, comm))
-
-    async def _subscribe(self, address: str):
-        comm = await connect(address, **self._client.connection_args)
-        comm.name = f"dask_monarch reports {self.token}"
-        await comm.write({"op": "dask_monarch_reports", "token": self.token, "reply": False})
-        return comm
-
-    def _tune_batched_comms(self) -> None:
-        interval = config.seconds("comm.batched-interval")
-        if interval is None:
-            return
-        client = self._client
-        if client.scheduler_comm is not None:
-            client.scheduler_comm.interval = min(client.scheduler_comm.interval, interval)
-        client.run_on_scheduler(_tune_scheduler, interval, list(self.workers), client.id)
-        client.run(_tune_worker, interval, workers=list(self.workers))
-
     # -- sending ------------------------------------------------------------------------------
 
     def send(self, ranks: Ranks, message: Any) -> None:
-        """Buffer ``message`` for ``ranks`` (an int, ints or a Slice of global ranks)."""
+        """Buffer ``message`` for ``ranks`` (an int, ints or a Slice of global ranks).
+
+        A buffer older than ``flush.min-age`` is flushed only once the ranks
+        are idle: while they are busy, more messages join the next flush
+        (up to ``flush.max-age`` and ``flush.size``), and fewer, larger
+        segments cost Dask far less per message than many small ones.
+        """
         if self._broken is not None:
             raise self._broken
         if self._closed:
@@ -201,7 +131,8 @@ class Controller:
                 self._wake.set()
             full = len(buffer) >= self._flush_size
             age = now - self._first_send
-        if full or (age >= self._min_age and (age >= self._max_age or self._ranks_idle())):
+        if full or (age >= self._min_age and (age >= self._max_age
+                                              or self._reports.ranks_idle())):
             self.flush()
 
     def _ranks(self, ranks: Ranks) -> tuple[int, ...]:
@@ -215,8 +146,8 @@ class Controller:
         try:
             if len(self._rank_sets) < 1024:
                 self._rank_sets[ranks] = out
-        except TypeError:  # a list: not hashable, not cached
-            pass
+        except TypeError as e:  # a list: not hashable, not cached
+            logger.debug("rank set not cached: %s", e)
         return out
 
     def flush(self) -> None:
@@ -232,31 +163,19 @@ class Controller:
     def _submit(self, buffer: list) -> None:
         plan = self._compiler.compile(buffer)
         if plan.rendezvous and self._rendezvous is None:
-            self._start_rendezvous()
+            self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
         if plan.new_lanes:
-            self._client.run(
-                _create_lanes_by_address, self.token,
-                {self.workers[r]: ids for r, ids in plan.new_lanes.items()},
-                workers=[self.workers[r] for r in plan.new_lanes],
-            )
+            add_lanes(self._client, self.token, self.workers, plan.new_lanes)
         self.messages_sent += plan.messages
         self.flushes += 1
         if plan.graph is not None:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
-            with self._progress:
-                self._expected.update(plan.counts)
+            self._reports.expect(plan.counts)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
-
-    def _start_rendezvous(self) -> None:
-        """Start the store collectives rendezvous through, on rank 0's worker (never here)."""
-        first = self.workers[0]
-        host, port = self._client.run(start_rendezvous, self.token, workers=[first])[first]
-        self._client.run(set_rendezvous, self.token, host, port, workers=self.workers)
-        self._rendezvous = (host, port)
 
     def _flush_loop(self) -> None:
         """Flush once the buffer has been idle for a moment (a busy sender flushes itself)."""
@@ -271,8 +190,9 @@ class Controller:
                 if wait <= 0:
                     try:
                         self.flush()
-                    except Exception:  # kept as the controller's failure; raised on the next call
-                        pass
+                    except Exception as e:  # kept as the failure; raised on the next call
+                        logger.debug("background flush of controller %s failed: %s",
+                                     self.token, e)
                     break
                 time.sleep(wait)
 
@@ -285,33 +205,10 @@ class Controller:
         caused by what was sent since the last sync, in seq order.
         """
         self.flush()
-        self._wait(self._caught_up, timeout, self._pending_description)
+        self._wait(self._reports.caught_up, timeout, self._reports.pending)
         with self._progress:
-            messages, self._inbox = self._inbox, []
+            messages = self._reports.take_inbox()
         return sorted(messages, key=lambda msg: msg.seq)
-
-    def _ranks_idle(self) -> bool:
-        """Every segment sent so far has run: a flush now keeps the ranks busy.
-
-        While they are busy, more messages join the next flush instead (up to
-        ``flush.max-age`` and ``flush.size``): fewer, larger segments cost Dask
-        far less per message than many small ones.
-        """
-        with self._progress:
-            return self._caught_up()
-
-    def _caught_up(self) -> bool:
-        done = self._done
-        return all(done.get(lane, -1) >= index for lane, index in self._expected.items())
-
-    def _pending_description(self) -> str:
-        pending = [
-            f"rank {rank} {'control steps' if lane == 'control' else f'stream {lane}'} "
-            f"(ran {self._done.get((rank, lane), -1) + 1} of {index + 1} segments)"
-            for (rank, lane), index in sorted(self._expected.items(), key=str)
-            if self._done.get((rank, lane), -1) < index
-        ]
-        return ", ".join(pending)
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout
@@ -341,10 +238,11 @@ class Controller:
         probe = next(self._probes)
         self._send_internal((rank,), stream, ReadRef(probe, GetRefUnitTestsOnly(ref, stream)))
         self.flush()
-        self._wait(lambda: probe in self._replies, timeout,
+        replies = self._reports.replies
+        self._wait(lambda: probe in replies, timeout,
                    lambda: f"rank {rank} stream {stream.id} to reach the read of {ref}")
         with self._progress:
-            reply = self._replies.pop(probe)
+            reply = replies.pop(probe)
         if reply.state == "absent":
             return None
         if reply.state == "error":
@@ -415,66 +313,17 @@ class Controller:
         Listeners run on the client's event loop thread: they must be quick
         and must not block (the user API resolves its futures this way).
         """
-        self._listeners.append(listener)
-
-    async def _read_reports(self, rank: int, comm) -> None:
-        try:
-            while True:
-                batch = await comm.read()
-                self._on_reports(rank, batch)
-        except (CommClosedError, OSError, asyncio.CancelledError):
-            pass
-        except Exception as e:  # a report we cannot read: the mesh cannot be trusted
-            logger.exception("bad report from rank %d", rank)
-            self._break(DeviceException(f"unreadable report from its worker: {e!r}", rank=rank))
-            return
-        if not self._closed:
-            self._break(DeviceException(
-                f"lost connection to its worker {self.workers[rank]} "
-                "(the worker died, restarted or was removed)", rank=rank))
-
-    def _on_reports(self, rank: int, batch: list) -> None:
-        delivered = []
-        with self._progress:
-            for item in batch:
-                t = type(item)
-                if t is LaneDone:
-                    key = (item.rank, item.lane)
-                    if item.index > self._done.get(key, -1):
-                        self._done[key] = item.index
-                elif t is Fetched:
-                    delivered.append(_fetch_result(item))
-                elif t is Status or t is RemoteFunctionFailed:
-                    delivered.append(item)
-                elif t is RefValue:
-                    if item.probe > 0:
-                        self._replies[item.probe] = item
-                elif t is Fatal:
-                    self._break_locked(DeviceException(item.cause, rank=item.rank))
-                elif t is Exited:
-                    self.exited.add(item.rank)
-                    if item.error is not None:
-                        source, text = item.error
-                        self._break_locked(DeviceException(
-                            f"Exit with an error from {source or 'an unknown source'}: {text}",
-                            rank=item.rank))
-            self._inbox.extend(delivered)
-            self._progress.notify_all()
-        for msg in delivered:
-            for listener in self._listeners:
-                listener(msg)
-
-    # -- failure and shutdown -----------------------------------------------------------------
+        self._reports.listeners.append(listener)
 
     def progress(self) -> dict:
         """Segments submitted and finished so far, and messages sent (cheap; any thread)."""
         with self._progress:
-            expected = sum(index + 1 for index in self._expected.values())
-            done = sum(min(self._done.get(lane, -1), index) + 1
-                       for lane, index in self._expected.items())
+            expected, done = self._reports.segments()
         return {"token": self.token, "messages": self.messages_sent, "flushes": self.flushes,
                 "segments": expected, "segments_done": done,
                 "state": "broken" if self._broken else "closed" if self._closed else "running"}
+
+    # -- failure and shutdown -----------------------------------------------------------------
 
     @property
     def broken(self) -> DeviceException | None:
@@ -500,13 +349,10 @@ class Controller:
         if futures:
             try:
                 await self._client._cancel(futures)
-            except Exception:
-                pass
+            except Exception as e:
+                logger.debug("controller %s could not cancel its queued work: %s", self.token, e)
         self._actors.clear()
-        comms = list(self._comms.values())
-        self._comms.clear()
-        for comm in comms:
-            comm.abort()
+        self._reports.hang_up()
 
     def close(self) -> None:
         """Wait briefly for outstanding work, then release everything on every rank."""
@@ -523,49 +369,15 @@ class Controller:
             self._progress.notify_all()
         try:
             self._client.sync(self._shutdown_async)
-        except Exception:
-            pass
+        except Exception as e:
+            logger.debug("controller %s could not shut down cleanly: %s", self.token, e)
 
     def __enter__(self) -> Controller:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
         return f"<Controller {self.token}: {self.world_size} ranks, {state}>"
-
-
-def _fetch_result(item: Fetched) -> FetchResult | RemoteFunctionFailed:
-    try:
-        return FetchResult(item.seq, item.rank, pickle.loads(item.payload))
-    except Exception as e:
-        return RemoteFunctionFailed(item.seq, item.rank,
-                                    f"the fetched value cannot be unpickled on the client: {e!r}")
-
-
-def _natural(text: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
-
-
-async def _create_lanes_by_address(token: str, by_address: dict[str, list[int]],
-                                   dask_worker=None) -> None:
-    await create_lanes(token, by_address[dask_worker.address], dask_worker=dask_worker)
-
-
-def _tune_scheduler(interval: float, workers: list[str], client_id: str,
-                    dask_scheduler=None) -> None:
-    for address in workers:
-        comm = dask_scheduler.stream_comms.get(address)
-        if comm is not None:
-            comm.interval = min(comm.interval, interval)
-    comm = dask_scheduler.client_comms.get(client_id)
-    if comm is not None:
-        comm.interval = min(comm.interval, interval)
-
-
-def _tune_worker(interval: float, dask_worker=None) -> None:
-    comm = dask_worker.batched_stream
-    comm.interval = min(comm.interval, interval)
-

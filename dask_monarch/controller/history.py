@@ -31,7 +31,7 @@ class Invocation:
 class History:
     """Invocations that may still fail, and failures that may still be fetched."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.invocations: dict[int, Invocation] = {}  # pending or failed
         self.definer: dict[int, int] = {}  # ref -> seq of its pending or failed definer
         self.completed = 0  # every seq below this has completed on every rank
@@ -72,6 +72,7 @@ class History:
         return newly
 
     def failure(self, seq: int) -> BaseException | None:
+        """The failure ``seq`` carries, if it failed and is still kept."""
         inv = self.invocations.get(seq)
         return None if inv is None else inv.failure
 

@@ -8,8 +8,6 @@ this works on any deployment, not only on clusters dask_monarch started.
 
 from __future__ import annotations
 
-import re
-
 
 def dashboard_note(link: str) -> str:
     """``", dashboard <the /monarch/ page>"`` for an information line ("" without a dashboard)."""
@@ -20,6 +18,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
     """The scheduler, its dashboard link and one row per worker, rank workers first, in order."""
     from distributed import Client
 
+    from ..controller.placement import natural_key
     from ..worker.plugin import describe_worker
 
     if scheduler_file:
@@ -40,7 +39,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
                 "plugin": d.get("has_plugin", False), "meshes": meshes.get(address, []),
                 "resources": w.get("resources", {}),
             })
-        rows.sort(key=lambda r: (r["resource"] is None, _natural(r["resource"] or r["name"])))
+        rows.sort(key=lambda r: (r["resource"] is None, natural_key(r["resource"] or r["name"])))
         link = client.dashboard_link
         scheduler = client.scheduler.address
     return {"scheduler": scheduler, "dashboard": link, "workers": rows}
@@ -71,7 +70,3 @@ def _meshes_held(dask_worker=None) -> list[str]:
     plugin = dask_worker.plugins.get("dask_monarch")
     ranks = getattr(plugin, "ranks", {}) if plugin is not None else {}
     return [f"{token} (rank {state.rank})" for token, state in list(ranks.items())]
-
-
-def _natural(text: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))

@@ -1,0 +1,123 @@
+"""Placement: which workers a controller's ranks run on, and the per-rank state it sets up there.
+
+The workers are chosen in a stable order (GPU workers first, then by rank
+resource and name in natural order), claimed as ranks, given lanes as flushes
+need them and, for the first collective, a store rendezvous. Each step is one
+``client.run`` on the workers concerned; the functions here hold no state, the
+:class:`~dask_monarch.controller.Controller` keeps what they return.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from distributed import Client
+
+from .. import config
+from ..worker.plugin import (
+    claim_rank,
+    create_lanes,
+    describe_worker,
+    set_rendezvous,
+    start_rendezvous,
+)
+
+
+def natural_key(text: str) -> tuple:
+    """A sort key that orders the numbers inside ``text`` by value (``rank2 < rank10``)."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
+
+
+def choose_workers(client: Client, world_size: int, device: str,
+                   workers: list[str] | None) -> list[str]:
+    """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order."""
+    info = client.run(describe_worker, workers=workers)
+    if device == "cuda":
+        info = {a: i for a, i in info.items() if i["gpus"]}
+    if len(info) < world_size:
+        kind = "GPU workers" if device == "cuda" else "workers"
+        raise ValueError(
+            f"Controller needs {world_size} {kind} but the cluster has {len(info)}; "
+            "start more workers or ask for a smaller world_size"
+        )
+    # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
+    def order(addr: str) -> tuple:
+        i = info[addr]
+        return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
+
+    return sorted(info, key=order)[:world_size]
+
+
+def claim_ranks(client: Client, token: str, workers: list[str],
+                device: str) -> tuple[list[str], list[str]]:
+    """Make ``workers[r]`` rank ``r`` of controller ``token``; returns their resources and devices.
+
+    The resource is the one each rank's tasks are pinned with; the device is
+    where the rank keeps its tensors (``device`` resolved on the worker).
+    """
+    backend = config.get("backend", "auto")
+    if backend not in ("auto", "gloo"):
+        raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
+    settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
+                "backend": backend}
+    ranks = {address: rank for rank, address in enumerate(workers)}
+    replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)
+    return [replies[a]["resource"] for a in workers], [replies[a]["device"] for a in workers]
+
+
+def add_lanes(client: Client, token: str, workers: list[str],
+              new_lanes: dict[int, list[int]]) -> None:
+    """Create the lanes (stream ids) a flush needs for the first time, by rank."""
+    client.run(
+        _create_lanes_by_address, token,
+        {workers[r]: ids for r, ids in new_lanes.items()},
+        workers=[workers[r] for r in new_lanes],
+    )
+
+
+def open_rendezvous(client: Client, token: str, workers: list[str]) -> tuple[str, int]:
+    """Start the store that collectives rendezvous through, on rank 0's worker (never here).
+
+    Every rank is told its address; returns it.
+    """
+    first = workers[0]
+    host, port = client.run(start_rendezvous, token, workers=[first])[first]
+    client.run(set_rendezvous, token, host, port, workers=workers)
+    return host, port
+
+
+def tune_batched_comms(client: Client, workers: list[str]) -> None:
+    """Lower Dask's batched-comm gaps to ``comm.batched-interval`` (null leaves them alone).
+
+    The gaps on the client, the scheduler and the ranks' workers set the
+    latency floor of a flush.
+    """
+    interval = config.seconds("comm.batched-interval")
+    if interval is None:
+        return
+    if client.scheduler_comm is not None:
+        client.scheduler_comm.interval = min(client.scheduler_comm.interval, interval)
+    client.run_on_scheduler(_tune_scheduler, interval, list(workers), client.id)
+    client.run(_tune_worker, interval, workers=list(workers))
+
+
+async def _create_lanes_by_address(token: str, by_address: dict[str, list[int]],
+                                   dask_worker: Any = None) -> None:
+    await create_lanes(token, by_address[dask_worker.address], dask_worker=dask_worker)
+
+
+def _tune_scheduler(interval: float, workers: list[str], client_id: str,
+                    dask_scheduler: Any = None) -> None:
+    for address in workers:
+        comm = dask_scheduler.stream_comms.get(address)
+        if comm is not None:
+            comm.interval = min(comm.interval, interval)
+    comm = dask_scheduler.client_comms.get(client_id)
+    if comm is not None:
+        comm.interval = min(comm.interval, interval)
+
+
+def _tune_worker(interval: float, dask_worker: Any = None) -> None:
+    comm = dask_worker.batched_stream
+    comm.interval = min(comm.interval, interval)
