@@ -12,7 +12,7 @@ import yaml
 import dask_monarch
 
 DEFAULTS = Path(dask_monarch.__file__).parent / "dask_monarch.yaml"
-DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
+DOCS = Path(__file__).parents[2] / "docs" / "configuration.md"
 
 
 def test_environment_variables_override_defaults():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from protocol import S0, S1, call, create_streams, failures, fetch, values
+from raw import S0, S1, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m

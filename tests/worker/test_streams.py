@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from conftest import requires_cuda
-from protocol import S0, S1, S2, S3, call, create_streams, failures, fetch, values
+from raw import S0, S1, S2, S3, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 PLUGINS = ROOT / "plugins"
 BIN = Path(sys.executable).parent
 

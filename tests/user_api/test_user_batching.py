@@ -191,7 +191,7 @@ def _spoiled(x):
 
 
 def test_training_example_matches_single_process_training(client4):
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
     import train_mlp
 
     mesh = dm.device_mesh(client4, host=2, gpu=2)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from distributed import Client
-from protocol import S0, call, create_streams
+from raw import S0, call, create_streams
 
 import dask_monarch as dm
 from dask_monarch.messages import Ref

@@ -9,7 +9,7 @@ import dask
 import pytest
 import torch
 from distributed.utils import key_split
-from protocol import S0, S1, call, create_streams, fetch, values
+from raw import S0, S1, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m

@@ -1,4 +1,4 @@
-"""Short builders for raw protocol messages in tests."""
+"""Short builders for raw protocol messages in tests (``from raw import call, fetch, ...``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 # Run in the kernel after the notebook's own cells: its child processes (scheduler, nannies,
 # workers) must be gone once the notebook has closed its cluster. multiprocessing's resource

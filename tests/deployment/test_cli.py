@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # the helper modules (remote_fns, ...)
 BIN = Path(sys.executable).parent
 
 PRELUDE = """\

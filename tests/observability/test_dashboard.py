@@ -14,13 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from protocol import S0, S1, call, create_streams, fetch
+from raw import S0, S1, call, create_streams, fetch
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
 
 CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 BOTH = [0, 1]
 
 
