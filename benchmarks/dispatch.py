@@ -13,7 +13,7 @@
 3. Latency: ``dm.inspect`` of a tiny value just computed on the mesh, next to
    ``client.submit(...).result()`` on the same cluster, with the figures that
    Monarch 0.7.0 and Ray 2.60 reach on this machine (quoted from
-   ``shared/spec/dask-notes.md`` §11: they are not installed here).
+   docs/dask.md §11: they are not installed here).
 
 Medians over the repeats.
 """
@@ -112,7 +112,7 @@ def user_api(client, ops: int, repeat: int) -> list[tuple[str, float]]:
     return rows
 
 
-# Quoted, not measured here: median ms per fetch of a tiny value (dask-notes §11).
+# Quoted, not measured here: median ms per fetch of a tiny value (docs/dask.md §11).
 PEER_FETCH_MS = {"Monarch 0.7.0": 2.4, "Ray 2.60": 0.89}
 
 

@@ -1,4 +1,7 @@
-"""``coalescing()``: buffer every message of a block and send one CommandGroup per rank (§1.9)."""
+"""``coalescing()``: buffer a block's messages, send one CommandGroup per rank.
+
+Semantics: docs/protocol.md §1.9.
+"""
 
 from __future__ import annotations
 

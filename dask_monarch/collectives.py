@@ -1,4 +1,4 @@
-"""Collectives on mesh tensors: ``reduce`` and ``reduce_`` (monarch-semantics §1.7).
+"""Collectives on mesh tensors: ``reduce`` and ``reduce_`` (docs/protocol.md §1.7).
 
 ``t.reduce("gpu", "sum")`` all-reduces over a mesh dim; ``"stack"`` gathers
 (``[n, *shape]``); ``scatter=True`` reduce-scatters (``shape[1:]``, dim 0 must

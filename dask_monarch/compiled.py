@@ -1,4 +1,6 @@
-"""``compile``: trace a function once into a recording, replay it with one message (§1.9).
+"""``compile``: trace a function once into a recording, replay it with one message.
+
+Semantics: docs/protocol.md §1.9.
 
 The first call with given argument metadata runs the function with stand-in
 ("formal") tensors while the session captures every message instead of

@@ -1,4 +1,4 @@
-"""Fetching values from the ranks (monarch-semantics §1.5).
+"""Fetching values from the ranks (docs/protocol.md §1.5).
 
 A fetch resolves only after every rank has passed it, and raises
 :class:`~dask_monarch.RemoteException` if anything the value depends on

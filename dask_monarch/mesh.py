@@ -1,4 +1,4 @@
-"""Device meshes: named n-d views over the ranks of one controller (monarch-semantics §1.1).
+"""Device meshes: named n-d views over the ranks of one controller (docs/protocol.md §1.1).
 
 ``device_mesh(client, host=2, gpu=2)`` claims 4 workers of a Dask client as
 ranks and returns a mesh over them; ``rename``, ``split``, ``flatten`` and

@@ -1,4 +1,4 @@
-"""What an op returns, worked out on the client without a round trip (monarch-semantics §1.3).
+"""What an op returns, worked out on the client without a round trip (docs/protocol.md §1.3).
 
 Output shapes, strides and dtypes come from running the op on fake tensors;
 aliasing (views, in-place ops, ``out=``) comes from the op's schema. Fake

@@ -1,4 +1,4 @@
-"""Remote functions: user Python run on every rank of a mesh (monarch-semantics §1.4).
+"""Remote functions: user Python run on every rank of a mesh (docs/protocol.md §1.4).
 
 ``@dm.remote`` turns a function into one that runs on the ranks of the mesh
 its tensor arguments live on (or the active mesh) and returns mesh tensors.

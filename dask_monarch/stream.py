@@ -1,4 +1,4 @@
-"""Streams on the client, and the creation of borrows (monarch-semantics §1.6).
+"""Streams on the client, and the creation of borrows (docs/protocol.md §1.6).
 
 A :class:`Stream` is a named lane on every rank: work on different streams
 runs concurrently, work on one stream in order. Tensors belong to the stream

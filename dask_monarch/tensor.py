@@ -1,4 +1,6 @@
-"""Mesh tensors: torch tensors whose values live on the ranks of a device mesh (§1.2, §1.3).
+"""Mesh tensors: torch tensors whose values live on the ranks of a device mesh.
+
+Semantics: docs/protocol.md §1.2 (client-side checks) and §1.3 (ops).
 
 A :class:`Tensor` is a wrapper subclass holding only metadata (shape, dtype,
 device, strides) and the ref of the value on each rank. Torch calls on it,
@@ -143,7 +145,7 @@ _last_error = threading.local()
 
 
 def misuse(text: str) -> TypeError:
-    """A client-side check failed (§1.2): a TypeError, remembered so that operators show it.
+    """A client-side check failed (docs/protocol.md §1.2): a TypeError, remembered for operators.
 
     torch turns a TypeError raised inside ``a + b`` into ``NotImplemented``, and
     Python then reports only "unsupported operand types"; the operators of
@@ -177,7 +179,7 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 
 
 def check_usable(t: Tensor) -> None:
-    """The client-side checks every use of a handle passes (§1.2)."""
+    """The client-side checks every use of a handle passes (docs/protocol.md §1.2)."""
     if t._session.closed:
         raise exited(t._mesh)
     if t._dropped is not None:
@@ -214,7 +216,7 @@ def active_mesh() -> DeviceMesh | None:
 
 
 def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Any]:
-    """The mesh and stream a use of ``handles`` runs on, after the checks of §1.2.
+    """The mesh and stream a use of ``handles`` runs on, after the checks of docs/protocol.md §1.2.
 
     Every handle must be usable, on one mesh, and on the active stream; with no
     handles the active mesh is used. ``hint`` ends the WRONG_STREAM message.

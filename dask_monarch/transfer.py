@@ -1,4 +1,6 @@
-"""Moving tensors between meshes of one controller: ``to_mesh`` and ``slice_mesh`` (§1.8).
+"""Moving tensors between meshes of one controller: ``to_mesh`` and ``slice_mesh``.
+
+Semantics: docs/protocol.md §1.8.
 
 A move is always a copy (``SendTensor``): ranks that keep a shard make an
 eager deep copy, others receive it over the point-to-point communicator of

@@ -41,7 +41,7 @@ def sleep_then(seconds, path=None):
 
 
 class WithRemoteImpl:
-    """Resolution uses ``_remote_impl`` when an object has one (monarch-semantics §1.4)."""
+    """Resolution uses ``_remote_impl`` when an object has one (docs/protocol.md §1.4)."""
 
     @staticmethod
     def _remote_impl(x):

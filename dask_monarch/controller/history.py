@@ -1,4 +1,6 @@
-"""The controller's dependency history: one failure poisons exactly its dependents (§4.2).
+"""The controller's dependency history: one failure poisons exactly its dependents.
+
+The error model is docs/protocol.md §4.2.
 
 Every invocation the client issues registers the refs it uses and defines.
 A use links the invocation to the one that last defined the ref. When a rank

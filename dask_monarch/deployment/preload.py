@@ -12,7 +12,7 @@ dask-jobqueue, dask-kubernetes; docs/deployment.md)::
 are the same preloads as files, for ``--preload /path/to/file.py``.
 Options must be written ``--opt=value``: distributed hands preload options
 to click as a list, and ``--opt value`` fails with "Got unexpected extra
-argument" (dask-notes §7). Give ``dask worker`` the scheduler address as its
+argument" (docs/dask.md §7). Give ``dask worker`` the scheduler address as its
 first argument: with only ``--scheduler-file``, its parser takes the first
 preload option for the (then ignored) address, and the option is lost.
 Each option can also come from the environment (``MONARCH_RANK``,

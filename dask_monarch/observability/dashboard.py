@@ -1,6 +1,6 @@
 """The dask_monarch page of the Dask dashboard: what every mesh, rank and stream is doing.
 
-The scheduler's HTTP server serves (dask-notes §5):
+The scheduler's HTTP server serves (docs/dask.md §5):
 
 * ``/monarch/`` — an HTML page that polls the JSON below with plain
   JavaScript (no CDN, works offline): per controller (mesh) and rank, the
@@ -216,7 +216,7 @@ def _more_menu_page(scheduler, extra, doc) -> None:
 def _register_more_menu_page() -> None:
     """Add ``/individual-monarch`` to distributed's page table (before the scheduler starts).
 
-    The table is internal (dask-notes §5 item 3); a distributed without it
+    The table is internal (docs/dask.md §5 item 3); a distributed without it
     just loses the menu entry, never the page.
     """
     try:

@@ -1,4 +1,4 @@
-"""The dependency history (monarch-semantics §4.2), as pure bookkeeping."""
+"""The dependency history (docs/protocol.md §4.2), as pure bookkeeping."""
 
 from dask_monarch.controller.history import History
 

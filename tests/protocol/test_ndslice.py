@@ -24,7 +24,7 @@ def test_location_coordinates_index_get_are_inverse():
 
 
 def test_strided_slice_worked_example():
-    # monarch-semantics §2.4: slice(0, [2, 3], [3, 1])
+    # docs/protocol.md §2.4: slice(0, [2, 3], [3, 1])
     s = Slice(0, [2, 3], [3, 1])
     assert list(s) == [0, 1, 2, 3, 4, 5]
     assert s.coordinates(4) == [1, 1]

@@ -1,4 +1,4 @@
-"""The worker-side mesh (monarch-semantics §2.4 worked examples)."""
+"""The worker-side mesh (docs/protocol.md §2.4 worked examples)."""
 
 import pytest
 
