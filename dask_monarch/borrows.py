@@ -12,7 +12,7 @@ lazily, on the borrowed tensor's first use, and ``BorrowLastUse`` and
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .controller.session import Session
     from .tensor import Tensor
 
+
+logger = logging.getLogger("dask_monarch.borrows")
 
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
@@ -138,8 +140,10 @@ class Borrow:
         if not getattr(self, "dropped", True) and not self.session.closed:
             warnings.warn(f"borrow {self.id} was garbage collected without drop(); dropping it",
                           stacklevel=2)
-            with contextlib.suppress(Exception):
+            try:
                 self.drop()
+            except Exception as e:  # a finalizer must not raise; the mesh may be gone
+                logger.debug("dropping garbage-collected borrow %s failed: %r", self.id, e)
 
     def __repr__(self) -> str:
         state = "dropped" if self.dropped else "active"

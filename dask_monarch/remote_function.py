@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from .protocol.names import describe_output, described_tensor
 from .stream import Stream
 from .tensor import Tensor, mutated_refs, placement
 
+logger = logging.getLogger("dask_monarch.remote_function")
 
 def resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
     """An import path when the function can be found by one, else its cloudpickle."""
@@ -48,8 +50,8 @@ def resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
         try:
             if getattr(importlib.import_module(module), qualname, None) is fn:
                 return m.FunctionPath(f"{module}.{qualname}")
-        except ImportError:
-            pass
+        except ImportError as e:  # a module that only exists here: send the function itself
+            logger.debug("%s.%s is not importable by path (%r); pickling it", module, qualname, e)
     return m.Cloudpickle.dumps(fn)
 
 

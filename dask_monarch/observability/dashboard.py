@@ -221,7 +221,8 @@ def _register_more_menu_page() -> None:
     """
     try:
         from distributed.dashboard import scheduler as pages
-    except Exception:  # no bokeh, or the internal module moved
+    except Exception as e:  # no bokeh, or the internal module moved
+        logger.debug("no 'More...' menu entry for the Monarch page: %r", e)
         return
     applications = getattr(pages, "applications", None)
     if isinstance(applications, dict):
