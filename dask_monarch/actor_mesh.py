@@ -10,7 +10,7 @@ tensor instead. Calls run on the active stream, in order with its tensor work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -21,18 +21,22 @@ from .remote_function import bind_outputs, propagate_locally
 from .stream import get_active_stream
 from .tensor import Tensor, check_usable
 
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
 
 class ActorMesh:
     """One actor per rank of a mesh; see :meth:`DeviceMesh.spawn`."""
 
-    def __init__(self, mesh, name: str, cls: type, *args: Any, **kwargs: Any):
+    def __init__(self, mesh: DeviceMesh, name: str, cls: type, *args: Any,
+                 **kwargs: Any) -> None:
         self.mesh = mesh
         self.name = name
         self._session = mesh._session
         self.broker = self._session.controller.spawn_actor(mesh._ranks, name, cls, *args,
                                                            **kwargs)
 
-    def _prepare(self, args: tuple, kwargs: dict):
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple, dict]:
         leaves = tree_flatten((args, kwargs))[0]
         handles = [x for x in leaves if isinstance(x, Tensor)]
         for h in handles:
@@ -81,13 +85,15 @@ class ActorMesh:
         if capture is not None and capture.tracing:
             raise NotImplementedError("actor calls inside compiled functions are not supported")
 
-    def _message(self, method: str, handles: list[Tensor], args: tuple, kwargs: dict):
+    def _message(self, method: str, handles: list[Tensor], args: tuple,
+                 kwargs: dict) -> Callable[..., m.SendResultOfActorCall | m.CallActorMethod]:
         """What sends one call: the actor call itself goes to the ranks' actors through the
         controller, the returned message puts it in order on the stream."""
         session, ranks, broker = self._session, self.mesh._ranks, self.broker
         local_state = [h._ref for h in handles]
 
-        def message(seq: int, results: list | None, _: Any, stream_ref: m.StreamRef):
+        def message(seq: int, results: list | None, _: Any,
+                    stream_ref: m.StreamRef) -> m.SendResultOfActorCall | m.CallActorMethod:
             session.controller.call_actor(ranks, broker, seq, stream_ref, method, args, kwargs)
             if results is None:
                 return m.SendResultOfActorCall(seq, broker, local_state, [], stream_ref)

@@ -31,7 +31,7 @@ class StorageInfo:
 
     __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "__weakref__")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
         self._lent_mutably = None  # weakref to the Borrow that took this storage away
         # immutable borrows out of this storage; weak, so that a borrow nobody holds is
@@ -39,11 +39,11 @@ class StorageInfo:
         self._lent: weakref.WeakSet | None = None
         self.borrow = None  # the Borrow this storage was lent through (borrower side)
 
-    def add(self, handle) -> None:
+    def add(self, handle: Tensor) -> None:
         self._handles.append(weakref.ref(handle))
 
     @property
-    def handles(self) -> list:
+    def handles(self) -> list[Tensor]:
         alive = [h for h in (r() for r in self._handles) if h is not None]
         if len(alive) != len(self._handles):
             self._handles = [weakref.ref(h) for h in alive]
@@ -56,11 +56,11 @@ class StorageInfo:
         return self._lent
 
     @property
-    def lent_mutably(self):
+    def lent_mutably(self) -> Borrow | None:
         return self._lent_mutably() if self._lent_mutably is not None else None
 
     @lent_mutably.setter
-    def lent_mutably(self, borrow) -> None:
+    def lent_mutably(self, borrow: Borrow | None) -> None:
         self._lent_mutably = weakref.ref(borrow) if borrow is not None else None
 
     def refs(self) -> list[int]:
@@ -71,7 +71,7 @@ class Borrow:
     """A tensor lent from one stream to another until :meth:`drop` (also a context manager)."""
 
     def __init__(self, session: Session, borrow_id: int, origin: Tensor, borrowed: Tensor,
-                 mutable: bool):
+                 mutable: bool) -> None:
         self.session = session
         self.id = borrow_id
         self.origin = origin
@@ -136,7 +136,7 @@ class Borrow:
     def __exit__(self, *exc: Any) -> None:
         self.drop()
 
-    def __del__(self):
+    def __del__(self) -> None:
         if not getattr(self, "dropped", True) and not self.session.closed:
             warnings.warn(f"borrow {self.id} was garbage collected without drop(); dropping it",
                           stacklevel=2)

@@ -8,14 +8,18 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .controller.session import Capture
 from .protocol import messages as m
 from .tensor import active_mesh
 
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
 
 @contextlib.contextmanager
-def coalescing(mesh=None) -> Iterator[None]:
+def coalescing(mesh: DeviceMesh | None = None) -> Iterator[None]:
     """Inside the block, messages are held back; at its end each rank gets one CommandGroup.
 
     Fetching inside the block is not possible (``NotImplementedError``).

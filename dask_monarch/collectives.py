@@ -11,7 +11,7 @@ is used.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_map
 
@@ -20,6 +20,9 @@ from .protocol import messages as m
 from .protocol.messages import ReduceOp
 from .tensor import Tensor, check_usable, contiguous, mutated_refs, placement
 
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
 REDUCTIONS: dict[str, ReduceOp | str] = {
     "sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
     "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "band": ReduceOp.BAND,
@@ -27,8 +30,8 @@ REDUCTIONS: dict[str, ReduceOp | str] = {
 }
 
 
-def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool, mesh: Any,
-            out: Tensor | None, in_place: bool) -> Tensor:
+def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
+            mesh: DeviceMesh | None, out: Tensor | None, in_place: bool) -> Tensor:
     if mesh is not None:
         raise NotImplementedError("reduce(mesh=...) is not supported: reduce over dims of the "
                                   "tensor's own mesh")
@@ -102,7 +105,7 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
 
 
 def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-           scatter: bool = False, mesh: Any = None, out: Any = None) -> Any:
+           scatter: bool = False, mesh: DeviceMesh | None = None, out: Any = None) -> Any:
     """A collective over mesh ``dims`` of every mesh tensor in ``tensors`` (a pytree)."""
     if out is not None:
         return tree_map(lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False),
@@ -112,7 +115,7 @@ def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
 
 
 def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-            scatter: bool = False, mesh: Any = None) -> Any:
+            scatter: bool = False, mesh: DeviceMesh | None = None) -> Any:
     """In-place :func:`reduce`: each tensor holds the result afterwards."""
     return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, None, True)
                     if isinstance(t, Tensor) else t, tensors)

@@ -26,6 +26,8 @@ from .protocol import messages as m
 from .tensor import Tensor, active_mesh, check_usable, mutated_refs
 
 if TYPE_CHECKING:
+    from torch.utils._pytree import TreeSpec
+
     from .mesh import DeviceMesh
 
 CHUNK = 1000  # commands per DefineRecording message
@@ -35,8 +37,10 @@ TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
 class _Trace:
     """One traced call: what to send to replay it, and what it returns."""
 
-    def __init__(self, ref, ranks, formals, outputs, template, out_spec, captured, mutated,
-                 messages):
+    def __init__(self, ref: m.Ref, ranks: list[int], formals: dict[int, Tensor],
+                 outputs: list[tuple], template: list[Any], out_spec: TreeSpec,
+                 captured: list[weakref.ref], mutated: list[tuple[int | None, int | None]],
+                 messages: list[tuple[tuple[int, ...], Any]]) -> None:
         self.ref = ref
         self.ranks = ranks
         self.formals = formals  # argument index -> formal handle (for aliasing of outputs)
@@ -56,7 +60,7 @@ class _Trace:
 class Compiled:
     """A function traced once per argument signature and replayed with CallRecording."""
 
-    def __init__(self, fn: Callable, verify: bool = False):
+    def __init__(self, fn: Callable, verify: bool = False) -> None:
         self.fn = fn
         self.verify = verify
         self._traces: dict[Any, _Trace] = {}
@@ -86,7 +90,8 @@ class Compiled:
             trace.verified = True
         return _call_recording(mesh, trace, [t for _, t in tensors])
 
-    def _trace(self, mesh, leaves, spec, tensors, define: bool = True) -> _Trace:
+    def _trace(self, mesh: DeviceMesh, leaves: list[Any], spec: TreeSpec,
+               tensors: list[tuple[int, Tensor]], define: bool = True) -> _Trace:
         session = mesh._session
         with session.lock:
             if session.capture is not None:
@@ -152,14 +157,15 @@ class Compiled:
                           list(mutated), capture.messages)
 
 
-def compile(fn: Callable | None = None, *, verify: bool = False):
+def compile(fn: Callable | None = None, *,
+            verify: bool = False) -> Compiled | Callable[[Callable], Compiled]:
     """Trace ``fn`` once per argument signature into a recording and replay it (a decorator)."""
     if fn is None:
         return lambda f: Compiled(f, verify)
     return Compiled(fn, verify)
 
 
-def _signature(leaves, spec, tensors) -> Any:
+def _signature(leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tensor]]) -> Any:
     parts = []
     storages: dict[int, int] = {}
     for x in leaves:
@@ -230,7 +236,7 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
     return tree_unflatten(leaves, trace.out_spec)
 
 
-def _refs_used(msg) -> list[int]:
+def _refs_used(msg: m.WorkerMessage) -> list[int]:
     args = getattr(msg, "args_kwargs", None)
     refs = []
     if args is not None:
@@ -243,7 +249,7 @@ def _refs_used(msg) -> list[int]:
     return refs
 
 
-def _refs_mutated(msg) -> list[int]:
+def _refs_mutated(msg: m.WorkerMessage) -> list[int]:
     refs = [r.id for r in getattr(msg, "mutates", ())]
     if type(msg) is m.Reduce and msg.in_place:
         refs.append(msg.tensor.id)
@@ -252,11 +258,11 @@ def _refs_mutated(msg) -> list[int]:
     return refs
 
 
-def _normalize(messages) -> list:
+def _normalize(messages: list[tuple[tuple[int, ...], Any]]) -> list:
     """Messages with ids renumbered by first appearance and seqs dropped (for comparison)."""
     ids: dict[int, int] = {}
 
-    def norm(x):
+    def norm(x: Any) -> Any:
         if isinstance(x, (m.Ref, m.StreamRef)):
             return (type(x).__name__, ids.setdefault(int(x), len(ids)))
         if isinstance(x, m.ArgsKwargs):
@@ -270,7 +276,8 @@ def _normalize(messages) -> list:
     return [(ranks, norm(msg)) for ranks, msg in messages]
 
 
-def _compare(fn, first, second) -> None:
+def _compare(fn: Callable, first: list[tuple[tuple[int, ...], Any]],
+             second: list[tuple[tuple[int, ...], Any]]) -> None:
     a, b = _normalize(first), _normalize(second)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dask.config
 import yaml
@@ -29,7 +30,7 @@ def _read_env_alias() -> None:
 _read_env_alias()
 
 
-def get(key: str, default=None):
+def get(key: str, default: Any = None) -> Any:
     """``dask.config.get("dask_monarch." + key)``."""
     return dask.config.get(f"dask_monarch.{key}", default)
 

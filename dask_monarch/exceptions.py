@@ -12,7 +12,7 @@ class RemoteException(Exception):
     """
 
     def __init__(self, message: str, *, rank: int | None = None, seq: int | None = None,
-                 traceback: str = "", controller_traceback: str = ""):
+                 traceback: str = "", controller_traceback: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.seq = seq
@@ -33,12 +33,13 @@ class RemoteException(Exception):
             text += f"\n\nRemote traceback:\n{self.traceback}"
         return text
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (_rebuild_remote, (self.args[0], self.rank, self.seq, self.traceback,
                                   self.controller_traceback))
 
 
-def _rebuild_remote(message, rank, seq, traceback, controller_traceback):
+def _rebuild_remote(message: str, rank: int | None, seq: int | None, traceback: str,
+                    controller_traceback: str) -> RemoteException:
     return RemoteException(message, rank=rank, seq=seq, traceback=traceback,
                            controller_traceback=controller_traceback)
 
@@ -50,15 +51,15 @@ class DeviceException(Exception):
     rank's fault) and ``cause`` the reason.
     """
 
-    def __init__(self, cause: str, *, rank: int | None = None):
+    def __init__(self, cause: str, *, rank: int | None = None) -> None:
         where = f"rank {rank}: " if rank is not None else ""
         super().__init__(f"{where}{cause}")
         self.rank = rank
         self.cause = cause
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (_rebuild_device, (self.cause, self.rank))
 
 
-def _rebuild_device(cause, rank):
+def _rebuild_device(cause: str, rank: int | None) -> DeviceException:
     return DeviceException(cause, rank=rank)

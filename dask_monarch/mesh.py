@@ -21,15 +21,20 @@ from .protocol import messages as m
 from .protocol.ndslice import Slice
 
 if TYPE_CHECKING:
+    import torch
+
+    from .actor_mesh import ActorMesh
     from .controller.session import Session
     from .propagation import Propagator
+    from .tensor import Tensor
+    from .worker.mesh import DeviceMesh as RankMesh
 
 
 class DeviceMesh:
     """Named dimensions over a slice of global ranks."""
 
     def __init__(self, session: Session, names: Sequence[str], ranks: Slice,
-                 propagator: Propagator):
+                 propagator: Propagator) -> None:
         names = tuple(names)
         if len(set(names)) != len(names):
             raise ValueError(f"Duplicate dimension name in {list(names)}")
@@ -169,7 +174,7 @@ class DeviceMesh:
         """Deprecated alias of :meth:`slice`."""
         return self.slice(**selection)
 
-    def _view(self, names, ranks: Slice) -> DeviceMesh:
+    def _view(self, names: Sequence[str], ranks: Slice) -> DeviceMesh:
         return DeviceMesh(self._session, names, ranks, self._propagator)
 
     def _is_subset_of(self, other: DeviceMesh) -> bool:
@@ -187,7 +192,7 @@ class DeviceMesh:
         with activate_mesh(self):
             yield self
 
-    def rank(self, dims: str | Sequence[str]):
+    def rank(self, dims: str | Sequence[str]) -> Tensor:
         """A mesh tensor holding each rank's coordinate along ``dims`` (row-major if several)."""
         from .remote_function import remote
 
@@ -212,7 +217,7 @@ class DeviceMesh:
                 ref, session.mesh_ref(self._names, self._slice), list(names)))
         return RemoteProcessGroup(self, names, ref)
 
-    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any):
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """An actor per rank (``cls(*args, **kwargs)``) whose methods take mesh tensors."""
         from .actor_mesh import ActorMesh
 
@@ -270,7 +275,7 @@ class DeviceMesh:
 class RemoteProcessGroup:
     """A process group over some dims of a mesh; a remote function receives a real one."""
 
-    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], ref: m.Ref):
+    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], ref: m.Ref) -> None:
         self.mesh = mesh
         self.dims = dims
         self.ref = ref
@@ -306,7 +311,7 @@ def device_mesh(client: distributed.Client | None = None, **dims: int) -> Device
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 
-def _coordinate(mesh, names):
+def _coordinate(mesh: RankMesh, names: Sequence[str]) -> torch.Tensor:
     """Worker side of ``mesh.rank``: this rank's coordinate along ``names``, row-major."""
     import torch
 
@@ -317,7 +322,7 @@ def _coordinate(mesh, names):
     return torch.tensor(value, dtype=torch.long)
 
 
-def _coordinate_propagate(mesh, names):
+def _coordinate_propagate(mesh: DeviceMesh, names: Sequence[str]) -> torch.Tensor:
     import torch
 
     return torch.empty((), dtype=torch.long)

@@ -11,7 +11,7 @@ tensors), or learnt once from the first value on the mesh's first rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten, treespec_loads
 
@@ -23,12 +23,15 @@ from .remote_function import Spec, bind_outputs, propagate_locally, resolvable
 from .stream import get_active_stream
 from .tensor import Tensor, active_mesh
 
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
 
 class Pipe:
     """Both ends of a pipe on the client: values to the producers, batches from them."""
 
-    def __init__(self, mesh, fn: Callable | str, args: tuple, kwargs: dict, max_messages: int,
-                 propagate: Callable | None):
+    def __init__(self, mesh: DeviceMesh, fn: Callable | str, args: tuple, kwargs: dict,
+                 max_messages: int, propagate: Callable | None) -> None:
         if type(max_messages) is not int or max_messages < 1:
             raise ValueError(f"max_messages must be a positive int, got {max_messages!r}")
         self.mesh = mesh

@@ -13,13 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .protocol import messages as m
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+    from .tensor import Tensor
 
 _SCALARS = frozenset({int, float, bool, str, type(None), complex, torch.dtype, torch.device,
                       torch.layout, torch.memory_format})
@@ -58,14 +63,14 @@ class OpInfo:
 _op_infos: dict[Any, OpInfo] = {}
 
 
-def op_info(func) -> OpInfo:
+def op_info(func: OpOverload) -> OpInfo:
     info = _op_infos.get(func)
     if info is None:
         info = _op_infos[func] = _make_op_info(func)
     return info
 
 
-def _make_op_info(func) -> OpInfo:
+def _make_op_info(func: OpOverload) -> OpInfo:
     schema = func._schema
     namespace, name = schema.name.split("::")
     path = f"torch.ops.{namespace}.{name}.{func._overloadname}"
@@ -138,12 +143,13 @@ def warm_up() -> None:
 class Propagator:
     """Cached fake-tensor propagation of ops on mesh tensors (instances of ``tensor_type``)."""
 
-    def __init__(self, tensor_type: type):
+    def __init__(self, tensor_type: type) -> None:
         self._tensor_type = tensor_type  # the mesh tensor class, which this module sits below
         self._cache: dict[tuple, Plan] = {}
         self._mode = FakeTensorMode(allow_non_fake_inputs=False)
 
-    def plan(self, func, info: OpInfo, args: tuple, kwargs: dict, handles: list) -> Plan:
+    def plan(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict,
+             handles: list[Tensor]) -> Plan:
         """The outputs of ``func(*args, **kwargs)``; ``handles`` are the mesh tensors in it."""
         try:
             key = (func, _key(args, handles), _key_kwargs(kwargs, handles))
@@ -156,7 +162,7 @@ class Propagator:
             plan = self._cache[key] = self._propagate(func, info, args, kwargs)
         return plan
 
-    def _propagate(self, func, info: OpInfo, args, kwargs) -> Plan:
+    def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         _propagating.active = True
         try:
             with _disable_current_modes():  # an active mesh's mode must not see the fakes
@@ -164,12 +170,12 @@ class Propagator:
         finally:
             _propagating.active = False
 
-    def _run_fake(self, func, info: OpInfo, args, kwargs) -> Plan:
+    def _run_fake(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         mesh_tensor = self._tensor_type
         with self._mode:
             bases: dict[int, torch.Tensor] = {}
 
-            def fake(x):
+            def fake(x: Any) -> Any:
                 if isinstance(x, mesh_tensor):
                     return _fake_like(x, bases)
                 if isinstance(x, (list, tuple)) and any(isinstance(v, mesh_tensor) for v in x):
@@ -180,12 +186,12 @@ class Propagator:
         return _plan_of(result, info)
 
 
-def _extent(mkey) -> int:
+def _extent(mkey: tuple) -> int:
     shape, stride, offset = mkey[:3]
     return offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
 
 
-def _fake_like(t, bases: dict) -> torch.Tensor:
+def _fake_like(t: Tensor, bases: dict[int, torch.Tensor]) -> torch.Tensor:
     """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
     shape, stride, offset, dtype, device = t._mkey
     key = id(t._storage)
@@ -196,7 +202,7 @@ def _fake_like(t, bases: dict) -> torch.Tensor:
     return base.as_strided(shape, stride, offset)
 
 
-def _plan_of(result, info: OpInfo) -> Plan:
+def _plan_of(result: Any, info: OpInfo) -> Plan:
     if result is None:
         return Plan("none", ())
     if isinstance(result, torch.Tensor):
@@ -226,15 +232,15 @@ def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
 # -- cache keys ------------------------------------------------------------------------------
 
 
-def _key(args: tuple, handles: list) -> tuple:
+def _key(args: tuple, handles: list[Tensor]) -> tuple:
     return tuple(_key_of(a, handles) for a in args)
 
 
-def _key_kwargs(kwargs: dict, handles: list) -> tuple:
+def _key_kwargs(kwargs: dict, handles: list[Tensor]) -> tuple:
     return tuple((k, _key_of(v, handles)) for k, v in kwargs.items()) if kwargs else ()
 
 
-def _key_of(x, handles: list):
+def _key_of(x: Any, handles: list[Tensor]) -> tuple:
     t = type(x)
     if t in _SCALARS:
         return (t, x)

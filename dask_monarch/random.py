@@ -7,13 +7,18 @@ rank's generator state as a mesh tensor for ``set_state``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .remote_function import remote
 from .tensor import Tensor, active_mesh
 
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
 
-def _active():
+
+def _active() -> DeviceMesh:
     mesh = active_mesh()
     if mesh is None:
         raise RuntimeError("dask_monarch.random needs an active mesh (with mesh.activate())")

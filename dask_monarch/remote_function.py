@@ -66,7 +66,7 @@ def _resolve_locally(fn: Callable | str) -> Callable:
 class Remote:
     """A function that runs on every rank of a mesh; see :func:`remote`."""
 
-    def __init__(self, fn: Callable | str, propagate: Callable | str | None = None):
+    def __init__(self, fn: Callable | str, propagate: Callable | str | None = None) -> None:
         if not (callable(fn) or isinstance(fn, str)):
             raise TypeError(f"remote needs a callable or an import path, got {fn!r}")
         if propagate is not None and propagate != "inspect" and not callable(propagate):
@@ -90,14 +90,16 @@ class Remote:
         else:
             spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
 
-        def message(seq: int, results: list, mutates: list[int], stream_ref: m.StreamRef):
+        def message(seq: int, results: list, mutates: list[int],
+                    stream_ref: m.StreamRef) -> m.CallFunction:
             return m.CallFunction(seq, results, [m.Ref(r) for r in mutates], self._function,
                                   m.ArgsKwargs.from_python(args, kwargs), stream_ref,
                                   [g.ref for g in groups])
 
         return bind_outputs(spec, mesh, stream, handles, message, mutated, groups)
 
-    def _propagate_remotely(self, mesh: DeviceMesh, args, kwargs, handles):
+    def _propagate_remotely(self, mesh: DeviceMesh, args: tuple, kwargs: dict,
+                            handles: list[Tensor]) -> tuple[Any, list]:
         key = tuple((h._mkey, id(h._storage)) for h in handles)
         try:
             key = (key, _static_key((args, kwargs)))
@@ -128,7 +130,8 @@ class Remote:
         return f"<remote {name}>"
 
 
-def remote(fn: Callable | str | None = None, *, propagate: Callable | str | None = None):
+def remote(fn: Callable | str | None = None, *,
+           propagate: Callable | str | None = None) -> Remote | Callable[[Callable], Remote]:
     """Make ``fn`` (a callable or an import path) run on every rank of a mesh.
 
     Usable as ``@remote``, ``@remote(propagate=...)`` and ``remote("pkg.mod.fn", ...)``.
@@ -193,7 +196,7 @@ def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[A
     mode = _fake_mode_()
     fakes: dict[int, torch.Tensor] = {}
 
-    def fake(x):
+    def fake(x: Any) -> Any:
         if isinstance(x, Tensor):
             f = fakes.get(id(x))
             if f is None:
@@ -228,13 +231,14 @@ def _spec(t: torch.Tensor, storages: dict) -> Spec:
                   alias))
 
 
-def _static_key(tree):
+def _static_key(tree: Any) -> tuple:
     leaves, spec = tree_flatten(tree)
     parts = [x._mkey if isinstance(x, Tensor) else x for x in leaves]
     return (str(spec), tuple(parts))
 
 
-def _propagate_on_rank(function, args, kwargs):
+def _propagate_on_rank(function: m.FunctionPath | m.Cloudpickle, args: tuple,
+                       kwargs: dict) -> tuple[list[tuple], str]:
     """On rank 0: run the function on fake copies of its real inputs; return output metadata."""
     from .worker.calls import resolve_function
 
@@ -249,7 +253,7 @@ def _propagate_on_rank(function, args, kwargs):
     return packed, treespec_dumps(spec)
 
 
-def _unpack_spec(reply):
+def _unpack_spec(reply: tuple[list[tuple], str]) -> tuple[Any, list]:
     packed, spec = reply
     spec = treespec_loads(spec)
     leaves = [p[1] if (t := described_tensor(p)) is None else Spec((*t, None)) for p in packed]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Stream:
     """A named stream; created on a mesh's ranks the first time it is used there."""
 
-    def __init__(self, name: str, *, _default: bool = False):
+    def __init__(self, name: str, *, _default: bool = False) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"a stream needs a non-empty name, got {name!r}")
         self.name = name

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +32,11 @@ from .protocol import messages as m
 from .stream import Stream, drop_trace, get_active_stream
 
 if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
     from .controller.session import Session
     from .mesh import DeviceMesh
+    from .transfer import MeshSliceTensor
 
 _tuple_new = tuple.__new__
 
@@ -47,8 +50,10 @@ class Tensor(torch.Tensor):
     _stream: Stream
 
     @staticmethod
-    def __new__(cls, shape, stride, offset, dtype, device, session, mesh, stream, ref,
-                storage: StorageInfo | None = None, owns_ref: bool = True):
+    def __new__(cls, shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
+                dtype: torch.dtype, device: torch.device, session: Session, mesh: DeviceMesh,
+                stream: Stream, ref: m.Ref, storage: StorageInfo | None = None,
+                owns_ref: bool = True) -> Tensor:
         t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride,
                                                 storage_offset=offset, dtype=dtype,
                                                 device=device)
@@ -68,7 +73,8 @@ class Tensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func: OpOverload, types: tuple[type, ...], args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         return dispatch(func, args, kwargs or {})
 
     # -- the mesh side ------------------------------------------------------------------------
@@ -97,26 +103,27 @@ class Tensor(torch.Tensor):
     def dropped(self) -> bool:
         return self._dropped is not None
 
-    def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None,
-               out: Tensor | None = None) -> Tensor:
+    def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
+               mesh: DeviceMesh | None = None, out: Tensor | None = None) -> Tensor:
         """A collective over mesh ``dims`` (see :func:`dask_monarch.reduce`)."""
         from .collectives import reduce
 
         return reduce(self, dims, reduction, scatter=scatter, mesh=mesh, out=out)
 
-    def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> Tensor:
+    def reduce_(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
+                mesh: DeviceMesh | None = None) -> Tensor:
         """In-place :meth:`reduce`."""
         from .collectives import reduce_
 
         return reduce_(self, dims, reduction, scatter=scatter, mesh=mesh)
 
-    def to_mesh(self, mesh: DeviceMesh, stream=None) -> Tensor:
+    def to_mesh(self, mesh: DeviceMesh, stream: Stream | None = None) -> Tensor:
         """A copy of this tensor on ``mesh`` (see :func:`dask_monarch.to_mesh`)."""
         from .transfer import to_mesh
 
         return to_mesh(self, mesh, stream=stream)
 
-    def slice_mesh(self, **selection):
+    def slice_mesh(self, **selection: int | slice) -> MeshSliceTensor:
         """The shards of this tensor on a sub-mesh, ready for ``.to_mesh``."""
         from .transfer import slice_mesh
 
@@ -124,7 +131,7 @@ class Tensor(torch.Tensor):
 
     # -- python protocol ----------------------------------------------------------------------
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = " dropped" if self._dropped is not None else ""
         return (f"dask_monarch.Tensor(shape={list(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, mesh={self._mesh!r}, stream={self._stream.name!r}, "
@@ -136,7 +143,7 @@ class Tensor(torch.Tensor):
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_owns_ref", False) and self._dropped is None:
             self._session.drop_ref(self._mesh._ranks, self._ref.id, self._nbytes())
 
@@ -156,10 +163,10 @@ def misuse(text: str) -> TypeError:
     return error
 
 
-def _operator(name: str):
+def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     original = getattr(torch.Tensor, name)
 
-    def operator(self, other):
+    def operator(self: Tensor, other: Any) -> Any:
         _last_error.value = None
         result = original(self, other)
         if result is NotImplemented and _last_error.value is not None:
@@ -191,7 +198,7 @@ def check_usable(t: Tensor) -> None:
                      "tensor until the borrow is dropped")
 
 
-def exited(mesh) -> RuntimeError:
+def exited(mesh: DeviceMesh) -> RuntimeError:
     return RuntimeError(f"{mesh!r} has exited (mesh.exit()): its tensors are gone and it runs "
                         "nothing more; create a new mesh with dask_monarch.device_mesh")
 
@@ -215,7 +222,7 @@ def active_mesh() -> DeviceMesh | None:
     return _active_meshes[-1] if _active_meshes else None
 
 
-def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Any]:
+def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Stream]:
     """The mesh and stream a use of ``handles`` runs on, after the checks of docs/protocol.md §1.2.
 
     Every handle must be usable, on one mesh, and on the active stream; with no
@@ -246,7 +253,8 @@ class _MeshMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # no torch.compile inside: skip the wrapper that costs ~10 us per op
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if not _has_mesh_tensor(args, kwargs) and (
                 active_mesh() is None or not op_info(func).makes_tensors):
@@ -254,7 +262,7 @@ class _MeshMode(TorchDispatchMode):
         return dispatch(func, args, kwargs)
 
 
-def _has_mesh_tensor(args, kwargs) -> bool:
+def _has_mesh_tensor(args: tuple, kwargs: dict) -> bool:
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             return True
@@ -277,7 +285,7 @@ def activate_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
 class _NoMesh:
     """``with dask_monarch.no_mesh.activate():`` runs plain local torch inside an active mesh."""
 
-    def activate(self):
+    def activate(self) -> contextlib.AbstractContextManager[None]:
         return activate_mesh(None)
 
     def __repr__(self) -> str:
@@ -296,7 +304,7 @@ _NEEDS_FETCH = {
 }
 
 
-def _scan(value, handles: list) -> Any:
+def _scan(value: Any, handles: list[Tensor]) -> Any:
     """``value`` with mesh tensors replaced by their refs (one list level); collects handles."""
     if isinstance(value, Tensor):
         handles.append(value)
@@ -314,7 +322,7 @@ def _scan(value, handles: list) -> Any:
     return value
 
 
-def dispatch(func, args: tuple, kwargs: dict) -> Any:
+def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
     if func in _NEEDS_FETCH:
         raise RuntimeError(f"{func} needs the value of a mesh tensor on the client: fetch it "

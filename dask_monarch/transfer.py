@@ -28,7 +28,7 @@ from .tensor import Tensor, check_usable, contiguous
 class MeshSliceTensor:
     """The shards of a tensor on a sub-mesh of its mesh; send them with :meth:`to_mesh`."""
 
-    def __init__(self, tensor: Tensor, mesh: DeviceMesh):
+    def __init__(self, tensor: Tensor, mesh: DeviceMesh) -> None:
         self.tensor = tensor
         self.mesh = mesh
 
@@ -47,7 +47,7 @@ def slice_mesh(tensors: Any, **selection: int | slice) -> Any:
 
 def to_mesh(tensors: Any, mesh: DeviceMesh, stream: Stream | None = None) -> Any:
     """Copy every mesh tensor (or mesh slice) in ``tensors`` onto ``mesh``."""
-    def move(t):
+    def move(t: Any) -> Any:
         if isinstance(t, MeshSliceTensor):
             return t.to_mesh(mesh, stream)
         if isinstance(t, Tensor):

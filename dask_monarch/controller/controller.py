@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from distributed import Client, wait
@@ -32,6 +32,9 @@ from ..worker.plugin import register_actor
 from .compiler import Compiler, InternalStep
 from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
 from .reports import Reports
+
+if TYPE_CHECKING:
+    from ..protocol.messages import WorkerMessage
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -103,7 +106,7 @@ class Controller:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def send(self, ranks: Ranks, message: Any) -> None:
+    def send(self, ranks: Ranks, message: WorkerMessage) -> None:
         """Buffer ``message`` for ``ranks`` (an int, ints or a Slice of global ranks).
 
         A buffer older than ``flush.min-age`` is flushed only once the ranks

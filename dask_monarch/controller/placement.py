@@ -10,7 +10,7 @@ need them and, for the first collective, a store rendezvous. Each step is one
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from distributed import Client
 
@@ -22,6 +22,9 @@ from ..worker.plugin import (
     set_rendezvous,
     start_rendezvous,
 )
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
 
 
 def natural_key(text: str) -> tuple:
@@ -103,12 +106,12 @@ def tune_batched_comms(client: Client, workers: list[str]) -> None:
 
 
 async def _create_lanes_by_address(token: str, by_address: dict[str, list[int]],
-                                   dask_worker: Any = None) -> None:
+                                   dask_worker: Worker | None = None) -> None:
     await create_lanes(token, by_address[dask_worker.address], dask_worker=dask_worker)
 
 
 def _tune_scheduler(interval: float, workers: list[str], client_id: str,
-                    dask_scheduler: Any = None) -> None:
+                    dask_scheduler: Scheduler | None = None) -> None:
     for address in workers:
         comm = dask_scheduler.stream_comms.get(address)
         if comm is not None:
@@ -118,6 +121,6 @@ def _tune_scheduler(interval: float, workers: list[str], client_id: str,
         comm.interval = min(comm.interval, interval)
 
 
-def _tune_worker(interval: float, dask_worker: Any = None) -> None:
+def _tune_worker(interval: float, dask_worker: Worker | None = None) -> None:
     comm = dask_worker.batched_stream
     comm.interval = min(comm.interval, interval)

@@ -42,7 +42,7 @@ DELETE_BYTES = 64 << 20
 class MeshFuture(concurrent.futures.Future):
     """The value of a fetch: resolves once every rank has passed it (``.result()``)."""
 
-    def __init__(self, session: Session, seq: int, ranks: int = 1):
+    def __init__(self, session: Session, seq: int, ranks: int = 1) -> None:
         super().__init__()
         self._session = session
         self.seq = seq
@@ -73,7 +73,7 @@ class MeshFuture(concurrent.futures.Future):
 class Capture:
     """Messages held back instead of sent (coalescing, or a recording being traced)."""
 
-    def __init__(self, kind: str, first_id: int = 0):
+    def __init__(self, kind: str, first_id: int = 0) -> None:
         self.kind = kind
         self.first_id = first_id  # refs below it existed before the capture
         self.messages: list[tuple[tuple[int, ...], Any]] = []
@@ -85,7 +85,7 @@ class Capture:
     def tracing(self) -> bool:
         return self.kind == "recording"
 
-    def add(self, ranks: tuple[int, ...], message: Any) -> None:
+    def add(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         self.messages.append((ranks, message))
 
     def note(self, inputs: Iterable[tuple[int, Any]], outputs: Iterable[Any] = ()) -> None:
@@ -101,7 +101,7 @@ class Capture:
 class Session:
     """Ids, history, futures and setup state shared by every view of one root mesh."""
 
-    def __init__(self, client: Client, world_size: int):
+    def __init__(self, client: Client, world_size: int) -> None:
         self.controller = Controller(client, world_size)
         self.world = tuple(range(world_size))
         self.lock = threading.RLock()
@@ -139,7 +139,7 @@ class Session:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def send(self, ranks: tuple[int, ...], message: Any) -> None:
+    def send(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         """Send (or capture) a message; pending deletes go out first."""
         if self.capture is not None:
             self.capture.add(ranks, message)
@@ -150,7 +150,7 @@ class Session:
         if self._seq - self._status_requested_at > STATUS_EVERY:
             self.request_status()
 
-    def send_setup(self, ranks: tuple[int, ...], message: Any) -> None:
+    def send_setup(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         """Setup messages (streams, meshes, communicators) are never captured."""
         self.controller.send(ranks, message)
 
@@ -261,7 +261,7 @@ class Session:
     def _observe(self, failure: BaseException) -> None:
         self._unobserved.pop(id(failure), None)
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg: m.FetchResult | m.RemoteFunctionFailed | m.Status) -> None:
         """A report from a rank (event loop thread): resolve futures, record failures."""
         t = type(msg)
         with self.lock:
@@ -345,7 +345,7 @@ class Session:
             raise unobserved
 
 
-def _user_frame():
+def _user_frame() -> tuple[str, int, str] | None:
     """Where the user's code issued the current op (file, line, function), cheaply."""
     f = sys._getframe(2)
     internal = _internal_code

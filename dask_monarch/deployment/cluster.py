@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import psutil
 from distributed import Scheduler, SpecCluster
@@ -109,7 +110,7 @@ class LocalMeshCluster(SpecCluster):
                  dashboard_address: str | None = "127.0.0.1:0", scheduler_port: int = 0,
                  silence_logs: int = logging.WARNING, asynchronous: bool = False,
                  scheduler_process: bool = True, profile: bool = False,
-                 worker_options: dict | None = None, **kwargs):
+                 worker_options: dict | None = None, **kwargs: Any) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):

@@ -8,6 +8,11 @@ this works on any deployment, not only on clusters dask_monarch started.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
 
 def dashboard_note(link: str) -> str:
     """``", dashboard <the /monarch/ page>"`` for an information line ("" without a dashboard)."""
@@ -66,7 +71,7 @@ def table_lines(report: dict) -> list[str]:
     return lines
 
 
-def _meshes_held(dask_worker=None) -> list[str]:
+def _meshes_held(dask_worker: Worker | None = None) -> list[str]:
     plugin = dask_worker.plugins.get("dask_monarch")
     ranks = getattr(plugin, "ranks", {}) if plugin is not None else {}
     return [f"{token} (rank {state.rank})" for token, state in list(ranks.items())]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import click
 
@@ -37,10 +38,14 @@ import click
 from ..observability import dashboard
 from ..protocol.names import PLUGIN_NAME, RESOURCE_CAPACITY, RESOURCE_PREFIX, rank_resource
 
+if TYPE_CHECKING:
+    from distributed import Nanny, Worker
+    from distributed.core import Server
+
 logger = logging.getLogger("dask_monarch.preload")
 
 
-async def setup_worker(worker, rank: int | None = None, gpu: str | None = None,
+async def setup_worker(worker: Worker, rank: int | None = None, gpu: str | None = None,
                        torch_threads: int | None = None) -> None:
     """Make ``worker`` a dask_monarch rank: GPU choice, rank resource, the plugin."""
     from ..worker.plugin import MonarchWorkerPlugin
@@ -72,7 +77,7 @@ async def setup_worker(worker, rank: int | None = None, gpu: str | None = None,
                 f" ({rank_resource(rank)})" if rank is not None else "")
 
 
-def setup_nanny(nanny, gpu: str | None = None, torch_threads: int | None = None) -> None:
+def setup_nanny(nanny: Nanny, gpu: str | None = None, torch_threads: int | None = None) -> None:
     """Set the environment of the worker process a nanny starts (and restarts)."""
     if gpu is not None:
         nanny.env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -90,7 +95,7 @@ def setup_nanny(nanny, gpu: str | None = None, torch_threads: int | None = None)
                    "separated) before torch initialises CUDA.")
 @click.option("--monarch-torch-threads", type=click.IntRange(min=1), default=None,
               envvar="MONARCH_TORCH_THREADS", help="Torch intra-op threads of this worker.")
-async def dask_setup(server, monarch_rank: int | None, monarch_gpu: str | None,
+async def dask_setup(server: Server, monarch_rank: int | None, monarch_gpu: str | None,
                      monarch_torch_threads: int | None) -> None:
     """Preload hook for schedulers (the dashboard page), workers and nannies."""
     from distributed import Nanny, Scheduler, Worker
@@ -109,5 +114,5 @@ async def dask_setup(server, monarch_rank: int | None, monarch_gpu: str | None,
         raise TypeError(f"dask_monarch.preload cannot set up {server!r}")
 
 
-def dask_teardown(server) -> None:
+def dask_teardown(server: Server) -> None:
     """Nothing to undo: the worker plugin's own teardown releases every rank."""

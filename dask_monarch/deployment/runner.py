@@ -32,7 +32,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from types import CodeType
+
+    from distributed import Client
 
 EXIT_ERROR = 1
 EXIT_REMOTE = 3
@@ -82,7 +87,7 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
     return code
 
 
-def _connect(address: str | None, scheduler_file: str | None, ranks: int | None):
+def _connect(address: str | None, scheduler_file: str | None, ranks: int | None) -> Client:
     from distributed import Client
 
     from .. import config
@@ -192,7 +197,7 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
     return 0
 
 
-def _module_code(name: str):
+def _module_code(name: str) -> CodeType:
     import importlib.util
 
     spec = importlib.util.find_spec(name)
@@ -203,7 +208,7 @@ def _module_code(name: str):
     return spec.loader.get_code(name)
 
 
-def _exec_main(code, path: str) -> None:
+def _exec_main(code: CodeType, path: str) -> None:
     """Execute ``code`` as the ``__main__`` module, as ``python path`` would.
 
     Its ``__spec__`` is named ``__main__``, which tells multiprocessing's

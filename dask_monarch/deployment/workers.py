@@ -19,12 +19,16 @@ import asyncio
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed import Nanny
 
 from ..protocol.names import RESOURCE_CAPACITY, rank_resource
 from ..worker.plugin import MonarchWorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed.core import Status
 
 logger = logging.getLogger("dask_monarch.deployment")
 
@@ -47,12 +51,12 @@ class RankNanny(Nanny):
     one the user gave (environment or Dask config) wins.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
             self.pre_spawn_env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
 
-    async def instantiate(self):
+    async def instantiate(self) -> Status:
         with dask.config.set({"distributed.worker.daemon": False}):
             return await super().instantiate()
 

@@ -30,13 +30,17 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.http.utils import RequestHandler, get_handlers, redirect
 
 from .. import config
 from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER
+
+if TYPE_CHECKING:
+    from bokeh.document import Document
+    from distributed import Scheduler
 
 logger = logging.getLogger("dask_monarch.dashboard")
 
@@ -84,13 +88,13 @@ class Rates:
 _rates = Rates()  # one per process: a process holds one scheduler outside tests
 
 
-def rank_workers(scheduler) -> list[str]:
+def rank_workers(scheduler: Scheduler) -> list[str]:
     """Addresses of the workers that advertise a dask_monarch rank resource."""
     return [address for address, ws in scheduler.workers.items()
             if any(name.startswith(RESOURCE_PREFIX) for name in ws.resources)]
 
 
-async def _ask(scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
+async def _ask(scheduler: Scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
     try:
         reply = await asyncio.wait_for(
             scheduler.broadcast(msg={"op": STATE_HANDLER}, workers=[address]), timeout)
@@ -101,7 +105,7 @@ async def _ask(scheduler, address: str, timeout: float) -> tuple[str, Any, str |
         return address, [], f"{type(e).__name__}: {e}"
 
 
-async def collect(scheduler) -> dict:
+async def collect(scheduler: Scheduler) -> dict:
     """One snapshot of every rank of every controller on ``scheduler``'s rank workers.
 
     Runs on the scheduler's event loop; each worker answers from its own
@@ -199,7 +203,7 @@ routes: list[tuple] = [
 ]
 
 
-def _more_menu_page(scheduler, extra, doc) -> None:
+def _more_menu_page(scheduler: Scheduler, extra: dict, doc: Document) -> None:
     """The Bokeh page registered for the "More..." menu (a frame around ``/monarch/``).
 
     Served only where our HTTP routes are missing; normally the plain page wins.
@@ -229,7 +233,7 @@ def _register_more_menu_page() -> None:
         applications.setdefault(PAGE_PATH, _more_menu_page)
 
 
-def install(scheduler) -> None:
+def install(scheduler: Scheduler) -> None:
     """Serve the page on ``scheduler``'s HTTP server (a no-op without one, or if listed)."""
     application = getattr(scheduler, "http_application", None)
     if application is None:
@@ -240,7 +244,7 @@ def install(scheduler) -> None:
     logger.debug("dask_monarch dashboard page at /monarch/")
 
 
-def dask_setup(scheduler) -> None:
+def dask_setup(scheduler: Scheduler) -> None:
     """Preload hook: ``dask scheduler --preload dask_monarch.dashboard``."""
     from distributed import Scheduler
 

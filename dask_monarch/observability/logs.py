@@ -15,8 +15,12 @@ Log levels in general follow the dask convention: ``logging:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from distributed import Client, WorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Worker
 
 LOGGER = "dask_monarch"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s%(where)s: %(message)s"
@@ -30,18 +34,18 @@ class LoggerLevel(WorkerPlugin):
     Teardown restores the previous level.
     """
 
-    def __init__(self, logger: str, level: int):
+    def __init__(self, logger: str, level: int) -> None:
         self.logger = logger
         self.level = level
         self.name = plugin_name(logger)
         self._before: int | None = None
 
-    def setup(self, worker) -> None:
+    def setup(self, worker: Worker) -> None:
         log = logging.getLogger(self.logger)
         self._before = log.level
         log.setLevel(self.level)
 
-    def teardown(self, worker) -> None:
+    def teardown(self, worker: Worker) -> None:
         if self._before is not None:
             logging.getLogger(self.logger).setLevel(self._before)
 

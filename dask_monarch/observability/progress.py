@@ -26,7 +26,7 @@ class ProgressLine:
     """
 
     def __init__(self, stream: TextIO, interval: float | None = None,
-                 delay: float | None = None):
+                 delay: float | None = None) -> None:
         from .. import config
 
         self.stream = stream

@@ -7,6 +7,8 @@ outputs. Built here and nowhere else. No torch at import: the scheduler and
 the plugin's setup import this module.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
 # -- the worker plugin ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from math import prod
+from typing import Any
 
 
 def _as_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -28,7 +29,7 @@ class Slice:
 
     __slots__ = ("offset", "sizes", "strides")
 
-    def __init__(self, offset: int, sizes: Sequence[int], strides: Sequence[int]):
+    def __init__(self, offset: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
         if type(offset) is not int:
             raise TypeError(f"Slice offset must be an int, got {offset!r}")
         if offset < 0:
@@ -54,7 +55,7 @@ class Slice:
             step *= max(size, 1)
         return cls(offset, sizes, strides[::-1])
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Slice is immutable")
 
     @property
@@ -134,7 +135,7 @@ class Slice:
         sizes, strides = list(self.sizes), list(self.strides)
         return f"Slice(offset={self.offset}, sizes={sizes}, strides={strides})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (Slice, (self.offset, list(self.sizes), list(self.strides)))
 
 

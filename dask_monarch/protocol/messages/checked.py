@@ -14,6 +14,8 @@ Python call per message or per id.
   :func:`register_checks`).
 """
 
+from __future__ import annotations
+
 from collections import namedtuple
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,7 +35,7 @@ class CheckedId(int):
 
     __slots__ = ()
 
-    def __init__(self, id: int):
+    def __init__(self, id: int) -> None:
         if type(id) is not int:
             if isinstance(id, (bool, CheckedId)) or not isinstance(id, int):
                 raise TypeError(f"{type(self).__name__} id must be an int, got {id!r}")
@@ -44,20 +46,20 @@ class CheckedId(int):
     def id(self) -> int:
         return int(self)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if isinstance(other, CheckedId) and type(other) is not type(self):
             return False
         return int.__eq__(self, other)
 
-    def __ne__(self, other):
+    def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
     __hash__ = int.__hash__
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: int) -> tuple:
         return (_int_new, (type(self), int(self)))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({int(self)})"
 
     __str__ = __repr__
@@ -79,26 +81,26 @@ def check_int(v: Any, where: str) -> int:
     return int(v)
 
 
-def _bool(v, where):
+def _bool(v: Any, where: str) -> bool:
     if type(v) is not bool:
         raise TypeError(f"{where} must be a bool, got {v!r}")
     return v
 
 
-def _str(v, where):
+def _str(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise TypeError(f"{where} must be a str, got {v!r}")
     return v
 
 
-def _any(v, where):
+def _any(v: Any, where: str) -> Any:
     return v
 
 
 def optional(check: Callable) -> Callable:
     """``check``, letting ``None`` through."""
 
-    def optional(v, where):
+    def optional(v: Any, where: str) -> Any:
         return None if v is None else check(v, where)
 
     return optional
@@ -107,7 +109,7 @@ def optional(check: Callable) -> Callable:
 def list_of(check: Callable, fast_types: Iterable[type] = ()) -> Callable:
     """A list whose items pass ``check``; lists already of ``fast_types`` are kept as they are."""
 
-    def checked_list(v, where):
+    def checked_list(v: Any, where: str) -> list:
         if type(v) is list and all(type(x) in fast_types for x in v):
             return v
         if isinstance(v, (str, bytes, dict)) or not isinstance(v, Iterable):
@@ -120,7 +122,7 @@ def list_of(check: Callable, fast_types: Iterable[type] = ()) -> Callable:
 def instance_of(cls: type) -> Callable:
     """A value of type ``cls`` (or a subclass), kept as it is."""
 
-    def instance(v, where):
+    def instance(v: Any, where: str) -> Any:
         if type(v) is not cls and not isinstance(v, cls):
             raise TypeError(f"{where} must be a {cls.__name__}, got {v!r}")
         return v
@@ -188,19 +190,19 @@ def checked(cls: type) -> type:
     return type(cls.__name__, (base,), attrs)
 
 
-def _reduce(self, protocol):
+def _reduce(self: tuple, protocol: int) -> tuple:
     return (_tuple_new, (type(self), tuple(self)))
 
 
-def _eq(self, other):
+def _eq(self: tuple, other: object) -> bool:
     return type(other) is type(self) and tuple.__eq__(self, other)
 
 
-def _ne(self, other):
+def _ne(self: tuple, other: object) -> bool:
     return not _eq(self, other)
 
 
-def _short_repr(self) -> str:
+def _short_repr(self: Any) -> str:
     parts = []
     for name, value in zip(self._fields, self):
         text = repr(value)

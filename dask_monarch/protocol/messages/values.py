@@ -31,7 +31,7 @@ class Ref(CheckedId):
     def ref(self) -> int:
         return self.id
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"r{int(self)}"
 
 
@@ -61,14 +61,14 @@ class FunctionPath:
 
     path: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise TypeError(f"FunctionPath.path must be a non-empty str, got {self.path!r}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (FunctionPath, (self.path,))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"FunctionPath({self.path!r})"
 
 
@@ -78,18 +78,18 @@ class Cloudpickle:
 
     bytes: bytes
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.bytes, (bytes, bytearray)):
             raise TypeError(f"Cloudpickle.bytes must be bytes, got {type(self.bytes).__name__}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (Cloudpickle, (self.bytes,))
 
     @classmethod
     def dumps(cls, obj: Any) -> "Cloudpickle":
         return cls(cloudpickle.dumps(obj))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Cloudpickle(<{len(self.bytes)} bytes>)"
 
 
@@ -135,7 +135,7 @@ class ArgsKwargs(tuple):
 
     __slots__ = ()
 
-    def __init__(self, fields=()):
+    def __init__(self, fields: Iterable[Any] = ()) -> None:
         if len(self) != 4 or type(self[0]) is not tuple or type(self[1]) is not dict:
             raise TypeError("make ArgsKwargs with ArgsKwargs.from_python(args, kwargs)")
 
@@ -170,7 +170,7 @@ class ArgsKwargs(tuple):
             return pickle.loads(self[2])
         return self[0], dict(self[1])
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if type(other) is not ArgsKwargs:
             return NotImplemented
         if self[2] is not None or other[2] is not None:
@@ -180,16 +180,16 @@ class ArgsKwargs(tuple):
         except Exception:  # leaves without a boolean ==, e.g. tensors
             return pickle.dumps(self.to_python()) == pickle.dumps(other.to_python())
 
-    def __ne__(self, other):
+    def __ne__(self, other: object) -> bool:
         result = self.__eq__(other)
         return result if result is NotImplemented else not result
 
     __hash__ = None
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: int) -> tuple:
         return (_tuple_new, (ArgsKwargs, tuple(self)))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self[2] is not None:
             return f"ArgsKwargs(<{len(self[2])} cloudpickled bytes>)"
         return f"ArgsKwargs({self[0]!r}, {self[1]!r})"
@@ -226,7 +226,7 @@ class Factory:
     layout: torch.layout
     device: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.size, (str, bytes)) or not isinstance(self.size, Iterable):
             raise TypeError(f"Factory.size must be a sequence of ints, got {self.size!r}")
         size = tuple(self.size)
@@ -241,7 +241,7 @@ class Factory:
             raise TypeError(f"Factory.device must be a str or torch.device, got {self.device!r}")
         object.__setattr__(self, "device", str(torch.device(self.device)))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (Factory, (self.size, self.dtype, self.layout, self.device))
 
     @classmethod
@@ -268,7 +268,7 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
 
@@ -281,14 +281,14 @@ class StreamCreationMode(enum.Enum):
     UseDefaultStream = "UseDefaultStream"
     CreateNewStream = "CreateNewStream"
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"StreamCreationMode.{self.name}"
 
 
 # --------------------------------------------------------------------------- field checks
 
 
-def _ref(v, where):
+def _ref(v: Any, where: str) -> Ref:
     if type(v) is Ref:
         return v
     try:
@@ -297,13 +297,13 @@ def _ref(v, where):
         raise TypeError(f"{where} must be a Ref, got {v!r}") from None
 
 
-def _stream(v, where):
+def _stream(v: Any, where: str) -> StreamRef:
     if type(v) is not StreamRef:
         raise TypeError(f"{where} must be a StreamRef, got {v!r}")
     return v
 
 
-def _function(v, where):
+def _function(v: Any, where: str) -> ResolvableFunction:
     if type(v) is FunctionPath or type(v) is Cloudpickle:
         return v
     try:
@@ -312,13 +312,13 @@ def _function(v, where):
         raise TypeError(f"{where}: {e}") from None
 
 
-def _reduction(v, where):
+def _reduction(v: Any, where: str) -> Reduction:
     if isinstance(v, ReduceOp) or v == "stack":
         return v
     raise ValueError(f"{where} must be 'stack' or a ReduceOp, got {v!r}")
 
 
-def _broker_id(v, where):
+def _broker_id(v: Any, where: str) -> tuple[str, int]:
     if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)):
         raise TypeError(f"{where} must be a (str, int) tuple, got {v!r}")
     return (v[0], check_int(v[1], where))

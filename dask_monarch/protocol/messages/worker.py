@@ -35,13 +35,13 @@ from .values import (
 _MESSAGE_TYPES: tuple[type, ...] = ()  # filled in below, for nested message lists
 
 
-def _message(v, where):
+def _message(v: Any, where: str) -> "WorkerMessage":
     if not isinstance(v, _MESSAGE_TYPES):
         raise TypeError(f"{where} must be a worker message, got {v!r}")
     return v
 
 
-def _exit_error(v, where):
+def _exit_error(v: Any, where: str) -> tuple[str | None, str] | None:
     if v is None:
         return None
     if not (isinstance(v, tuple) and len(v) == 2 and (v[0] is None or isinstance(v[0], str))
