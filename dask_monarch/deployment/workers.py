@@ -24,7 +24,7 @@ import dask
 from distributed import Nanny
 
 from ..protocol.names import RESOURCE_CAPACITY, rank_resource
-from ..worker.plugin import MonarchWorkerPlugin
+from ..worker import MonarchWorkerPlugin
 
 logger = logging.getLogger("dask_monarch.deployment")
 
