@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .borrows import first_use
 from .controller.session import Capture, Session
 from .protocol import messages as m
+from .protocol.rules import refs_mutated, refs_used
 from .tensor import Tensor, active_mesh, check_usable, mutated_refs
 
 if TYPE_CHECKING:
@@ -138,10 +139,10 @@ class Compiled:
             formal_ids = {f._ref.id: i for i, f in formals.items()}
             used, mutated = {}, {}
             for _, msg in capture.messages:
-                for ref in _refs_used(msg):
+                for ref in refs_used(msg):
                     if ref < first_id and ref not in formal_ids:
                         used[ref] = None
-                for ref in _refs_mutated(msg):
+                for ref in refs_mutated(msg):
                     if ref in formal_ids:
                         mutated[(formal_ids[ref], None)] = None
                     elif ref < first_id:
@@ -234,28 +235,6 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
     it = iter(handles)
     leaves = [next(it) if x is TENSOR_SLOT else x for x in trace.template]
     return tree_unflatten(leaves, trace.out_spec)
-
-
-def _refs_used(msg: m.WorkerMessage) -> list[int]:
-    args = getattr(msg, "args_kwargs", None)
-    refs = []
-    if args is not None:
-        a, k = args.to_python()
-        refs = [x.id for x in tree_flatten((a, k))[0] if type(x) is m.Ref]
-    for name in ("tensor", "out"):
-        value = getattr(msg, name, None)
-        if type(value) is m.Ref:
-            refs.append(value.id)
-    return refs
-
-
-def _refs_mutated(msg: m.WorkerMessage) -> list[int]:
-    refs = [r.id for r in getattr(msg, "mutates", ())]
-    if type(msg) is m.Reduce and msg.in_place:
-        refs.append(msg.tensor.id)
-    if type(msg) is m.Reduce and msg.out is not None:
-        refs.append(msg.out.id)
-    return refs
 
 
 def _normalize(messages: list[tuple[tuple[int, ...], Any]]) -> list:

@@ -21,9 +21,11 @@ BACK_REFERENCES = {
     ("mesh", "remote_function"): "DeviceMesh.rank runs a remote function",
     ("mesh", "actor_mesh"): "DeviceMesh.spawn makes an ActorMesh",
 }
-# Tolerated until the worker's explicit handler table removes it (the pipe's producer reports
-# failures through the handlers' fail_call).
-PENDING = {("worker.pipe", "worker.handlers")}
+# Worker modules other layers may import directly; everything else goes through the
+# ``dask_monarch.worker`` package's entry points.
+WORKER_MODULES_SHARED = {
+    ("remote_function", "worker.calls"): "a remote function's path resolves as on the worker",
+}
 
 # Top-level modules below the user API: shared by every layer, or one-line aliases of a layer's
 # module kept as public import paths.
@@ -156,8 +158,7 @@ def test_no_import_cycle_but_the_named_back_references():
         assert graph[module][imported] is False, (
             f"{module} imports {imported} at module level: a back-reference is imported inside "
             f"the convenience method that needs it ({why})")
-    allowed = set(BACK_REFERENCES) | PENDING
-    acyclic = {m: {t for t in edges if (m, t) not in allowed} for m, edges in graph.items()}
+    acyclic = {m: {t for t in edges if (m, t) not in BACK_REFERENCES} for m, edges in graph.items()}
     assert _cycles(acyclic) == []
 
 
@@ -170,3 +171,15 @@ def test_lower_layers_never_import_the_user_api():
         if module.split(".")[0] in LOWER_LAYERS:
             wrong = sorted(set(edges) & user_api)
             assert not wrong, f"{module} (below the user API) imports {wrong}"
+
+
+def test_other_layers_reach_the_worker_through_its_package():
+    graph = _graph()
+    for (module, imported), why in WORKER_MODULES_SHARED.items():
+        assert imported in graph[module], f"stale exception {module} -> {imported} ({why})"
+    for module, edges in graph.items():
+        if module.split(".")[0] == "worker":
+            continue
+        inner = sorted(t for t in edges if t.startswith("worker.")
+                       and (module, t) not in WORKER_MODULES_SHARED)
+        assert not inner, f"{module} imports worker internals {inner}: use dask_monarch.worker"

@@ -19,10 +19,8 @@ fanned out to each lane; ``CallRecording`` to each lane its recording uses.
 Borrows synchronise their two lanes inside the rank (one-shot channels), not
 through edges, which would make the graph cyclic.
 
-The compiler also keeps Monarch's per-rank mailbox order: it knows every
-stream, borrow and recording of a rank, because routing needs them (a
-``BorrowFirstUse`` names only its borrow). A message it cannot route (unknown
-stream, borrow out of order, recording misuse, anything after ``Exit``) is a
+Which lane runs a message is decided per rank by :mod:`.routing`, in
+Monarch's per-rank mailbox order. A message it cannot route is a
 :class:`ProtocolError`: the valid prefix is submitted, then the controller
 fails with ``DeviceException`` naming the rank.
 """
@@ -30,7 +28,6 @@ fails with ``DeviceException`` naming the rank.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,236 +37,20 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..protocol import messages as m
 from ..protocol.names import executor_name
-from ..protocol.wire import CONTROL, ReadRef, StatusProbe
-from ..worker.plugin import run_segment
+from ..protocol.rules import FAMILY, ON_NAMED_STREAM
+from ..protocol.wire import CONTROL
+from ..worker import run_segment
+from .routing import InternalStep, ProtocolError, RankRouter
 
+__all__ = ["Compiler", "InternalStep", "Plan", "ProtocolError", "Segment", "segment_name"]
 
-class ProtocolError(Exception):
-    """A message that breaks Monarch's protocol on ``rank`` (fatal for the controller)."""
-
-    def __init__(self, rank: int, cause: str):
-        super().__init__(f"rank {rank}: {cause}")
-        self.rank = rank
-        self.cause = cause
-
-
-# --------------------------------------------------------------------------- routing
-
-# Messages that run on the one stream they name (the compiler's fast path).
-_STREAM_MESSAGES = frozenset({m.CallFunction, m.SendValue, m.PipeRecv, m.SetRefUnitTestsOnly,
-                              m.GetRefUnitTestsOnly, m.Reduce, m.SendResultOfActorCall})
-_LANE_MESSAGES = (m.CallFunction, m.SendValue, m.PipeRecv, m.SetRefUnitTestsOnly,
-                  m.GetRefUnitTestsOnly, m.Reduce, m.RecordingFormal, m.RecordingResult,
-                  m.SendResultOfActorCall)
-_CONTROL_MESSAGES = (m.CreateDeviceMesh, m.CreateRemoteProcessGroup, m.BackendNetworkInit,
-                     m.BackendNetworkPointToPointInit, m.SplitComm, m.SplitCommForProcessGroup,
-                     m.CreatePipe, m.DefineRecording)
-
-CREATED, FIRST_USED, LAST_USED = "created", "first-used", "last-used"
-
-
-@dataclass
-class _Borrow:
-    from_stream: int
-    to_stream: int
-    state: str = CREATED
-
-
-@dataclass
-class _Definition:
-    """A recording whose chunks are still arriving."""
-
-    ref: int
-    next_index: int
-    total: int
-    commands: list = field(default_factory=list)
-
-
-class RankRouter:
-    """Monarch's worker mailbox order for one rank: which lane runs each message."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.streams: dict[int, None] = {}  # insertion-ordered set of stream ids
-        self.borrows: dict[int, _Borrow] = {}
-        self.recordings: dict[int, tuple[int, ...]] = {}  # complete recording -> its streams
-        self.defining: _Definition | None = None
-        self.exited = False
-
-    def error(self, cause: str) -> ProtocolError:
-        return ProtocolError(self.rank, cause)
-
-    def stream(self, ref: m.StreamRef, what: str) -> int:
-        if ref.id not in self.streams:
-            raise self.error(f"{what} names stream {ref.id}, which was never created on this rank")
-        return ref.id
-
-    def route(self, msg: Any) -> Iterable[tuple[Any, Any, bool]]:
-        """Yield ``(lane, step, drains)`` for one message; ``lane`` is a stream id or CONTROL."""
-        if self.exited:
-            raise self.error(f"{type(msg).__name__} sent after Exit")
-        t = type(msg)
-        if t is m.RequestStatus and self.defining is not None:
-            raise self.error(f"RequestStatus while recording r{self.defining.ref} is being defined")
-        if t is m.CallActorMethod:
-            yield self.stream(msg.call.stream, "CallActorMethod"), msg, False
-        elif t in _LANE_MESSAGES:
-            yield self.stream(msg.stream, t.__name__), msg, False
-        elif t is m.CommandGroup:
-            for inner in msg.messages:
-                yield from self.route(inner)
-        elif t is m.CreateStream:
-            self.streams[msg.id.id] = None
-            yield msg.id.id, msg, False
-        elif t is m.DeleteRefs:
-            for stream in self.streams:
-                yield stream, msg, False
-        elif t is m.RequestStatus:
-            lanes = len(self.streams)
-            probe = StatusProbe(msg.seq, _next_probe(), max(lanes, 1))
-            if lanes:
-                for stream in self.streams:
-                    yield stream, probe, False
-            else:
-                yield CONTROL, probe, False
-        elif t in (m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop):
-            yield self.route_borrow(msg), msg, False
-        elif t is m.SendTensor:
-            yield from self.route_send(msg)
-        elif t is m.CallRecording:
-            streams = self.recordings.get(msg.recording.id)
-            if streams is None:
-                raise self.error(f"CallRecording of r{msg.recording.id}, which is not a "
-                                 "completely defined recording")
-            for stream in streams:
-                yield stream, msg, False
-        elif t is m.DefineRecording:
-            self.define(msg)
-            yield CONTROL, msg, False
-        elif t in _CONTROL_MESSAGES:
-            yield CONTROL, msg, False
-        elif t is m.Exit:
-            self.exited = True
-            yield CONTROL, msg, True
-        elif t is InternalStep:
-            yield self.stream(m.StreamRef(msg.stream), type(msg.step).__name__), msg.step, False
-        else:
-            raise self.error(f"{t.__name__} is not a worker message")
-
-    def route_borrow(self, msg) -> int:
-        t = type(msg)
-        if t is m.BorrowCreate:
-            if msg.borrow in self.borrows:
-                raise self.error(f"BorrowCreate of borrow {msg.borrow}, which already exists")
-            src = self.stream(msg.from_stream, "BorrowCreate")
-            dst = self.stream(msg.to_stream, "BorrowCreate")
-            self.borrows[msg.borrow] = _Borrow(src, dst)
-            return src
-        borrow = self.borrows.get(msg.borrow)
-        if borrow is None:
-            raise self.error(f"{t.__name__} of unknown borrow {msg.borrow}")
-        expected = {m.BorrowFirstUse: CREATED, m.BorrowLastUse: FIRST_USED,
-                    m.BorrowDrop: LAST_USED}[t]
-        if borrow.state != expected:
-            raise self.error(f"{t.__name__} of borrow {msg.borrow} in state '{borrow.state}' "
-                             f"(expected '{expected}')")
-        if t is m.BorrowFirstUse:
-            borrow.state = FIRST_USED
-            return borrow.to_stream
-        if t is m.BorrowLastUse:
-            borrow.state = LAST_USED
-            return borrow.to_stream
-        del self.borrows[msg.borrow]
-        return borrow.from_stream
-
-    def route_send(self, msg: m.SendTensor):
-        sender = self.rank in msg.from_ranks
-        receiver = self.rank in msg.to_ranks
-        if not sender and not receiver:
-            raise self.error("SendTensor sent to a rank that neither sends nor receives")
-        src = self.stream(msg.from_stream, "SendTensor") if sender else None
-        dst = self.stream(msg.to_stream, "SendTensor") if receiver else None
-        if src is not None:
-            yield src, msg, False
-        if dst is not None and dst != src:
-            yield dst, msg, False
-
-    def define(self, msg: m.DefineRecording) -> None:
-        d = self.defining
-        if d is None:
-            if msg.index != 0:
-                raise self.error(f"DefineRecording r{msg.result.id} starts at chunk {msg.index}")
-            if msg.result.id in self.recordings:
-                raise self.error(f"DefineRecording r{msg.result.id}, which is already defined")
-            d = self.defining = _Definition(msg.result.id, 0, msg.ntotal_messages)
-        elif msg.result.id != d.ref:
-            raise self.error(f"DefineRecording r{msg.result.id} while r{d.ref} is being defined")
-        if msg.index != d.next_index:
-            raise self.error(f"DefineRecording r{d.ref}: chunk {msg.index} arrived when "
-                             f"{d.next_index} was expected")
-        if msg.ntotal_messages != d.total:
-            raise self.error(f"DefineRecording r{d.ref}: chunk {msg.index} says "
-                             f"{msg.ntotal_messages} chunks, the first said {d.total}")
-        d.commands.extend(msg.commands)
-        d.next_index += 1
-        if d.next_index == d.total:
-            streams: dict[int, None] = {}
-            for command in m.flatten_groups(d.commands):
-                for ref in _streams_of(command):
-                    streams[self.stream(ref, f"recording r{d.ref}")] = None
-            self.recordings[d.ref] = tuple(streams)
-            self.defining = None
-
-
-def _streams_of(msg) -> list[m.StreamRef]:
-    """The streams a recorded command runs on."""
-    t = type(msg)
-    if t is m.CallActorMethod:
-        return [msg.call.stream]
-    if t in (m.BorrowCreate, m.SendTensor, m.BackendNetworkPointToPointInit):
-        return [msg.from_stream, msg.to_stream]
-    stream = getattr(msg, "stream", None)
-    return [stream] if isinstance(stream, m.StreamRef) else []
-
-
-_probe_counter = iter(range(1, 2**63))
-
-
-def _next_probe() -> int:
-    return next(_probe_counter)
-
-
-class InternalStep:
-    """A compiler-made step for one lane of one rank (e.g. a ref read for ``get_ref``)."""
-
-    __slots__ = ("stream", "step")
-
-    def __init__(self, stream: int, step: Any):
-        self.stream = stream
-        self.step = step
-
-
-# --------------------------------------------------------------------------- segments
-
-# Task group names (the dashboard groups by ``key_split``, i.e. the key's first element).
-_FAMILY = {
-    m.CallFunction: "call", m.SendValue: "fetch", m.Reduce: "reduce", m.SendTensor: "send",
-    m.BorrowCreate: "borrow", m.BorrowFirstUse: "borrow", m.BorrowLastUse: "borrow",
-    m.BorrowDrop: "borrow", m.CallRecording: "recording", m.DefineRecording: "recording",
-    m.RecordingFormal: "recording", m.RecordingResult: "recording", m.PipeRecv: "pipe",
-    m.CreatePipe: "pipe", m.SendResultOfActorCall: "actor", m.CallActorMethod: "actor",
-    m.SetRefUnitTestsOnly: "ref", m.GetRefUnitTestsOnly: "ref", ReadRef: "ref",
-    m.CreateDeviceMesh: "mesh", m.CreateRemoteProcessGroup: "comm", m.BackendNetworkInit: "comm",
-    m.BackendNetworkPointToPointInit: "comm", m.SplitComm: "comm",
-    m.SplitCommForProcessGroup: "comm", m.Exit: "exit", StatusProbe: "status",
-    m.CreateStream: "stream", m.DeleteRefs: "delete",
-}
+# Families of bookkeeping steps: a segment is named after its other work, if any.
 _BOOKKEEPING = ("status", "stream", "delete")
 
 
 def segment_name(steps: list) -> str:
     """``monarch_<what ran>``: the family of the segment's work, ``segment`` when mixed."""
-    families = {_FAMILY.get(type(s), "segment") for s in steps}
+    families = {FAMILY.get(type(s), "segment") for s in steps}
     work = families.difference(_BOOKKEEPING) or families
     return f"monarch_{work.pop()}" if len(work) == 1 else "monarch_segment"
 
@@ -331,7 +112,7 @@ class Compiler:
         rendezvous = False
         for ranks, msg in buffer:
             try:
-                if type(msg) in _STREAM_MESSAGES:  # the hot path: one lane per rank, no fan-out
+                if type(msg) in ON_NAMED_STREAM:  # the hot path: one lane per rank, no fan-out
                     stream = int(msg.stream)
                     for rank in ranks:
                         per_rank = open_lanes.get(rank)

@@ -27,8 +27,7 @@ from ..exceptions import DeviceException, RemoteException
 from ..protocol.messages import WORKER_MESSAGES, ArgsKwargs, GetRefUnitTestsOnly, Ref, StreamRef
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, ReadRef
-from ..worker.actor import construct_actor
-from ..worker.plugin import register_actor
+from ..worker import construct_actor, register_actor
 from .compiler import Compiler, InternalStep
 from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
 from .reports import Reports

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from distributed import Client
 
 from .. import config
-from ..worker.plugin import (
+from ..worker import (
     claim_rank,
     create_lanes,
     describe_worker,

@@ -24,7 +24,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
     from distributed import Client
 
     from ..controller.placement import natural_key
-    from ..worker.plugin import describe_worker
+    from ..worker import describe_worker
 
     if scheduler_file:
         client = Client(scheduler_file=scheduler_file, set_as_default=False)

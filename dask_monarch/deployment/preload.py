@@ -48,7 +48,7 @@ logger = logging.getLogger("dask_monarch.preload")
 async def setup_worker(worker: Worker, rank: int | None = None, gpu: str | None = None,
                        torch_threads: int | None = None) -> None:
     """Make ``worker`` a dask_monarch rank: GPU choice, rank resource, the plugin."""
-    from ..worker.plugin import MonarchWorkerPlugin
+    from ..worker import MonarchWorkerPlugin
 
     if gpu is not None:
         import torch

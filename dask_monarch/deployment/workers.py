@@ -25,7 +25,7 @@ import dask
 from distributed import Nanny
 
 from ..protocol.names import RESOURCE_CAPACITY, rank_resource
-from ..worker.plugin import MonarchWorkerPlugin
+from ..worker import MonarchWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed.core import Status

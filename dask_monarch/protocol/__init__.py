@@ -3,6 +3,8 @@
 ``messages`` (Monarch's worker messages and the controller-bound replies),
 ``ndslice`` (slices of global ranks), ``wire`` (dask_monarch's own internal
 steps), ``names`` (executor, plugin and resource names and the output
-description that both sides build alike). No behaviour lives here: the
-compiler routes these, the worker runs them.
+description that both sides build alike), ``rules`` (which lanes run each
+message, which refs it touches, borrow steps, recording chunks: what the
+compiler, the worker and the tracer all check alike). Only ``rules`` decides
+anything; the compiler routes these messages by it, the worker runs them.
 """

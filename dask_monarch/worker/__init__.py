@@ -1,6 +1,32 @@
-"""The worker runtime: the WorkerPlugin and what it runs for each controller's rank."""
+"""The worker runtime: the WorkerPlugin and what it runs for each controller's rank.
+
+Other layers reach the worker only through the names below: the plugin, the
+functions a controller runs on its workers (through ``Client.run``) and the
+tasks it submits. Importing this package does not import torch.
+"""
 
 from ..protocol.names import PLUGIN_NAME
-from .plugin import MonarchWorkerPlugin, run_segment
+from .plugin import (
+    MonarchWorkerPlugin,
+    claim_rank,
+    construct_actor,
+    create_lanes,
+    describe_worker,
+    register_actor,
+    run_segment,
+    set_rendezvous,
+    start_rendezvous,
+)
 
-__all__ = ["PLUGIN_NAME", "MonarchWorkerPlugin", "run_segment"]
+__all__ = [
+    "PLUGIN_NAME",
+    "MonarchWorkerPlugin",
+    "claim_rank",
+    "construct_actor",
+    "create_lanes",
+    "describe_worker",
+    "register_actor",
+    "run_segment",
+    "set_rendezvous",
+    "start_rendezvous",
+]

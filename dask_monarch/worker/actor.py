@@ -19,25 +19,27 @@ itself is called with the ``local_state`` values.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 from torch.utils._pytree import tree_map
 
 from ..protocol.messages import ActorCallParams, CallActorMethod, Ref, SendResultOfActorCall
 from ..protocol.wire import ActorCall, Fetched
 from . import calls
-from .dispatch import handles
 from .errors import DependentError, FatalError
+from .failures import dependent_failure, fail_call
+from .lane import Lane
+
+if TYPE_CHECKING:
+    from .rank import RankState
 
 
-@handles(ActorCall)
-def actor_call_info(lane, info: ActorCall) -> None:
+def actor_call_info(lane: Lane, info: ActorCall) -> None:
     """Remember which method the actor-call message of ``seq`` runs."""
     lane.rank.actor_calls[(tuple(info.broker_id), info.seq)] = info
 
 
-def _run(lane, call: ActorCallParams) -> Any:
+def _run(lane: Lane, call: ActorCallParams) -> Any:
     state = lane.rank
     broker = tuple(call.broker_id)
     actor = state.actors.get(broker)
@@ -61,9 +63,7 @@ def _run(lane, call: ActorCallParams) -> Any:
     return getattr(actor, info.method)(*args, **kwargs)
 
 
-def _actor_call(lane, call: ActorCallParams, results) -> None:
-    from .handlers import dependent_failure, fail_call
-
+def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | None) -> None:
     lane.last_seq = call.seq
     try:
         value = _run(lane, call)
@@ -79,8 +79,7 @@ def _actor_call(lane, call: ActorCallParams, results) -> None:
         fail_call(lane, call.seq, results or (), call.mutates, e)
 
 
-@handles(SendResultOfActorCall)
-def send_result_of_actor_call(lane, msg: SendResultOfActorCall) -> None:
+def send_result_of_actor_call(lane: Lane, msg: SendResultOfActorCall) -> None:
     """Call the actor with the stream's tensors and send the value to the controller.
 
     An actor exception is a fresh error (reported, ``mutates`` poisoned); an
@@ -90,17 +89,10 @@ def send_result_of_actor_call(lane, msg: SendResultOfActorCall) -> None:
     _actor_call(lane, call, None)
 
 
-@handles(CallActorMethod)
-def call_actor_method(lane, msg: CallActorMethod) -> None:
+def call_actor_method(lane: Lane, msg: CallActorMethod) -> None:
     """Call the actor with the stream's tensors and bind what it returns to ``results``."""
     _actor_call(lane, msg.call, msg.results)
 
 
-def construct_actor(payload: bytes) -> Any:
-    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
-    cls, args, kwargs = cloudpickle.loads(payload)
-    return cls(*args, **kwargs)
-
-
-def register_actor(state, broker_id: tuple, actor: Any) -> None:
+def register_actor(state: RankState, broker_id: tuple, actor: Any) -> None:
     state.actors[tuple(broker_id)] = actor

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ..protocol.messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
-from .dispatch import handles
 from .errors import FatalError, SeqError
+from .lane import Lane
 
 _MISSING = object()
 
@@ -50,12 +50,12 @@ class Borrow:
         self.returned_event = None
 
 
-def _key(lane, borrow_id: int):
+def _key(lane: Lane, borrow_id: int):
     """Borrows made inside a recording are new on every replay: key them by its seq."""
     return borrow_id if lane.recording is None else (lane.recording.seq, borrow_id)
 
 
-def _borrow(lane, borrow_id: int) -> Borrow:
+def _borrow(lane: Lane, borrow_id: int) -> Borrow:
     state = lane.rank
     key = _key(lane, borrow_id)
     with state.lock:
@@ -65,7 +65,7 @@ def _borrow(lane, borrow_id: int) -> Borrow:
         return borrow
 
 
-def _record(lane):
+def _record(lane: Lane):
     """A CUDA event marking the lane's work so far (None on CPU)."""
     if lane.device is None:
         return None
@@ -74,13 +74,12 @@ def _record(lane):
     return event
 
 
-def _wait_event(lane, event) -> None:
+def _wait_event(lane: Lane, event) -> None:
     if event is not None:
         lane.cuda_stream.wait_event(event)
 
 
-@handles(BorrowCreate)
-def borrow_create(lane, msg: BorrowCreate) -> None:
+def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
     """Lend ``tensor`` to ``to_stream`` (lender lane; never blocks).
 
     Fatal if the tensor is not on this stream. An errored value is lent as is.
@@ -97,8 +96,7 @@ def borrow_create(lane, msg: BorrowCreate) -> None:
     borrow.created.set()
 
 
-@handles(BorrowFirstUse)
-def borrow_first_use(lane, msg: BorrowFirstUse) -> None:
+def borrow_first_use(lane: Lane, msg: BorrowFirstUse) -> None:
     """Bind the lent object on the borrower lane; blocks until the lender ran the create."""
     borrow = _borrow(lane, msg.borrow)
     lane.rank.wait(lane, borrow.created, f"borrow {msg.borrow} (the lender's BorrowCreate)")
@@ -108,8 +106,7 @@ def borrow_first_use(lane, msg: BorrowFirstUse) -> None:
     lane.env[borrow.result] = borrow.value
 
 
-@handles(BorrowLastUse)
-def borrow_last_use(lane, msg: BorrowLastUse) -> None:
+def borrow_last_use(lane: Lane, msg: BorrowLastUse) -> None:
     """Give the object back: unbind it on the borrower lane (fatal if it is gone)."""
     borrow = _borrow(lane, msg.borrow)
     if lane.env.pop(borrow.result, _MISSING) is _MISSING:
@@ -119,8 +116,7 @@ def borrow_last_use(lane, msg: BorrowLastUse) -> None:
     borrow.last_used.set()
 
 
-@handles(BorrowDrop)
-def borrow_drop(lane, msg: BorrowDrop) -> None:
+def borrow_drop(lane: Lane, msg: BorrowDrop) -> None:
     """End the borrow on the lender lane; blocks until the borrower passed its last use."""
     borrow = _borrow(lane, msg.borrow)
     lane.rank.wait(lane, borrow.last_used, f"borrow {msg.borrow} (the borrower's BorrowLastUse)")

@@ -45,8 +45,8 @@ from ..protocol.messages import (
     SplitCommForProcessGroup,
 )
 from . import groups
-from .dispatch import handles
 from .errors import FatalError, SeqError
+from .lane import Lane
 
 _MISSING = object()
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
@@ -139,8 +139,7 @@ def _fatal_call(what: str, fn, *args, **kwargs):
         raise FatalError(f"{what} failed: {type(e).__name__}: {e}") from e
 
 
-@handles(BackendNetworkInit)
-def backend_network_init(lane, msg: BackendNetworkInit) -> None:
+def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
     """Join the world group of every rank (blocks until all ranks arrive; idempotent)."""
     comms = comms_of(lane.rank)
     if comms.world is not None:
@@ -160,8 +159,7 @@ def backend_network_init(lane, msg: BackendNetworkInit) -> None:
     _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
 
 
-@handles(SplitComm)
-def split_comm(lane, msg: SplitComm) -> None:
+def split_comm(lane: Lane, msg: SplitComm) -> None:
     """Create the communicator Reduce uses for (mesh, stream, sorted dims).
 
     Sent to every rank; a no-op without a world group or on a rank outside
@@ -184,8 +182,7 @@ def split_comm(lane, msg: SplitComm) -> None:
     comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks)
 
 
-@handles(BackendNetworkPointToPointInit)
-def point_to_point_init(lane, msg: BackendNetworkPointToPointInit) -> None:
+def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None:
     """Create the communicator SendTensor uses from ``from_stream`` to ``to_stream``."""
     comms = comms_of(lane.rank)
     key = (msg.from_stream.id, msg.to_stream.id)
@@ -196,8 +193,7 @@ def point_to_point_init(lane, msg: BackendNetworkPointToPointInit) -> None:
                                  f"p2p/{key[0]}/{key[1]}", world)
 
 
-@handles(CreateRemoteProcessGroup)
-def create_remote_process_group(lane, msg: CreateRemoteProcessGroup) -> None:
+def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> None:
     """Remember a process group over some dims of a mesh (§3.14); fatal on a duplicate id."""
     comms = comms_of(lane.rank)
     if msg.device_mesh.id not in lane.rank.meshes:
@@ -208,8 +204,7 @@ def create_remote_process_group(lane, msg: CreateRemoteProcessGroup) -> None:
     comms.remote_defs[msg.result.id] = (msg.device_mesh.id, tuple(sorted(msg.dims)))
 
 
-@handles(SplitCommForProcessGroup)
-def split_comm_for_process_group(lane, msg: SplitCommForProcessGroup) -> None:
+def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> None:
     """Create the torch ProcessGroup a user function gets for a remote group on a stream."""
     comms = comms_of(lane.rank)
     if comms.world is None:
@@ -228,7 +223,7 @@ def split_comm_for_process_group(lane, msg: SplitCommForProcessGroup) -> None:
     comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks)
 
 
-def process_groups_for(lane, refs) -> dict[int, Any]:
+def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
     """The torch groups a CallFunction lists, for this lane's stream (fatal if missing)."""
     comms = comms_of(lane.rank)
     found = {}
@@ -248,15 +243,14 @@ def _ranks_key(ranks: list[int]) -> str:
 # -- stream messages -------------------------------------------------------------------------
 
 
-def _input(lane, ref, what: str):
+def _input(lane: Lane, ref, what: str):
     value = lane.env.get(ref.id, _MISSING)
     if value is _MISSING:
         raise FatalError(f"{what}: r{ref.id} is not on stream {lane.label}")
     return value
 
 
-@handles(Reduce)
-def reduce(lane, msg: Reduce) -> None:
+def reduce(lane: Lane, msg: Reduce) -> None:
     """A collective over the mesh dims (§3.11); every member takes part, even with an error.
 
     An errored input is replaced by zeros from the factory (``out`` is then
@@ -324,8 +318,7 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
     return output
 
 
-@handles(SendTensor)
-def send_tensor(lane, msg: SendTensor) -> None:
+def send_tensor(lane: Lane, msg: SendTensor) -> None:
     """Copy tensors between two equally sized rank slices, paired in row-major order (§3.19).
 
     A sender sends its tensor (zeros if it errored); a receiver binds a fresh

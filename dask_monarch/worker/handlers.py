@@ -1,49 +1,41 @@
 """Handlers of the core messages: calls, fetches, refs, streams, meshes, status, exit.
 
-Borrows, collectives, recordings, pipes and actors register their handlers
-in their own modules. Semantics: monarch-semantics §3; error model §4.1.
+Borrows, collectives, recordings, pipes and actors have their handlers in
+their own modules; :mod:`.dispatch` maps each message type to its handler.
+Semantics: monarch-semantics §3; error model §4.1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..protocol.messages import (
+    ArgsKwargs,
     CallFunction,
-    CommandGroup,
     CreateDeviceMesh,
     CreateStream,
     DeleteRefs,
     Exit,
     GetRefUnitTestsOnly,
-    RemoteFunctionFailed,
+    Ref,
+    ResolvableFunction,
     SendValue,
     SetRefUnitTestsOnly,
     Status,
 )
 from ..protocol.wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
 from . import calls
-from .dispatch import handle, handles
+from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
+from .failures import call_failed, dependent_failure, fail_call
+from .lane import Lane
 from .mesh import DeviceMesh
+from .pipe import pipe_for
 
 
-def fail_call(lane, seq: int, results, mutates, exc: Exception) -> SeqError:
-    """A fresh failure: one SeqError, reported once, poisoning results and mutates.
-
-    Inside a recording's replay the failure belongs to the replay instead,
-    which reports it once for the CallRecording.
-    """
-    if lane.recording is not None:
-        error = lane.recording.fresh_error(lane.rank, exc)
-        calls.poison(lane.env, results, mutates, error)
-        return error
-    error = SeqError.from_exception(seq, exc)
-    calls.poison(lane.env, results, mutates, error)
-    lane.rank.record_error(error)
-    lane.rank.report(RemoteFunctionFailed(seq, lane.rank.rank, error.error))
-    return error
-
-
-def call(lane, seq: int, function, args_kwargs, results, mutates, groups=None) -> None:
+def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKwargs,
+         results: Sequence[Ref | None], mutates: Sequence[Ref], groups: dict | None = None
+         ) -> None:
     """Resolve, call and bind, turning failures into poisoned slots (shared by call paths)."""
     try:
         fn = calls.resolve_function(function)
@@ -56,23 +48,7 @@ def call(lane, seq: int, function, args_kwargs, results, mutates, groups=None) -
         call_failed(lane, seq, results, mutates, e)
 
 
-def call_failed(lane, seq: int, results, mutates, exc: Exception) -> None:
-    """A call raised: a dependent failure reuses its root, anything else is fresh."""
-    if isinstance(exc, DependentError):
-        dependent_failure(lane, results, mutates, exc.root)
-    else:
-        fail_call(lane, seq, results, mutates, exc)
-
-
-def dependent_failure(lane, results, mutates, root: SeqError) -> None:
-    """An input held an error: poison with the same root, report nothing."""
-    calls.poison(lane.env, results, mutates, root)
-    if lane.recording is not None:
-        lane.recording.dependent(root)
-
-
-@handles(CallFunction)
-def call_function(lane, msg: CallFunction) -> None:
+def call_function(lane: Lane, msg: CallFunction) -> None:
     """Call a function on the stream and bind its results (§3.3).
 
     Fresh failures (bad path, missing ref, the function raising, a result
@@ -84,14 +60,11 @@ def call_function(lane, msg: CallFunction) -> None:
     lane.last_seq = msg.seq
     groups = None
     if msg.remote_process_groups:
-        from .comm import process_groups_for
-
         groups = process_groups_for(lane, msg.remote_process_groups)
     call(lane, msg.seq, msg.function, msg.args_kwargs, msg.results, msg.mutates, groups)
 
 
-@handles(SendValue)
-def send_value(lane, msg: SendValue) -> None:
+def send_value(lane: Lane, msg: SendValue) -> None:
     """Compute a value and send it to the controller, or into a pipe (§3.20).
 
     Without a function the single positional argument is the value. The
@@ -113,8 +86,6 @@ def send_value(lane, msg: SendValue) -> None:
         else:
             value = calls.resolve_function(msg.function)(*args, **kwargs)
         if msg.destination is not None:
-            from .pipe import pipe_for
-
             pipe_for(lane, msg.destination).send(value)
         else:
             lane.rank.report(Fetched(msg.seq, lane.rank.rank, calls.pickle_value(value)))
@@ -126,35 +97,30 @@ def send_value(lane, msg: SendValue) -> None:
         fail_call(lane, msg.seq, (), msg.mutates, e)
 
 
-@handles(DeleteRefs)
-def delete_refs(lane, msg: DeleteRefs) -> None:
+def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
     """Forget refs on this stream (fanned out to every stream; unknown ids are ignored)."""
     env = lane.env
     for ref in msg.refs:
         env.pop(ref.id, None)
 
 
-@handles(CreateStream)
-def create_stream(lane, msg: CreateStream) -> None:
+def create_stream(lane: Lane, msg: CreateStream) -> None:
     """Start (or restart, with an empty table) the stream; its lane already exists."""
     lane.create(msg.stream_creation)
 
 
-@handles(StatusProbe)
-def status_probe(lane, probe: StatusProbe) -> None:
+def status_probe(lane: Lane, probe: StatusProbe) -> None:
     """This stream drained everything before a ``RequestStatus``; the last one answers (§3.6)."""
     if lane.rank.arrive(probe.probe, probe.lanes):
         lane.rank.report(Status(probe.seq + 1, lane.rank.rank))
 
 
-@handles(SetRefUnitTestsOnly)
-def set_ref(lane, msg: SetRefUnitTestsOnly) -> None:
+def set_ref(lane: Lane, msg: SetRefUnitTestsOnly) -> None:
     """Bind a plain value on the stream (test hook)."""
     lane.env[msg.reference.id] = msg.value
 
 
-@handles(ReadRef, GetRefUnitTestsOnly)
-def read_ref(lane, msg) -> None:
+def read_ref(lane: Lane, msg: ReadRef | GetRefUnitTestsOnly) -> None:
     """Reply with a ref's value (tensors on CPU), its error text, or its absence."""
     if type(msg) is ReadRef:
         probe, ref = msg.probe, msg.message.value
@@ -173,15 +139,7 @@ def read_ref(lane, msg) -> None:
 _ABSENT = object()
 
 
-@handles(CommandGroup)
-def command_group(lane, msg: CommandGroup) -> None:
-    """Handle each message in order; the first fatal error stops the rest (§3.4)."""
-    for message in msg.messages:
-        handle(lane, message)
-
-
-@handles(CreateDeviceMesh)
-def create_device_mesh(lane, msg: CreateDeviceMesh) -> None:
+def create_device_mesh(lane: Lane, msg: CreateDeviceMesh) -> None:
     """Store the worker-side mesh (§3.2); fatal if this rank is not in it."""
     state = lane.rank
     try:
@@ -190,8 +148,7 @@ def create_device_mesh(lane, msg: CreateDeviceMesh) -> None:
         raise FatalError(f"CreateDeviceMesh r{msg.result.id}: {e}") from None
 
 
-@handles(Exit)
-def exit_(lane, msg: Exit) -> None:
+def exit_(lane: Lane, msg: Exit) -> None:
     """Everything sent before has run: release the controller's state on this rank (§3.22).
 
     The Dask worker keeps running; an error passed to Exit goes back to the

@@ -28,8 +28,9 @@ import torch.multiprocessing as tmp
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
 from ..protocol.names import describe_output
 from . import calls
-from .dispatch import handles
 from .errors import FatalError, format_exception
+from .failures import fail_call
+from .lane import Lane, current_lane
 
 logger = logging.getLogger("dask_monarch.worker.pipe")
 POLL_S = 0.05
@@ -108,7 +109,7 @@ class Pipe:
         producer.start()
         self.process = None if in_thread else producer  # a thread cannot be terminated
 
-    def recv(self, lane) -> Any:
+    def recv(self, lane: Lane) -> Any:
         """The next value (blocks the lane); raises PipeFailed when the producer cannot give one."""
         if self.held:
             return self.held.pop()
@@ -164,8 +165,6 @@ def peek(pipe: Pipe) -> tuple:
     """
     from torch.utils._pytree import tree_flatten, treespec_dumps
 
-    from .lane import current_lane
-
     value = pipe.recv(current_lane())
     pipe.held.append(value)
     leaves, spec = tree_flatten(value)
@@ -173,15 +172,14 @@ def peek(pipe: Pipe) -> tuple:
     return packed, treespec_dumps(spec)
 
 
-def pipe_for(lane, ref: Ref) -> Pipe:
+def pipe_for(lane: Lane, ref: Ref) -> Pipe:
     pipe = lane.rank.pipes.get(ref.id)
     if pipe is None:
         raise FatalError(f"r{ref.id} is not a pipe on rank {lane.rank.rank}")
     return pipe
 
 
-@handles(CreatePipe)
-def create_pipe(lane, msg: CreatePipe) -> None:
+def create_pipe(lane: Lane, msg: CreatePipe) -> None:
     """Start this rank's producer (control lane); fatal if the mesh or the id is wrong."""
     state = lane.rank
     mesh = state.meshes.get(msg.mesh.id)
@@ -198,11 +196,8 @@ def create_pipe(lane, msg: CreatePipe) -> None:
     state.on_release(pipe.close)
 
 
-@handles(PipeRecv)
-def pipe_recv(lane, msg: PipeRecv) -> None:
+def pipe_recv(lane: Lane, msg: PipeRecv) -> None:
     """Bind the producer's next value like a call's results; blocks until there is one."""
-    from .handlers import fail_call
-
     lane.last_seq = msg.seq
     pipe = pipe_for(lane, msg.pipe)
     try:

@@ -16,7 +16,9 @@ import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import cloudpickle
 from distributed import WorkerPlugin, get_worker
 from distributed.batched import BatchedSend
 from distributed.comm.core import CommClosedError
@@ -282,7 +284,13 @@ async def release_controller(token: str, dask_worker=None) -> bool:
     return True
 
 
-# -- the task the compiler submits -----------------------------------------------------------
+# -- the tasks the controller submits --------------------------------------------------------
+
+
+def construct_actor(payload: bytes) -> Any:
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
+    cls, args, kwargs = cloudpickle.loads(payload)
+    return cls(*args, **kwargs)
 
 
 def run_segment(token: str, rank: int, lane: object, index: int, payload: bytes, *after) -> int:

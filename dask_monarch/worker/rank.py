@@ -19,8 +19,8 @@ from distributed.protocol.serialize import ToPickle
 
 from .. import config
 from ..protocol import names
+from ..protocol.rules import RecordingChunks
 from ..protocol.wire import CONTROL, Fatal, LaneDone
-from . import actor, borrow, comm, handlers, pipe, recording  # noqa: F401  (handlers)
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
@@ -60,8 +60,9 @@ class RankState:
         self._pending: list = []
         self._closers: list = []
         self.comms = None  # worker.comm.Comms, made on first use
+        self.handlers = HANDLERS  # message type -> handler (recordings replay through it too)
         self.recordings: dict[int, Any] = {}
-        self.defining = None  # a recording whose chunks are arriving
+        self.chunks = RecordingChunks(FatalError)  # a recording whose chunks are arriving
         self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
         self.pipes: dict[int, Any] = {}
         self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
@@ -121,7 +122,7 @@ class RankState:
         return len(steps)
 
     def _run_steps(self, lane: Lane, steps: list) -> None:
-        table = HANDLERS
+        table = self.handlers
         done = 0
         try:
             for step in steps:

@@ -23,18 +23,27 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..protocol import messages as m
+from ..protocol.rules import (
+    RULES,
+    RUNS_USER_CODE,
+    Borrows,
+    Lanes,
+    Opaque,
+    named_refs,
+    refs_defined,
+    refs_mutated,
+    stream_of,
+)
 from .calls import TEST_PANIC, bind_results, poison, resolve_function
-from .dispatch import HANDLERS, handles
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
-from .handlers import call_failed
+from .failures import call_failed
+from .lane import Lane
 
-_NOT_ALLOWED = (m.RequestStatus, m.Exit, m.DefineRecording, m.CallRecording, m.CreateDeviceMesh,
-                m.CreateRemoteProcessGroup, m.BackendNetworkInit, m.BackendNetworkPointToPointInit,
-                m.SplitComm, m.SplitCommForProcessGroup, m.CreatePipe, m.CreateStream)
-# Commands a failed replay skips; everything else (borrows, collectives, sends) still runs.
-_CALLS = (m.CallFunction, m.SendValue, m.PipeRecv, m.SendResultOfActorCall, m.CallActorMethod)
+if TYPE_CHECKING:
+    from .rank import RankState
 
 
 @dataclass
@@ -71,7 +80,7 @@ class FastCall(tuple):
     __slots__ = ()
 
 
-def _compile(state, cmd):
+def _compile(state: RankState, cmd: Any) -> Any:
     """A FastCall for a simple CallFunction, else the message itself (handled generically)."""
     if (type(cmd) is not m.CallFunction or cmd.remote_process_groups or len(cmd.results) != 1
             or cmd.args_kwargs._payload is not None or not cmd.args_kwargs.flat
@@ -100,16 +109,6 @@ def _compile(state, cmd):
                      cmd))
 
 
-class Definition:
-    """Chunks of a recording still arriving on the control lane."""
-
-    def __init__(self, msg: m.DefineRecording):
-        self.ref = msg.result.id
-        self.total = msg.ntotal_messages
-        self.next_index = 0
-        self.commands: list = []
-
-
 class ReplayState:
     """One CallRecording on one rank, shared by the lanes that replay it."""
 
@@ -119,7 +118,7 @@ class ReplayState:
         self.lanes_left = lanes
         self.lock = threading.Lock()
 
-    def fresh_error(self, rank_state, exc: BaseException) -> SeqError:
+    def fresh_error(self, rank_state: RankState, exc: BaseException) -> SeqError:
         """A command failed: the first failure becomes the replay's error, reported once."""
         with self.lock:
             if self.error is not None:
@@ -139,32 +138,17 @@ class ReplayState:
 # -- definition ------------------------------------------------------------------------------
 
 
-@handles(m.DefineRecording)
-def define_recording(lane, msg: m.DefineRecording) -> None:
+def define_recording(lane: Lane, msg: m.DefineRecording) -> None:
     """Collect a chunk; with the last one, split the commands by stream and check them."""
     state = lane.rank
-    d = state.defining
-    if d is None:
-        if msg.index != 0:
-            raise FatalError(f"DefineRecording r{msg.result.id} starts at chunk {msg.index}")
-        if msg.result.id in state.recordings:
-            raise FatalError(f"DefineRecording r{msg.result.id}: already defined")
-        d = state.defining = Definition(msg)
-    elif d.ref != msg.result.id:
-        raise FatalError(f"DefineRecording r{msg.result.id} while r{d.ref} is being defined")
-    if msg.index != d.next_index:
-        raise FatalError(f"DefineRecording r{d.ref}: chunk {msg.index} arrived when "
-                         f"{d.next_index} was expected")
-    d.commands.extend(msg.commands)
-    d.next_index += 1
-    if d.next_index == d.total:
-        state.defining = None
-        state.recordings[d.ref] = _build(state, d.ref, d.commands)
+    commands = state.chunks.add(msg, state.recordings)
+    if commands is not None:
+        state.recordings[msg.result.id] = _build(state, msg.result.id, commands)
 
 
-def _build(state, ref: int, commands: list) -> Recording:
+def _build(state: RankState, ref: int, commands: list) -> Recording:
     streams: dict[int, StreamRecording] = {}
-    borrows: dict[int, list] = {}  # id -> [from, to, state]
+    borrows = Borrows(FatalError, recording=ref)
     borrowed: set[int] = set()  # borrowers' refs: BorrowLastUse removes them, unnamed
 
     def on(stream_id: int) -> StreamRecording:
@@ -174,7 +158,9 @@ def _build(state, ref: int, commands: list) -> Recording:
 
     for cmd in m.flatten_groups(commands):
         t = type(cmd)
-        if t in _NOT_ALLOWED:
+        rule = RULES.get(t)
+        lanes = rule.lanes if rule is not None else None
+        if rule is not None and not rule.recordable:
             raise FatalError(f"recording r{ref}: {t.__name__} is not allowed in a recording"
                              + (" (request_status not allowed in recording)"
                                 if t is m.RequestStatus else ""))
@@ -188,29 +174,16 @@ def _build(state, ref: int, commands: list) -> Recording:
             s.results.append((cmd.output_index, cmd.result.id))
             s.commands.append(cmd)
         elif t is m.BorrowCreate:
-            if cmd.borrow in borrows:
-                raise FatalError(f"recording r{ref}: borrow {cmd.borrow} created twice")
-            borrows[cmd.borrow] = [cmd.from_stream.id, cmd.to_stream.id, "created"]
+            borrows.create(cmd.borrow, cmd.from_stream.id, cmd.to_stream.id)
             on(cmd.to_stream.id).internal.add(cmd.result.id)
             borrowed.add(cmd.result.id)
             on(cmd.from_stream.id).commands.append(cmd)
-        elif t in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop):
-            b = borrows.get(cmd.borrow)
-            if b is None:
-                raise FatalError(f"recording r{ref}: {t.__name__} of borrow {cmd.borrow}, "
-                                 "which was not created within the recording")
-            expected = {m.BorrowFirstUse: "created", m.BorrowLastUse: "first-used",
-                        m.BorrowDrop: "last-used"}[t]
-            if b[2] != expected:
-                raise FatalError(f"recording r{ref}: {t.__name__} of borrow {cmd.borrow} in "
-                                 f"state '{b[2]}'")
-            b[2] = {m.BorrowFirstUse: "first-used", m.BorrowLastUse: "last-used",
-                    m.BorrowDrop: "dropped"}[t]
-            on(b[0] if t is m.BorrowDrop else b[1]).commands.append(cmd)
-        elif t is m.DeleteRefs:
+        elif lanes is Lanes.BORROW:
+            on(borrows.step(cmd)).commands.append(cmd)
+        elif lanes is Lanes.EVERY_STREAM:
             for s in streams.values():
                 s.commands.append(cmd)
-        elif t is m.SendTensor:
+        elif lanes is Lanes.SEND:
             me = state.rank
             sending, receiving = me in cmd.from_ranks, me in cmd.to_ranks
             if sending:
@@ -221,24 +194,11 @@ def _build(state, ref: int, commands: list) -> Recording:
                 if not sending or cmd.to_stream.id != cmd.from_stream.id:
                     s.commands.append(cmd)
         else:
-            stream = cmd.call.stream if t is m.CallActorMethod else cmd.stream
-            s = on(stream.id)
+            s = on(stream_of(cmd).id)
             s.commands.append(cmd)
-            results = getattr(cmd, "results", None)
-            if results is not None:
-                s.internal.update(r.id for r in results if r is not None)
-            if t is m.Reduce:
-                s.internal.add(cmd.result.id)
-                if cmd.in_place:
-                    s.mutated.append(cmd.tensor.id)
-                if cmd.out is not None:
-                    s.mutated.append(cmd.out.id)
-            mutates = cmd.call.mutates if t is m.CallActorMethod else getattr(cmd, "mutates", ())
-            s.mutated.extend(r.id for r in mutates)
-    open_borrows = [b for b, v in borrows.items() if v[2] != "dropped"]
-    if open_borrows:
-        raise FatalError(f"recording r{ref}: all borrows created within recording must be "
-                         f"dropped within recording (open: {open_borrows})")
+            s.internal.update(refs_defined(cmd))
+            s.mutated.extend(refs_mutated(cmd))
+    borrows.check_all_dropped()
     for s in streams.values():
         s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
         s.plan = [_compile(state, cmd) for cmd in s.commands]
@@ -246,19 +206,15 @@ def _build(state, ref: int, commands: list) -> Recording:
     return Recording(ref, streams)
 
 
-class _Opaque(Exception):
-    """A command whose refs cannot be listed (its arguments travel pickled)."""
-
-
 def _last_uses(commands: list, internal: set[int]) -> list[tuple[int, ...]]:
     """Per command, the ``internal`` refs no later command names (see StreamRecording)."""
     last: dict[int, int] = {}
     try:
         for index, cmd in enumerate(commands):
-            for ref in _named_refs(cmd, set()):
+            for ref in named_refs(cmd, set()):
                 if ref in internal:
                     last[ref] = index
-    except _Opaque:  # keep everything to the end of the call
+    except Opaque:  # keep everything to the end of the call
         return [()] * len(commands)
     frees: list[list[int]] = [[] for _ in commands]
     for ref, index in last.items():
@@ -266,24 +222,7 @@ def _last_uses(commands: list, internal: set[int]) -> list[tuple[int, ...]]:
     return [tuple(f) for f in frees]
 
 
-def _named_refs(value, out: set[int]) -> set[int]:
-    """Every Ref id inside a message (its fields, argument containers, nested params)."""
-    t = type(value)
-    if t is m.Ref:
-        out.add(int(value))
-    elif t is m.ArgsKwargs and value[2] is not None:
-        raise _Opaque
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _named_refs(v, out)
-    elif t is dict:
-        for v in value.values():
-            _named_refs(v, out)
-    return out
-
-
-@handles(m.RecordingFormal, m.RecordingResult)
-def outside_recording(lane, msg) -> None:
+def outside_recording(lane: Lane, msg: m.RecordingFormal | m.RecordingResult) -> None:
     """Formals and results only exist inside a recording."""
     name = "recording_formal" if type(msg) is m.RecordingFormal else "recording_result"
     raise FatalError(f"{name} called outside of recording")
@@ -292,8 +231,7 @@ def outside_recording(lane, msg) -> None:
 # -- replay ----------------------------------------------------------------------------------
 
 
-@handles(m.CallRecording)
-def call_recording(lane, msg: m.CallRecording) -> None:
+def call_recording(lane: Lane, msg: m.CallRecording) -> None:
     """Replay this stream's part of a recording with ``actuals``; bind ``results``."""
     state = lane.rank
     recording = state.recordings.get(msg.recording.id)
@@ -308,7 +246,7 @@ def call_recording(lane, msg: m.CallRecording) -> None:
             replay = state.replays[msg.seq] = ReplayState(msg.seq, len(recording.streams))
     env = lane.env
     actuals, results = msg.actuals, msg.results
-    handlers = HANDLERS
+    handlers = state.handlers
     lane.recording = replay
     lane.last_seq = msg.seq
     try:
@@ -346,7 +284,7 @@ def call_recording(lane, msg: m.CallRecording) -> None:
                     raise FatalError(f"CallRecording r{msg.recording.id}: too few results "
                                      f"({len(results)}) for output {cmd.output_index}")
                 env[results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
-            elif replay.error is not None and t in _CALLS:
+            elif replay.error is not None and t in RUNS_USER_CODE:
                 _skip(lane, cmd, replay.error)
             else:
                 handlers[t](lane, cmd)
@@ -369,7 +307,7 @@ def call_recording(lane, msg: m.CallRecording) -> None:
             state.replays.pop(msg.seq, None)
 
 
-def _value_or_error(lane, replay: ReplayState, ref_id: int):
+def _value_or_error(lane: Lane, replay: ReplayState, ref_id: int) -> Any:
     value = lane.env.get(ref_id, _MISSING)
     if value is _MISSING:
         return replay.fresh_error(lane.rank, RefNotFound(ref_id))
@@ -378,7 +316,7 @@ def _value_or_error(lane, replay: ReplayState, ref_id: int):
     return value
 
 
-def _skip(lane, cmd, error: SeqError) -> None:
+def _skip(lane: Lane, cmd: Any, error: SeqError) -> None:
     if type(cmd) is m.CallActorMethod:
         poison(lane.env, cmd.results, cmd.call.mutates, error)
     else:
