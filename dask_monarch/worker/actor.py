@@ -1,4 +1,6 @@
-"""Actor calls: methods of per-rank actors fed with tensors from a stream (§3.23).
+"""Actor calls: methods of per-rank actors fed with tensors from a stream.
+
+Semantics: docs/protocol.md §3.23.
 
 ``Controller.spawn_actor`` creates one instance per rank with Dask's own
 actors (``Client.submit(cls, actor=True)``, pinned to the rank's worker), so

@@ -1,4 +1,6 @@
-"""Borrows: a tensor crosses from one stream to another of the same rank (§3.7-§3.10).
+"""Borrows: a tensor crosses from one stream to another of the same rank.
+
+Semantics: docs/protocol.md §3.7-§3.10.
 
 Both ends live on one worker, so the four steps synchronise through two
 in-process one-shot channels, plus CUDA events on GPU (DESIGN decision 5):

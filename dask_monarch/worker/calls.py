@@ -1,8 +1,8 @@
 """The hot path of a call: resolve the function, resolve arguments, bind results.
 
-Semantics: monarch-semantics §1.4 (paths), §2.2 (arguments), §2.3 (results).
+Semantics: docs/protocol.md §1.4 (paths), §2.2 (arguments), §2.3 (results).
 Functions are cached per path (and per pickled payload); flat argument lists
-skip the pytree walk (dask-notes §12: the walk costs more than a small op).
+skip the pytree walk (docs/dask.md §12: the walk costs more than a small op).
 """
 
 from __future__ import annotations

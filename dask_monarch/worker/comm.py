@@ -1,4 +1,6 @@
-"""Collectives and point-to-point sends over torch.distributed (§3.11-§3.15, §3.19).
+"""Collectives and point-to-point sends over torch.distributed.
+
+Semantics: docs/protocol.md §3.11-§3.15, §3.19.
 
 Monarch does these with NCCL only; here CPU tensors go over gloo and CUDA
 tensors over NCCL (:mod:`.groups`). The controller starts a TCPStore on rank
@@ -194,7 +196,10 @@ def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None
 
 
 def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> None:
-    """Remember a process group over some dims of a mesh (§3.14); fatal on a duplicate id."""
+    """Remember a process group over some dims of a mesh; fatal on a duplicate id.
+
+    Semantics: docs/protocol.md §3.14.
+    """
     comms = comms_of(lane.rank)
     if msg.device_mesh.id not in lane.rank.meshes:
         raise FatalError(f"CreateRemoteProcessGroup r{msg.result.id}: unknown device mesh "
@@ -251,7 +256,9 @@ def _input(lane: Lane, ref, what: str):
 
 
 def reduce(lane: Lane, msg: Reduce) -> None:
-    """A collective over the mesh dims (§3.11); every member takes part, even with an error.
+    """A collective over the mesh dims; every member takes part, even with an error.
+
+    Semantics: docs/protocol.md §3.11.
 
     An errored input is replaced by zeros from the factory (``out`` is then
     ignored) and the result is a valid tensor; nothing is reported. Missing
@@ -319,7 +326,9 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
 
 
 def send_tensor(lane: Lane, msg: SendTensor) -> None:
-    """Copy tensors between two equally sized rank slices, paired in row-major order (§3.19).
+    """Copy tensors between two equally sized rank slices, paired in row-major order.
+
+    Semantics: docs/protocol.md §3.19.
 
     A sender sends its tensor (zeros if it errored); a receiver binds a fresh
     buffer and receives into it. A rank sending to itself binds a deep copy

@@ -31,7 +31,10 @@ def handle(lane: Lane, message: Any) -> None:
 
 
 def command_group(lane: Lane, msg: m.CommandGroup) -> None:
-    """Handle each message in order; the first fatal error stops the rest (§3.4)."""
+    """Handle each message in order; the first fatal error stops the rest.
+
+    Semantics: docs/protocol.md §3.4.
+    """
     for message in msg.messages:
         handle(lane, message)
 

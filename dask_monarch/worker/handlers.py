@@ -2,7 +2,7 @@
 
 Borrows, collectives, recordings, pipes and actors have their handlers in
 their own modules; :mod:`.dispatch` maps each message type to its handler.
-Semantics: monarch-semantics §3; error model §4.1.
+Semantics: docs/protocol.md §3; error model §4.1.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKw
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
-    """Call a function on the stream and bind its results (§3.3).
+    """Call a function on the stream and bind its results (docs/protocol.md §3.3).
 
     Fresh failures (bad path, missing ref, the function raising, a result
     count mismatch) are reported once and poison results and mutates; an
@@ -65,7 +65,7 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
 
 
 def send_value(lane: Lane, msg: SendValue) -> None:
-    """Compute a value and send it to the controller, or into a pipe (§3.20).
+    """Compute a value and send it to the controller, or into a pipe (docs/protocol.md §3.20).
 
     Without a function the single positional argument is the value. The
     value is pickled here, so later changes on the stream cannot leak into
@@ -110,7 +110,10 @@ def create_stream(lane: Lane, msg: CreateStream) -> None:
 
 
 def status_probe(lane: Lane, probe: StatusProbe) -> None:
-    """This stream drained everything before a ``RequestStatus``; the last one answers (§3.6)."""
+    """This stream drained everything before a ``RequestStatus``; the last one answers.
+
+    Semantics: docs/protocol.md §3.6.
+    """
     if lane.rank.arrive(probe.probe, probe.lanes):
         lane.rank.report(Status(probe.seq + 1, lane.rank.rank))
 
@@ -140,7 +143,7 @@ _ABSENT = object()
 
 
 def create_device_mesh(lane: Lane, msg: CreateDeviceMesh) -> None:
-    """Store the worker-side mesh (§3.2); fatal if this rank is not in it."""
+    """Store the worker-side mesh (docs/protocol.md §3.2); fatal if this rank is not in it."""
     state = lane.rank
     try:
         state.meshes[msg.result.id] = DeviceMesh(msg.names, msg.ranks, state.rank)
@@ -149,7 +152,9 @@ def create_device_mesh(lane: Lane, msg: CreateDeviceMesh) -> None:
 
 
 def exit_(lane: Lane, msg: Exit) -> None:
-    """Everything sent before has run: release the controller's state on this rank (§3.22).
+    """Everything sent before has run: release the controller's state on this rank.
+
+    Semantics: docs/protocol.md §3.22.
 
     The Dask worker keeps running; an error passed to Exit goes back to the
     controller, which raises it.

@@ -7,7 +7,7 @@ Each segment carries its index: a segment seen twice (Dask re-running work
 after a lost worker) is refused, never re-executed.
 
 Why lanes cannot starve each other: the worker runs at most ``nthreads``
-tasks across *all* executors (dask-notes §12). The plugin raises
+tasks across *all* executors (docs/dask.md §12). The plugin raises
 ``nthreads`` by one for every lane it creates and the chain edges keep at most
 one task per lane executing, so a task whose lane is free always finds a
 thread: a lane blocked in a borrow wait or a collective holds only its own

@@ -1,4 +1,6 @@
-"""Pipes: a producer per rank feeding a stream through a bounded buffer (§3.20, §3.21).
+"""Pipes: a producer per rank feeding a stream through a bounded buffer.
+
+Semantics: docs/protocol.md §3.20, §3.21.
 
 Monarch dropped pipes; they are how data loaders feed a mesh, so they are
 here. ``CreatePipe`` starts ``function(pipe, *args, **kwargs)`` on every rank

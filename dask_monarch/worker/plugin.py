@@ -194,8 +194,8 @@ class MonarchWorkerPlugin(WorkerPlugin):
         state.attach(stream)
         try:
             await comm.read()  # returns or raises when the controller closes the stream
-        except (CommClosedError, OSError):
-            pass
+        except (CommClosedError, OSError) as e:
+            logger.debug("controller %s hung up its report stream: %r", token, e)
         finally:
             state._stream = None
             if not state.released:

@@ -8,6 +8,7 @@ released, and the Dask worker carries on.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from .plugin import MonarchWorkerPlugin
 
 WAIT_POLL_S = 0.05
+
+logger = logging.getLogger("dask_monarch.worker")
 
 
 class RankState:
@@ -213,8 +216,9 @@ class RankState:
         for close in self.closers():
             try:
                 close()
-            except Exception:  # a half-built communicator must not keep the rest alive
-                pass
+            except Exception as e:  # a half-built communicator must not keep the rest alive
+                logger.debug("rank %d of %s: releasing %r failed: %r", self.rank, self.token,
+                             close, e)
         self.meshes.clear()
         self.borrows.clear()
         self.actors.clear()

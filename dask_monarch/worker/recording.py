@@ -1,4 +1,6 @@
-"""Recordings: a trace defined once per rank, replayed per stream with one message (§3.16-§3.18).
+"""Recordings: a trace defined once per rank, replayed per stream with one message.
+
+Semantics: docs/protocol.md §3.16-§3.18.
 
 ``DefineRecording`` chunks arrive in order on the rank's control lane; with
 the last one the commands are split by stream and checked (borrows created
