@@ -166,3 +166,18 @@ def tensors_held(*after):
     from dask_monarch.worker.lane import current_lane
 
     return torch.tensor(sum(isinstance(v, torch.Tensor) for v in current_lane().env.values()))
+
+
+def current_stream_name():
+    """The device stream the calling lane runs in (worker/device.py), by name."""
+    from dask_monarch.worker.device import current_stream
+
+    stream = current_stream()
+    return None if stream is None else stream.name
+
+
+def device_log():
+    """What this rank's device was asked to do so far (a CPU rank's HostDevice log)."""
+    from dask_monarch.worker.lane import current_lane
+
+    return list(current_lane().rank.device.log)

@@ -81,7 +81,8 @@ class Plan:
     graph: HighLevelGraph | None
     keys: list
     tails: dict  # (rank, lane) -> key of the newest segment
-    new_lanes: dict[int, list[int]]  # rank -> stream ids to create before submitting
+    # rank -> (stream id, creation mode) of the lanes to create before submitting
+    new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]]
     counts: dict[tuple, int]  # (rank, lane) -> index of the newest segment
     messages: int
     error: ProtocolError | None = None
@@ -105,7 +106,7 @@ class Compiler:
         segments: list[Segment] = []
         open_lanes: dict[int, dict[Any, Segment]] = {}
         open_control: dict[int, Segment] = {}
-        new_lanes: dict[int, list[int]] = {}
+        new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]] = {}
         routers = self.routers
         error = None
         count = 0
@@ -150,7 +151,7 @@ class Compiler:
         if seg is None:
             if (rank, lane) not in self.created:
                 self.created.add((rank, lane))
-                new_lanes.setdefault(rank, []).append(lane)
+                new_lanes.setdefault(rank, []).append((lane, self.routers[rank].streams[lane]))
             tail = self.lanes.setdefault((rank, lane), _LaneTail())
             after = [tail.key] if tail.key is not None else []
             control = self.lanes.get((rank, CONTROL))

@@ -41,7 +41,8 @@ class RankRouter:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.streams: dict[int, None] = {}  # insertion-ordered set of stream ids
+        # the rank's streams in creation order, with the mode each was created in
+        self.streams: dict[int, m.StreamCreationMode] = {}
         self.borrows = Borrows(self.error)
         self.recordings: dict[int, tuple[int, ...]] = {}  # complete recording -> its streams
         self.chunks = RecordingChunks(self.error)
@@ -88,7 +89,7 @@ class RankRouter:
             for inner in msg.messages:
                 yield from self.route(inner)
         elif lanes is Lanes.NEW_STREAM:
-            self.streams[msg.id.id] = None
+            self.streams[msg.id.id] = msg.stream_creation
             yield msg.id.id, msg, False
         elif lanes is Lanes.CONTROL:
             if t is m.DefineRecording:

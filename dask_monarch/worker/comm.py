@@ -85,7 +85,7 @@ class Comms:
         """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix."""
         state = self.state
         cuda = None
-        if state.device is not None:
+        if state.torch_device is not None:
             cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
         return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
                                 host=self.host, timeout=self.timeout, cuda=cuda)
@@ -157,7 +157,7 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))
     comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world)
-    warm_up = torch.ones(1, device=lane.rank.device or "cpu")
+    warm_up = torch.ones(1, device=lane.rank.torch_device or "cpu")
     _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
 
 
@@ -333,7 +333,11 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     A sender sends its tensor (zeros if it errored); a receiver binds a fresh
     buffer and receives into it. A rank sending to itself binds a deep copy
     (an error is copied as the error); when the two streams differ, the copy
-    crosses from the sending lane to the receiving lane inside the rank.
+    crosses from the sending lane to the receiving lane inside the rank, as a
+    hand-off: an event recorded on the sender's stream, waited on by the
+    receiver's, which also keeps the copy's block from reuse. A rank that both
+    sends and receives issues the two as one grouped call (NCCL would deadlock
+    on a pairwise exchange issued as two).
     """
     state = lane.rank
     me = state.rank
@@ -355,12 +359,15 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             lane.env[msg.result.id] = copy
         else:
             event, box = comms.handoff(handoff_key)
-            box.append(copy)
+            box.append((copy, state.device.record(lane.stream)))
             event.set()
     if from_rank == me and not sending:
         event, box = comms.handoff(handoff_key)
         state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}")
-        lane.env[msg.result.id] = box[0]
+        copy, copied = box[0]
+        state.device.wait(lane.stream, copied)
+        state.device.keep(copy, lane.stream)
+        lane.env[msg.result.id] = copy
         with comms.lock:
             comms.handoffs.pop(handoff_key, None)
 
@@ -376,15 +383,15 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     lane.set_running(f"send r{msg.tensor.id}" if remote_send else f"receive r{msg.result.id}")
 
     def exchange():
-        works = []
+        send = recv = None
         if remote_send:
             tensor = msg.factory.zeros() if type(value) is SeqError else value.contiguous()
-            works.append(pg.send([tensor], to_rank, tag))
+            send = (tensor, to_rank)
         if remote_recv:
             buffer = msg.factory.empty()
             lane.env[msg.result.id] = buffer
-            works.append(pg.recv([buffer], from_rank, tag))
-        for work in works:
+            recv = (buffer, from_rank)
+        for work in groups.point_to_point(pg, send, recv, tag):
             work.wait()
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)

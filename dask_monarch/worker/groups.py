@@ -81,3 +81,24 @@ def release_group(pg: dist.ProcessGroup) -> None:
         pg.shutdown()
     except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
         logger.debug("shutting down process group %r: %r", pg, e)
+
+
+def point_to_point(pg: dist.ProcessGroup, send: tuple[torch.Tensor, int] | None,
+                   recv: tuple[torch.Tensor, int] | None, tag: int) -> list:
+    """Start a send and/or a receive on ``pg`` (peers in group ranks); returns their works.
+
+    A rank that does both issues them as one grouped call on CUDA tensors, as
+    ``batch_isend_irecv`` does: NCCL runs a send and a receive issued apart in
+    order on one stream, so two ranks exchanging large tensors would each wait
+    in its send for the other's receive.
+    """
+    if send is not None and recv is not None and send[0].is_cuda:
+        ops = [dist.P2POp(dist.isend, send[0], dist.get_global_rank(pg, send[1]), pg, tag),
+               dist.P2POp(dist.irecv, recv[0], dist.get_global_rank(pg, recv[1]), pg, tag)]
+        return dist.batch_isend_irecv(ops)
+    works = []
+    if send is not None:
+        works.append(pg.send([send[0]], send[1], tag))
+    if recv is not None:
+        works.append(pg.recv([recv[0]], recv[1], tag))
+    return works

@@ -1,4 +1,4 @@
-"""A stream's lane on one rank: a single-thread executor, its own ref table, its CUDA stream.
+"""A stream's lane on one rank: a single-thread executor, its own ref table, its device stream.
 
 Dask runs a lane's segments through the ``executor`` annotation; the compiler
 chains consecutive segments of a lane with graph edges, so a lane holds at
@@ -46,15 +46,15 @@ class Lane:
     """The executor, ref table and progress of one stream (or the control steps) of a rank."""
 
     def __init__(self, rank: RankState, label: Any, executor_name: str,
-                 device: torch.device | None):
+                 mode: StreamCreationMode = StreamCreationMode.UseDefaultStream):
         self.rank = rank
         self.label = label  # stream id, or wire.CONTROL
         self.executor_name = executor_name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=executor_name)
-        self.device = device  # a CUDA device, or None on CPU
         self.env: dict[int, Any] = {}
-        self.mode: StreamCreationMode | None = None
-        self.cuda_stream = None
+        self.mode = mode
+        # Made with the lane, before any segment: every step, the first segment's too, runs in it.
+        self.stream = rank.device.stream(str(label), mode)
         self.next_index = 0
         self.recording = None  # the ReplayState while a CallRecording replays on this lane
         # progress, for the dashboard
@@ -81,14 +81,17 @@ class Lane:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def create(self, mode: StreamCreationMode) -> None:
-        """``CreateStream``: a fresh, empty stream (re-creating an id replaces it)."""
+        """``CreateStream``: a fresh, empty stream (re-creating an id replaces it).
+
+        The device stream was made with the lane, in the mode the controller
+        announced; a re-creation in another mode switches to a new device
+        stream at once, for the rest of this segment too.
+        """
         self.env.clear()
-        self.mode = mode
-        if self.device is not None:
-            if mode is StreamCreationMode.CreateNewStream:
-                self.cuda_stream = torch.cuda.Stream(device=self.device)
-            else:
-                self.cuda_stream = torch.cuda.default_stream(self.device)
+        if mode is not self.mode:
+            self.mode = mode
+            self.stream = self.rank.device.stream(str(self.label), mode)
+            self.rank.device.switch(self.stream)
 
     def claim_index(self, index: int) -> None:
         """Segments run exactly once and in order; anything else is a replay."""

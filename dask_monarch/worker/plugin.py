@@ -16,7 +16,7 @@ import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from distributed import WorkerPlugin, get_worker
@@ -32,6 +32,11 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from ..protocol.messages import StreamCreationMode
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -120,11 +125,12 @@ class MonarchWorkerPlugin(WorkerPlugin):
         return {"resource": resource, "device": str(device or "cpu"), "pid": os.getpid(),
                 "address": self.worker.address, "name": str(self.worker.name)}
 
-    def add_lanes(self, token: str, stream_ids: list[int]) -> None:
-        """Create lanes before any task names their executor (DESIGN decision 2)."""
+    def add_lanes(self, token: str, lanes: list[tuple[int, StreamCreationMode]]) -> None:
+        """Create lanes (and their device streams) before any task names their executor
+        (DESIGN decision 2)."""
         state = self.ranks[token]
-        for stream_id in stream_ids:
-            lane = state.add_lane(stream_id)
+        for stream_id, mode in lanes:
+            lane = state.add_lane(stream_id, mode)
             if lane is not None:
                 self._register(lane)
 
@@ -247,8 +253,10 @@ async def claim_rank(token: str, ranks: dict[str, int], world_size: int, setting
     return await _plugin(dask_worker).claim(token, rank, world_size, settings)
 
 
-async def create_lanes(token: str, stream_ids: list[int], dask_worker=None) -> None:
-    _plugin(dask_worker).add_lanes(token, stream_ids)
+async def create_lanes(token: str, lanes: list[tuple[int, StreamCreationMode]],
+                       dask_worker: Worker | None = None) -> None:
+    """Create controller ``token``'s lanes ``(stream id, creation mode)`` on this worker."""
+    _plugin(dask_worker).add_lanes(token, lanes)
 
 
 async def start_rendezvous(token: str, dask_worker=None) -> tuple[str, int]:

@@ -20,8 +20,10 @@ from distributed.protocol.serialize import ToPickle
 
 from .. import config
 from ..protocol import names
+from ..protocol.messages import StreamCreationMode
 from ..protocol.rules import RecordingChunks
 from ..protocol.wire import CONTROL, Fatal, LaneDone
+from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
@@ -44,10 +46,11 @@ class RankState:
         self.token = token
         self.rank = rank
         self.world_size = world_size
-        self.device = device
+        self.torch_device = device  # a CUDA device, or None on CPU
         self.settings = settings
         self.lanes: dict[int, Lane] = {}
-        self.control = Lane(self, CONTROL, names.executor_name(token, CONTROL), device)
+        self.device = device_for(device)  # streams, events and hand-offs (worker/device.py)
+        self.control = Lane(self, CONTROL, names.executor_name(token, CONTROL))
         self.meshes: dict[int, Any] = {}
         self.lock = threading.Lock()
         self.borrows: dict[int, Any] = {}
@@ -76,13 +79,12 @@ class RankState:
     def executor_name(self, stream_id: int) -> str:
         return names.executor_name(self.token, stream_id)
 
-    def add_lane(self, stream_id: int) -> Lane | None:
-        """Create the lane of a stream (on the event loop, before a task names it)."""
+    def add_lane(self, stream_id: int, mode: StreamCreationMode) -> Lane | None:
+        """Create the lane of a stream and its device stream (on the event loop, before a task
+        names it)."""
         if stream_id in self.lanes:
             return None
-        lane = self.lanes[stream_id] = Lane(
-            self, stream_id, self.executor_name(stream_id), self.device
-        )
+        lane = self.lanes[stream_id] = Lane(self, stream_id, self.executor_name(stream_id), mode)
         return lane
 
     def all_lanes(self) -> list[Lane]:
@@ -104,11 +106,7 @@ class RankState:
             steps = pickle.loads(payload)
             lane.state, lane.busy_since = "running", time.monotonic()
             _current.lane = lane
-            if lane.device is not None:
-                torch.cuda.set_device(lane.device)
-                with torch.cuda.stream(lane.cuda_stream or torch.cuda.default_stream(lane.device)):
-                    self._run_steps(lane, steps)
-            else:
+            with self.device.running(lane.stream):
                 self._run_steps(lane, steps)
         except FatalError as e:
             self.fail(f"stream {label}: {e}")
@@ -258,7 +256,7 @@ class RankState:
             "token": self.token,
             "rank": self.rank,
             "world_size": self.world_size,
-            "device": str(self.device or "cpu"),
+            "device": str(self.torch_device or "cpu"),
             "failed": self.failed,
             "released": self.released,
             "time": time.time(),
