@@ -29,6 +29,9 @@ REDUCTIONS: dict[str, ReduceOp | str] = {
     "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR, "stack": "stack",
 }
 
+# Bitwise reductions: gloo has them, NCCL does not (it would fail the collective on every rank).
+NCCL_UNSUPPORTED = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+
 
 def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
             mesh: DeviceMesh | None, out: Tensor | None, in_place: bool) -> Tensor:
@@ -50,6 +53,10 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     op = REDUCTIONS[reduction]
+    if op in NCCL_UNSUPPORTED and t.device.type == "cuda" and own._session.backend != "gloo":
+        raise ValueError(f"reduction {reduction!r} is not supported by NCCL, the backend of "
+                         f"CUDA tensors on {own!r}: reduce an integer sum instead, or set "
+                         "dask_monarch.backend to 'gloo' before creating the mesh")
     if len(names) > 1 and (op == "stack" or scatter):
         kind = "stack" if op == "stack" else "scatter"
         raise ValueError(f"{kind} is not valid for multiple dimensions {list(names)}")

@@ -81,12 +81,12 @@ def slow_copy(x, seconds):
     return x.clone()
 
 
-def per_rank(mesh, *shape, dtype=torch.float32):
+def per_rank(mesh, *shape, dtype=torch.float32, device=None):
     """A tensor that differs on every rank: arange + 10 * (rank + 1)."""
     n = 1
     for s in shape:
         n *= s
-    return (torch.arange(n) + 10 * (mesh.own_rank + 1)).to(dtype).reshape(shape)
+    return (torch.arange(n, device=device) + 10 * (mesh.own_rank + 1)).to(dtype).reshape(shape)
 
 
 def pg_collectives(x, pg, mesh):
@@ -181,3 +181,19 @@ def device_log():
     from dask_monarch.worker.lane import current_lane
 
     return list(current_lane().rank.device.log)
+
+
+def gpu_uuid():
+    """The GPU this rank's stream runs on, as a host-wide name."""
+    from dask_monarch.worker.device import gpu_uuid as uuid
+
+    return uuid(torch.cuda.current_device())
+
+
+def current_cuda_stream_is_default():
+    return torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def cuda_allocated():
+    torch.cuda.synchronize()
+    return torch.tensor(torch.cuda.memory_allocated())

@@ -87,7 +87,10 @@ class Controller:
 
         config.freeze_gc()
         self.workers = choose_workers(client, world_size, device, workers)
-        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device)
+        # 'auto': NCCL for CUDA tensors, gloo for CPU ones; 'gloo': gloo for both
+        self.backend = config.get("backend", "auto")
+        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device,
+                                                   self.backend)
         client.sync(self._reports.subscribe, self.workers, client.connection_args,
                     callback_timeout=config.seconds("timeouts.claim"))
         tune_batched_comms(client, self.workers)

@@ -19,6 +19,7 @@ from ..worker import (
     claim_rank,
     create_lanes,
     describe_worker,
+    release_controller,
     set_rendezvous,
     start_rendezvous,
 )
@@ -52,21 +53,41 @@ def choose_workers(client: Client, world_size: int, device: str,
     return sorted(info, key=order)[:world_size]
 
 
-def claim_ranks(client: Client, token: str, workers: list[str],
-                device: str) -> tuple[list[str], list[str]]:
+def claim_ranks(client: Client, token: str, workers: list[str], device: str,
+                backend: str) -> tuple[list[str], list[str]]:
     """Make ``workers[r]`` rank ``r`` of controller ``token``; returns their resources and devices.
 
     The resource is the one each rank's tasks are pinned with; the device is
     where the rank keeps its tensors (``device`` resolved on the worker).
     """
-    backend = config.get("backend", "auto")
     if backend not in ("auto", "gloo"):
         raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
     settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
                 "backend": backend}
     ranks = {address: rank for rank, address in enumerate(workers)}
     replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)
+    if backend != "gloo":
+        shared = _sharing_a_gpu([replies[a] for a in workers])
+        if shared:
+            client.run(release_controller, token, workers=workers)
+            raise ValueError(
+                f"ranks {shared[0]} and {shared[1]} ({workers[shared[0]]}, "
+                f"{workers[shared[1]]}) are on the same GPU, and NCCL needs a GPU per rank: give "
+                "each worker its own GPU (dask monarch worker, --monarch-gpu, a rotated "
+                "CUDA_VISIBLE_DEVICES), or set dask_monarch.backend to 'gloo'")
     return [replies[a]["resource"] for a in workers], [replies[a]["device"] for a in workers]
+
+
+def _sharing_a_gpu(replies: list[dict]) -> tuple[int, int] | None:
+    """Two ranks whose claims named the same GPU, if any."""
+    seen: dict[str, int] = {}
+    for rank, reply in enumerate(replies):
+        gpu = reply.get("gpu")
+        if gpu is not None:
+            if gpu in seen:
+                return seen[gpu], rank
+            seen[gpu] = rank
+    return None
 
 
 def add_lanes(client: Client, token: str, workers: list[str],

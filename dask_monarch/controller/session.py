@@ -103,6 +103,7 @@ class Session:
 
     def __init__(self, client: Client, world_size: int) -> None:
         self.controller = Controller(client, world_size)
+        self.backend = self.controller.backend  # 'auto' (NCCL for CUDA tensors) or 'gloo'
         self.world = tuple(range(world_size))
         self.lock = threading.RLock()
         self.history = History()

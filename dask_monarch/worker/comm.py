@@ -282,6 +282,10 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     lane.env[msg.result.id] = output
 
 
+
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+
+
 def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     n = pg.size()
     if msg.reduction == "stack":
@@ -300,6 +304,9 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
             return output
     else:
         op = _TORCH_OPS[msg.reduction]
+        if msg.reduction in _BITWISE and value.is_cuda and groups.uses_nccl(pg):
+            raise FatalError(f"Reduce {msg.reduction.name}: NCCL (the backend of CUDA tensors "
+                             "here) has no bitwise reductions; use dask_monarch.backend: gloo")
         if msg.scatter:  # reduce-scatter: shape[1:]
             if msg.in_place:
                 raise FatalError("Reduce: an in-place scatter is not possible (the shape shrinks)")

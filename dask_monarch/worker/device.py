@@ -21,7 +21,12 @@ segment; :func:`current_stream` says which stream the calling thread is in
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
+import logging
+import os
+import socket
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +35,8 @@ from typing import Any
 import torch
 
 from ..protocol.messages import StreamCreationMode
+
+logger = logging.getLogger("dask_monarch.worker")
 
 LOG_LENGTH = 4096  # entries a HostDevice remembers: enough for a test, bounded for a long run
 
@@ -191,3 +198,56 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def device_for(torch_device: torch.device | None) -> Device:
     """The device implementation of a rank (``None``: a CPU rank)."""
     return HostDevice() if torch_device is None else CudaDevice(torch_device)
+
+
+# -- which GPU a rank uses ---------------------------------------------------------------------
+
+_chosen: dict[str, torch.device | None] = {}
+_locks: list = []  # open lock files: held for the life of the worker process
+
+
+def pick_device(kind: str) -> torch.device | None:
+    """This worker process's GPU (None: a CPU rank), chosen once and deliberately.
+
+    The first visible device that no other dask_monarch worker on this host
+    holds: with ``CUDA_VISIBLE_DEVICES`` rotated per worker (LocalMeshCluster,
+    ``dask monarch worker``) or narrowed by ``--monarch-gpu``/``MONARCH_GPU``,
+    that is device 0, the worker's own GPU; with plain ``dask worker``
+    processes that all see every GPU, each takes the next free one instead of
+    all landing on GPU 0. A host with more ranks than GPUs shares them, with a
+    warning; a controller refuses such ranks for an NCCL mesh.
+    """
+    if kind == "cpu" or not torch.cuda.is_available():
+        return None
+    if kind not in _chosen:
+        _chosen[kind] = _claim_free_gpu()
+    return _chosen[kind]
+
+
+def _claim_free_gpu() -> torch.device:
+    count = torch.cuda.device_count()
+    for index in range(count):
+        path = os.path.join(tempfile.gettempdir(), f"dask_monarch-gpu-{gpu_uuid(index)}.lock")
+        lock = open(path, "a")  # held open (and locked) for the life of the process
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        _locks.append(lock)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    logger.warning("every visible GPU (%d) is taken by another dask_monarch worker on this "
+                   "host; this rank shares GPU 0 (give each worker its own GPU: dask monarch "
+                   "worker, or --monarch-gpu)", count)
+    return torch.device("cuda", 0)
+
+
+def gpu_uuid(index: int) -> str:
+    """A name of GPU ``index`` that is the same in every process of the host."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid:
+        return str(uuid)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = visible[index].strip() if index < len(visible) and visible[index].strip() else index
+    return f"{socket.gethostname()}-{physical}"

@@ -102,3 +102,12 @@ def point_to_point(pg: dist.ProcessGroup, send: tuple[torch.Tensor, int] | None,
     if recv is not None:
         works.append(pg.recv([recv[0]], recv[1], tag))
     return works
+
+
+def uses_nccl(pg: dist.ProcessGroup) -> bool:
+    """Whether CUDA tensors in ``pg`` go through NCCL (False: gloo, or no CUDA backend)."""
+    try:
+        return pg._get_backend(torch.device("cuda")).name() == "nccl"
+    except (RuntimeError, AttributeError) as e:  # no CUDA backend on this group
+        logger.debug("group %r has no CUDA backend: %r", pg, e)
+        return False

@@ -114,16 +114,19 @@ class MonarchWorkerPlugin(WorkerPlugin):
         if token in self.ranks:
             raise ValueError(f"controller {token} already claimed this worker")
         resource = await self.ensure_resource()
-        device = await asyncio.to_thread(_pick_device, settings.get("device", "auto"))
         from .. import config
+        from .device import gpu_uuid, pick_device  # imports torch
         from .rank import RankState  # imports torch and the handlers
+
+        device = await asyncio.to_thread(pick_device, settings.get("device", "auto"))
 
         config.freeze_gc()
         state = RankState(self, token, rank, world_size, device, settings)
         self.ranks[token] = state
         self._register(state.control)
         return {"resource": resource, "device": str(device or "cpu"), "pid": os.getpid(),
-                "address": self.worker.address, "name": str(self.worker.name)}
+                "address": self.worker.address, "name": str(self.worker.name),
+                "gpu": gpu_uuid(device.index) if device is not None else None}
 
     def add_lanes(self, token: str, lanes: list[tuple[int, StreamCreationMode]]) -> None:
         """Create lanes (and their device streams) before any task names their executor
@@ -214,14 +217,6 @@ class MonarchWorkerPlugin(WorkerPlugin):
         return [state.snapshot() for state in list(self.ranks.values())]
 
 
-def _pick_device(kind: str):
-    import torch
-
-    if kind == "cpu" or not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 # -- functions run through Client.run (async: they never block the worker's event loop) ------
 
 
@@ -281,7 +276,8 @@ async def register_actor(token: str, broker_id: tuple, keys: dict[str, str],
     register(_plugin(dask_worker).ranks[token], broker_id, actor)
 
 
-async def release_controller(token: str, dask_worker=None) -> bool:
+async def release_controller(token: str, dask_worker: Worker | None = None) -> bool:
+    """Release controller ``token``'s rank on this worker (a claim the controller gave up)."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         return False

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from conftest import requires_cuda
 from raw import S0, S1, S2, S3, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
@@ -205,19 +204,3 @@ def test_borrow_misuse_is_fatal(client2, case, text):
     with pytest.raises(dm.DeviceException, match=re.escape(text)):
         ctrl.sync(timeout=30)
     ctrl.close()
-
-
-@requires_cuda
-def test_borrow_on_cuda_streams_orders_work_with_events(client2):
-    with dm.Controller(client2, world_size=1, device="cuda") as ctrl:
-        create_streams(ctrl, [0], S0, S1)
-        ctrl.send(0, call(0, Ref(1), "torch.ones", 1 << 20, device="cuda"))
-        borrow(ctrl, 0, 1, Ref(2), Ref(1), S0, S1)
-        ctrl.send(0, m.BorrowFirstUse(1))
-        ctrl.send(0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)],
-                             stream=S1))
-        ctrl.send(0, m.BorrowLastUse(1))
-        ctrl.send(0, m.BorrowDrop(1))
-        ctrl.send(0, fetch(2, (Ref(1),), fn="torch.ops.aten.sum.default"))
-        got = values(ctrl.sync())
-        assert got[(2, 0)].item() == 2 * (1 << 20)
