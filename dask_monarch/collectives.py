@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from .borrows import first_use
 from .protocol import messages as m
 from .protocol.messages import ReduceOp
-from .tensor import Tensor, check_usable, contiguous, mutated_refs, placement
+from .tensor import Tensor, check_usable, contiguous, issue, mutated_refs, placement
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -97,11 +97,7 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
             stride, offset = contiguous(result_shape), 0
         handle = Tensor(result_shape, stride, offset, t.dtype, t.device, session, own, stream,
                         result, storage)
-        seq = session.new_seq()
-        session.invoke(seq, [h._ref.id for h in inputs], [result.id] + mutates)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(h._ref.id, h) for h in inputs], [handle])
+        issue(session, inputs, [result.id] + mutates, [handle])
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         session.send(own._ranks, m.Reduce(result, t._ref, factory, mesh_ref, stream_ref,
                                           list(dims), op, scatter, in_place,

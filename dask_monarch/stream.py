@@ -51,7 +51,7 @@ class Stream:
         only this stream may touch it until the drop, and its changes are
         visible to ``t``'s stream afterwards. Sends ``BorrowCreate``.
         """
-        from .tensor import Tensor, check_usable
+        from .tensor import Tensor, check_usable, issue
 
         if not isinstance(t, Tensor):
             raise TypeError(f"only mesh tensors can be borrowed, got {type(t).__name__}")
@@ -68,18 +68,16 @@ class Stream:
             src, dst = session.stream_ref(t._stream), session.stream_ref(self)
             borrow_id, result = session.new_id(), session.new_ref()
             first_use(session, [t])
-            seq = session.new_seq()
-            session.invoke(seq, [t._ref.id], [result.id])
-            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             shape, stride, offset, dtype, device = t._mkey
             borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self,
                               result)
+            issue(session, [t], [result.id], [borrowed])
+            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             handle = Borrow(session, borrow_id, t, borrowed, mutable)
             borrowed._storage.borrow = handle
             capture = session.capture
             if capture is not None and capture.tracing:
                 capture.borrows.append(handle)
-                capture.note([(t._ref.id, t)], [borrowed])
             if mutable:
                 t._storage.lent_mutably = handle
             else:

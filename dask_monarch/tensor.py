@@ -368,13 +368,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
             results.append(ref)
         if not results:
             results = [None]
-        seq = session.new_seq()
-        session.invoke(seq, [h._ref.id for h in handles],
-                       [r.id for r in results if r is not None] + mutates)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(h._ref.id, h) for h in handles],
-                         [o for o in outputs if isinstance(o, Tensor)])
+        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates,
+                    outputs)
         flat = not any(type(a) in (list, tuple) for a in ref_args)
         if ref_kwargs:
             flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
@@ -387,6 +382,18 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if plan.kind == "none":
         return None
     return outputs if plan.kind == "list" else tuple(outputs)
+
+
+def issue(session: Session, inputs: list[Tensor], defs: list[int], outputs: list = ()) -> int:
+    """The seq of a new message that reads ``inputs`` and defines ``defs``: registered in the
+    history, and noted by a trace in progress with the handles it makes (``outputs``)."""
+    seq = session.new_seq()
+    session.invoke(seq, [h._ref.id for h in inputs], defs)
+    capture = session.capture
+    if capture is not None and capture.tracing:
+        capture.note([(h._ref.id, h) for h in inputs],
+                     [o for o in outputs if isinstance(o, Tensor)])
+    return seq
 
 
 def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:

@@ -1,8 +1,9 @@
 """GPU checks: ``python -m pytest -m gpu`` on a machine with CUDA (every test here is marked).
 
-Worker processes inherit ``TORCH_CUDA_SANITIZER=1`` (torch's CUDA stream
-sanitizer, which fails an op that touches memory another stream may still
-use without synchronisation), unless the environment already sets it.
+While these tests run, worker processes start with ``TORCH_CUDA_SANITIZER=1``
+(torch's CUDA stream sanitizer, which fails an op that touches memory another
+stream may still use without synchronisation), unless the environment says
+otherwise.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import os
 import pytest
 from gpus import GPUS
 
-os.environ.setdefault("TORCH_CUDA_SANITIZER", "1")
-
 
 def pytest_collection_modifyitems(items: list) -> None:
     here = os.path.dirname(__file__)
@@ -22,3 +21,14 @@ def pytest_collection_modifyitems(items: list) -> None:
             item.add_marker(pytest.mark.gpu)
             if not GPUS:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_sanitizer():
+    """The sanitizer for the processes this module starts (a CPU torch has no CUDA to check)."""
+    before = os.environ.get("TORCH_CUDA_SANITIZER")
+    if GPUS and before is None:
+        os.environ["TORCH_CUDA_SANITIZER"] = "1"
+    yield
+    if before is None:
+        os.environ.pop("TORCH_CUDA_SANITIZER", None)
