@@ -58,9 +58,10 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     return fetch_value(mesh._session, rank, obj)
 
 
-def inspect(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
-    """``fetch_shard(obj, ...).result()``: the value on one rank, tensors on the CPU."""
-    return fetch_shard(obj, shard, **coords).result()
+def inspect(obj: Any, shard: dict[str, int] | None = None, *, timeout: float | None = None,
+            **coords: int) -> Any:
+    """``fetch_shard(obj, ...).result(timeout)``: the value on one rank, tensors on the CPU."""
+    return fetch_shard(obj, shard, **coords).result(timeout)
 
 
 def fetch_value(session: Session, rank: int, value: Any,

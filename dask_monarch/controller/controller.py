@@ -4,7 +4,8 @@ A :class:`Controller` claims ``world_size`` workers as ranks
 (:mod:`~dask_monarch.controller.placement`), buffers the messages it is given,
 compiles each flush into one Dask graph (:mod:`~dask_monarch.controller.compiler`)
 and reads every rank's reports from a stream the rank's worker serves
-(:mod:`~dask_monarch.controller.reports`).
+(:mod:`~dask_monarch.controller.reports`), on which its own heartbeat also
+asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, ReadRef
 from ..worker import construct_actor, register_actor
 from .compiler import Compiler, InternalStep
+from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
 from .reports import Reports
 
@@ -91,8 +93,14 @@ class Controller:
         self.backend = config.get("backend", "auto")
         self.resources, self.devices = claim_ranks(client, self.token, self.workers, device,
                                                    self.backend)
+        self._liveness = Liveness(
+            self.token, self.workers, self._reports, self._progress, self._break_locked,
+            interval=config.seconds("timeouts.heartbeat") or 0.0,
+            unresponsive=config.seconds("timeouts.unresponsive") or float("inf"),
+            liveness=config.seconds("timeouts.liveness") or float("inf"))
         client.sync(self._reports.subscribe, self.workers, client.connection_args,
                     callback_timeout=config.seconds("timeouts.claim"))
+        client.loop.add_callback(self._liveness.start)
         tune_batched_comms(client, self.workers)
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
@@ -210,7 +218,7 @@ class Controller:
         caused by what was sent since the last sync, in seq order.
         """
         self.flush()
-        self._wait(self._reports.caught_up, timeout, self._reports.pending)
+        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._progress:
             messages = self._reports.take_inbox()
         return sorted(messages, key=lambda msg: msg.seq)
@@ -226,6 +234,8 @@ class Controller:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"timed out after {timeout}s waiting for {pending()}")
+                if self._closed:
+                    raise RuntimeError(f"the controller was closed while waiting for {pending()}")
                 self._progress.wait(remaining)
 
     def get_ref(self, rank: int, ref: Ref, stream: StreamRef, timeout: float = 60) -> Any:
@@ -245,7 +255,8 @@ class Controller:
         self.flush()
         replies = self._reports.replies
         self._wait(lambda: probe in replies, timeout,
-                   lambda: f"rank {rank} stream {stream.id} to reach the read of {ref}")
+                   lambda: f"rank {rank}, stream {stream.id} to reach the read of {ref} "
+                           f"({self._liveness.lane_status(rank, stream.id)})")
         with self._progress:
             reply = replies.pop(probe)
         if reply.state == "absent":
@@ -320,6 +331,27 @@ class Controller:
         """
         self._reports.listeners.append(listener)
 
+    def waiting_for(self) -> str:
+        """The lanes that have not run everything sent to them, and what each is doing.
+
+        The words of a LivenessWarning ("" when every lane has caught up); what
+        a blocking call that times out says.
+        """
+        with self._progress:
+            return self._liveness.pending()
+
+    def lanes(self) -> list[dict]:
+        """Every lane of every rank: what its latest heartbeat answer and the reports show.
+
+        Per lane: ``rank``, ``lane`` (stream id or ``"control"``) and the
+        fields of :class:`~dask_monarch.protocol.wire.LaneProgress` (``state``,
+        ``doing``, ``seq``, ``next_seq``, ``last_seq``, ``done_seq``, ``for_s``,
+        ``peers``, ``where``), ``segments_sent``/``segments_done``,
+        ``stalled_for`` (seconds without a completed message while work is
+        outstanding) and ``status`` (in words, as a LivenessWarning says it).
+        """
+        return self._liveness.lanes()
+
     def progress(self) -> dict:
         """Segments submitted and finished so far, and messages sent (cheap; any thread)."""
         with self._progress:
@@ -335,6 +367,11 @@ class Controller:
         """The DeviceException that broke this controller, if any."""
         return self._broken
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (nothing sent after it runs)."""
+        return self._closed
+
     def _break(self, exc: DeviceException) -> None:
         with self._progress:
             self._break_locked(exc)
@@ -349,6 +386,7 @@ class Controller:
 
     async def _shutdown_async(self) -> None:
         """Cancel queued work and hang up every report stream (workers then free our state)."""
+        self._liveness.stop()
         futures = list(self._tails.values())
         self._tails.clear()
         if futures:

@@ -5,8 +5,9 @@ than through task results: a fetch costs no extra gather, and a lost worker
 shows up at once as a closed stream. A rank reports the segments it finished
 (``LaneDone``), controller messages (``Status``, ``RemoteFunctionFailed``, and
 fetched values, unpickled here into ``FetchResult``), what a probe read
-(``RefValue``), its exit (``Exited``) and failures that break the mesh
-(``Fatal``).
+(``RefValue``), its exit (``Exited``), failures that break the mesh
+(``Fatal``) and its answers to the controller's heartbeat (``Heartbeat``, read
+by :mod:`~dask_monarch.controller.liveness`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +25,7 @@ from distributed.comm.core import CommClosedError
 
 from ..exceptions import DeviceException
 from ..protocol.messages import FetchResult, RemoteFunctionFailed, Status
-from ..protocol.wire import Exited, Fatal, Fetched, LaneDone, RefValue
+from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -48,6 +50,8 @@ class Reports:
         self.listeners: list[Callable[[Any], None]] = []
         self.exited: set[int] = set()
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
+        self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
+        self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
 
     # -- the streams --------------------------------------------------------------------------
 
@@ -116,6 +120,9 @@ class Reports:
                         self.fail(DeviceException(
                             f"Exit with an error from {source or 'an unknown source'}: {text}",
                             rank=item.rank))
+                elif t is Heartbeat:
+                    self.beats[item.rank] = item
+                    self.answered[item.rank] = time.monotonic()
             self.inbox.extend(delivered)
             self.progress.notify_all()
         for msg in delivered:
@@ -136,16 +143,6 @@ class Reports:
         """Every segment submitted so far has run (the caller holds ``progress``)."""
         done = self.done
         return all(done.get(lane, -1) >= index for lane, index in self.expected.items())
-
-    def pending(self) -> str:
-        """The lanes that have not run everything yet, for a timeout's message."""
-        pending = [
-            f"rank {rank} {'control steps' if lane == 'control' else f'stream {lane}'} "
-            f"(ran {self.done.get((rank, lane), -1) + 1} of {index + 1} segments)"
-            for (rank, lane), index in sorted(self.expected.items(), key=str)
-            if self.done.get((rank, lane), -1) < index
-        ]
-        return ", ".join(pending)
 
     def segments(self) -> tuple[int, int]:
         """Segments submitted and segments finished (the caller holds ``progress``)."""

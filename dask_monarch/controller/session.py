@@ -49,18 +49,28 @@ class MeshFuture(concurrent.futures.Future):
         self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
 
     def result(self, timeout: float | None = None) -> Any:
-        self._session.controller.flush()
+        """The value; waits ``timeout`` seconds at most (None: until it resolves).
+
+        Never waits past a broken mesh (its DeviceException is raised) or an
+        exited one; a TimeoutError names the lanes still running and what they
+        wait on, as a LivenessWarning does.
+        """
+        controller = self._session.controller
+        controller.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 return super().result(timeout=0.05)
             except concurrent.futures.TimeoutError:
-                broken = self._session.controller.broken
+                broken = controller.broken
                 if broken is not None:
                     raise broken from None
+                if controller.closed and not self.done():
+                    raise RuntimeError(f"the mesh was exited before the fetch of seq {self.seq} "
+                                       "resolved") from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the fetch of seq {self.seq} did not resolve within "
-                                       f"{timeout}s") from None
+                                       f"{timeout}s: {_waiting_for(controller)}") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -336,7 +346,8 @@ class Session:
                         raise broken
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks")
+                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks: "
+                                           f"{_waiting_for(self.controller)}")
                     self._completion.wait(min(remaining, 0.1))
             unobserved = next(iter(self._unobserved.values()), None)
         finally:
@@ -344,6 +355,14 @@ class Session:
             self.controller.close()
         if unobserved is not None:
             raise unobserved
+
+
+def _waiting_for(controller: Controller) -> str:
+    """What a timed-out wait says: the lanes still running and what each waits on."""
+    lanes = controller.waiting_for()
+    if lanes:
+        return f"waiting for {lanes}"
+    return "every rank has run everything sent to it, but its reports have not arrived"
 
 
 def _user_frame() -> tuple[str, int, str] | None:

@@ -4,7 +4,9 @@ The scheduler's HTTP server serves (docs/dask.md §5):
 
 * ``/monarch/`` — an HTML page that polls the JSON below with plain
   JavaScript (no CDN, works offline): per controller (mesh) and rank, the
-  streams and what each runs or waits on (e.g. a borrow), refs and tensor
+  streams and what each runs or waits on (e.g. a borrow, or the peers of a
+  collective that are not there, in the words of a ``LivenessWarning``:
+  :mod:`dask_monarch.protocol.liveness`), refs and tensor
   memory, the last completed seq, messages per second, recent errors with
   their tracebacks;
 * ``/monarch/state.json`` — one snapshot, gathered from the rank workers
@@ -36,6 +38,7 @@ import dask.config
 from distributed.http.utils import RequestHandler, get_handlers, redirect
 
 from .. import config
+from ..protocol.liveness import explain, from_snapshot
 from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER
 
 if TYPE_CHECKING:
@@ -137,6 +140,7 @@ async def collect(scheduler: Scheduler) -> dict:
             entry["ranks"].append(rank)
     _rates.forget_old()
     for entry in controllers.values():
+        _describe_lanes(entry["ranks"])
         ranks = sorted(entry["ranks"], key=lambda r: r["rank"])
         rates = [r["rate"] for r in ranks if r["rate"] is not None]
         entry.update(
@@ -158,6 +162,16 @@ async def collect(scheduler: Scheduler) -> dict:
         "workers": sorted(workers, key=lambda w: w["name"]),
         "controllers": sorted(controllers.values(), key=lambda c: c["token"]),
     }
+
+
+def _describe_lanes(ranks: list[dict]) -> None:
+    """Give every busy lane of one mesh its ``status``: what a LivenessWarning would say."""
+    progress = {r["rank"]: {lane["stream"]: from_snapshot(lane) for lane in r["lanes"]}
+                for r in ranks}
+    for r in ranks:
+        for lane in r["lanes"]:
+            p = progress[r["rank"]][lane["stream"]]
+            lane["status"] = explain(r["rank"], p, progress.get) if p.state != "idle" else ""
 
 
 class StateJSON(RequestHandler):

@@ -39,13 +39,14 @@ _MISSING = object()
 class Borrow:
     """The two one-shot channels of one borrow."""
 
-    __slots__ = ("id", "result", "from_stream", "value", "created", "lent_event",
+    __slots__ = ("id", "result", "from_stream", "to_stream", "value", "created", "lent_event",
                  "last_used", "returned_event")
 
     def __init__(self, borrow_id: int):
         self.id = borrow_id
         self.result: int | None = None
         self.from_stream: Any = None
+        self.to_stream: Any = None
         self.value: Any = None  # the lent object: alive until the drop
         self.created = threading.Event()
         self.lent_event = None
@@ -81,6 +82,7 @@ def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
         lane.recording.dependent(value)
     borrow = _borrow(lane, msg.borrow)
     borrow.result, borrow.from_stream, borrow.value = msg.result.id, lane.label, value
+    borrow.to_stream = msg.to_stream.id
     borrow.lent_event = lane.rank.device.record(lane.stream)
     borrow.created.set()
 
@@ -110,7 +112,11 @@ def borrow_last_use(lane: Lane, msg: BorrowLastUse) -> None:
 def borrow_drop(lane: Lane, msg: BorrowDrop) -> None:
     """End the borrow on the lender lane; blocks until the borrower passed its last use."""
     borrow = _borrow(lane, msg.borrow)
-    lane.rank.wait(lane, borrow.last_used, f"borrow {msg.borrow} (the borrower's BorrowLastUse)")
+    if not borrow.last_used.is_set():
+        to = borrow.to_stream
+        lane.rank.wait(lane, borrow.last_used,
+                       f"borrow {msg.borrow} (the BorrowLastUse on stream {to})",
+                       peers=((lane.rank.rank, to),))
     lane.rank.device.wait(lane.stream, borrow.returned_event)
     with lane.rank.lock:
         lane.rank.borrows.pop(_key(lane, msg.borrow), None)

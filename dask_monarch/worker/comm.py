@@ -51,6 +51,9 @@ from .errors import FatalError, SeqError
 from .lane import Lane
 
 _MISSING = object()
+# (stack?, scatter?) -> the collective a Reduce is
+_KINDS = {(False, False): "all-reduce", (False, True): "reduce-scatter",
+          (True, False): "all-gather", (True, True): "all-to-all"}
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
 # torch 2.13 renamed all_gather_into_tensor (the old name warns with a FutureWarning)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -67,6 +70,7 @@ class Comms:
         self.prefix = ""
         self.world = None
         self.splits: dict[tuple, Any] = {}  # (mesh, stream, dims) -> group
+        self.members: dict[tuple, tuple[str, tuple]] = {}  # same key -> (ranks text, peers)
         self.p2p: dict[tuple[int, int], Any] = {}
         self.remote_defs: dict[int, tuple[int, tuple[str, ...]]] = {}  # group ref -> (mesh, dims)
         self.remote: dict[tuple[int, Any], Any] = {}  # (group ref, stream) -> group
@@ -81,14 +85,23 @@ class Comms:
     def timeout(self) -> float:
         return float(self.state.settings.get("collective_timeout") or 60.0)
 
-    def group(self, key: str, ranks: list[int]):
-        """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix."""
+    def group(self, key: str, ranks: list[int], what: str, lane: Lane):
+        """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix.
+
+        Its rendezvous blocks ``lane`` until every member's control steps
+        reach the same message (``what``): the lane shows it as waiting on them.
+        """
         state = self.state
         cuda = None
         if state.torch_device is not None:
             cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
-        return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
-                                host=self.host, timeout=self.timeout, cuda=cuda)
+        peers = tuple((r, lane.label) for r in ranks if r != state.rank)
+        lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
+        try:
+            return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
+                                    host=self.host, timeout=self.timeout, cuda=cuda)
+        finally:
+            lane.set_running()
 
     def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
@@ -156,9 +169,13 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
                                   host, port, comms.timeout)
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))
-    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world)
+    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world,
+                              "BackendNetworkInit", lane)
     warm_up = torch.ones(1, device=lane.rank.torch_device or "cpu")
+    lane.set_waiting(f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
+                     peers=tuple((r, lane.label) for r in world if r != lane.rank.rank))
     _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
+    lane.set_running()
 
 
 def split_comm(lane: Lane, msg: SplitComm) -> None:
@@ -181,7 +198,11 @@ def split_comm(lane: Lane, msg: SplitComm) -> None:
         raise FatalError(f"SplitComm: mesh r{msg.device_mesh.id} has no dims {unknown}")
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"split/{msg.device_mesh.id}/{msg.stream.id}/{','.join(dims)}/{_ranks_key(ranks)}"
-    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks)
+    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks,
+                                    f"SplitComm of stream {msg.stream.id}", lane)
+    me = lane.rank.rank
+    comms.members[key] = (_ranks_text(ranks),
+                          tuple((r, msg.stream.id) for r in ranks if r != me))
 
 
 def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None:
@@ -192,7 +213,9 @@ def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None
         return
     world = list(range(lane.rank.world_size))
     comms.p2p[key] = _fatal_call("BackendNetworkPointToPointInit", comms.group,
-                                 f"p2p/{key[0]}/{key[1]}", world)
+                                 f"p2p/{key[0]}/{key[1]}", world,
+                                 f"BackendNetworkPointToPointInit of streams {key[0]}->{key[1]}",
+                                 lane)
 
 
 def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> None:
@@ -225,7 +248,9 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
     mesh = lane.rank.meshes[mesh_id]
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"pg/{key[0]}/{key[1]}/{_ranks_key(ranks)}"
-    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks)
+    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks,
+                                    f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
+                                    lane)
 
 
 def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
@@ -243,6 +268,10 @@ def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
 
 def _ranks_key(ranks: list[int]) -> str:
     return "-".join(map(str, ranks))
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 # -- stream messages -------------------------------------------------------------------------
@@ -265,7 +294,9 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     inputs, a missing communicator and failures inside the collective are fatal.
     """
     dims = tuple(sorted(msg.dims))
-    pg = comms_of(lane.rank).splits.get((msg.mesh.id, lane.label, dims))
+    comms = comms_of(lane.rank)
+    key = (msg.mesh.id, lane.label, dims)
+    pg = comms.splits.get(key)
     if pg is None:
         raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream {lane.label} "
                          "has no communicator for them (SplitComm was not sent)")
@@ -277,8 +308,13 @@ def reduce(lane: Lane, msg: Reduce) -> None:
         value, out = msg.factory.zeros(), None
     if type(out) is SeqError:
         out = None
-    lane.set_running(f"reduce {msg.reduction!r} over {list(dims)}")
+    members, peers = comms.members[key]
+    op = getattr(msg.reduction, "value", msg.reduction)
+    kind = _KINDS[(op == "stack", bool(msg.scatter))]
+    lane.set_waiting(f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks "
+                     f"{members}", peers=peers)
     output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
+    lane.set_running()
     lane.env[msg.result.id] = output
 
 
@@ -370,7 +406,8 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             event.set()
     if from_rank == me and not sending:
         event, box = comms.handoff(handoff_key)
-        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}")
+        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}",
+                   peers=((me, msg.from_stream.id),))
         copy, copied = box[0]
         state.device.wait(lane.stream, copied)
         state.device.keep(copy, lane.stream)
@@ -387,7 +424,17 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
         raise FatalError(f"SendTensor from stream {msg.from_stream.id} to {msg.to_stream.id}: no "
                          "communicator (BackendNetworkPointToPointInit was not sent)")
     tag = msg.result.id % (2**31 - 1)
-    lane.set_running(f"send r{msg.tensor.id}" if remote_send else f"receive r{msg.result.id}")
+    if remote_send and remote_recv:
+        what = (f"send r{msg.tensor.id} to rank {to_rank} and receive r{msg.result.id} from "
+                f"rank {from_rank}")
+        peers = ((to_rank, msg.to_stream.id), (from_rank, msg.from_stream.id))
+    elif remote_send:
+        what = f"send r{msg.tensor.id} to rank {to_rank} (stream {msg.to_stream.id})"
+        peers = ((to_rank, msg.to_stream.id),)
+    else:
+        what = f"receive r{msg.result.id} from rank {from_rank} (stream {msg.from_stream.id})"
+        peers = ((from_rank, msg.from_stream.id),)
+    lane.set_waiting(what, peers=peers)
 
     def exchange():
         send = recv = None
@@ -402,3 +449,4 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             work.wait()
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
+    lane.set_running()

@@ -19,6 +19,8 @@ the rank, so a blocked lane never outlives its controller.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..protocol.messages import StreamCreationMode
+from ..protocol.wire import LaneProgress, StatusProbe
 from .calls import lookup
 from .errors import ReplayRefused, SeqError
 
@@ -35,6 +38,10 @@ if TYPE_CHECKING:
 
 
 _current = threading.local()
+WHERE_AFTER_S = 1.0  # a call running this long is located (its innermost user frame)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_A_SEQ = (StatusProbe,)  # steps whose ``seq`` field is not a message's own seq
+_OUTER = (f"{os.sep}distributed{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
 
 
 def current_lane() -> Lane:
@@ -60,6 +67,10 @@ class Lane:
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""
+        self.seq: int | None = None  # the seq of the message a wait is in, if it has one
+        self.running: list | None = None  # the steps of the segment being run
+        self.peers: tuple = ()  # (rank, lane) pairs the current wait needs
+        self.since = 0.0  # when the current wait began
         self.last_seq = -1  # the newest seq a handler started (set by the handlers)
         self.done_seq = -1  # last_seq when the lane last finished a segment
         self.steps = 0
@@ -102,11 +113,59 @@ class Lane:
             )
         self.next_index += 1
 
-    def set_waiting(self, what: str) -> None:
+    def set_waiting(self, what: str, seq: int | None = None, peers: tuple = ()) -> None:
+        """The lane blocks on ``what`` (in message ``seq``, if it has one), needing ``peers``.
+
+        ``what`` reads after "waiting on": name the thing and whose move it
+        waits for ("borrow 3 (the lender's BorrowCreate)"); liveness warnings,
+        timeouts and the dashboard show it as is.
+        """
+        self.seq, self.peers, self.since = seq, peers, time.monotonic()
         self.state, self.doing = "waiting", what
 
     def set_running(self, what: str = "") -> None:
         self.state, self.doing = "running", what
+
+    def progress(self, now: float) -> LaneProgress:
+        """What the lane is doing (read from the event loop, never locks; see :meth:`snapshot`)."""
+        state, doing = self.state, self.doing
+        if state == "waiting":
+            seq = self.seq
+            if seq is None and self.recording is not None:
+                seq = self.recording.seq
+            following = self.next_seq() if seq is None else None
+            return LaneProgress(self.label, state, doing, seq, following, self.last_seq,
+                                self.done_seq, self.segments, round(now - self.since, 3),
+                                self.peers, "")
+        for_s = round(now - self.busy_since, 3) if state != "idle" else 0.0
+        located = state == "running" and not doing and for_s >= WHERE_AFTER_S
+        where = self.where() if located else ""
+        return LaneProgress(self.label, state, doing, None, None, self.last_seq, self.done_seq,
+                            self.segments, for_s, (), where)
+
+    def next_seq(self) -> int | None:
+        """The first seq of the running segment that the lane has not started, if any."""
+        last = self.last_seq
+        for step in self.running or ():
+            seq = getattr(step, "seq", None)
+            if type(seq) is int and seq > last and type(step) not in _NOT_A_SEQ:
+                return seq
+        return None
+
+    def where(self) -> str:
+        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+        prefix = f"{self.executor_name}_"  # ThreadPoolExecutor names its threads <prefix>_<i>
+        ident = next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            if any(part in name for part in _OUTER):  # below the segment: no user code ran
+                break
+            if not name.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in name:
+                return f"in {code.co_name} ({name}:{frame.f_lineno})"
+            frame = frame.f_back
+        return ""
 
     def storages(self) -> dict[int, int]:
         """The tensors' storages this lane's table holds: data pointer -> bytes."""
@@ -127,12 +186,19 @@ class Lane:
         values = list(self.env.values())
         if storages is None:
             storages = self.storages()
-        state = self.state
+        now = time.monotonic()
+        progress = self.progress(now)
+        state = progress.state
         return {
             "stream": self.label,
             "state": state,
-            "doing": self.doing,
-            "busy_for": round(time.monotonic() - self.busy_since, 3) if state != "idle" else 0,
+            "doing": progress.doing,
+            "busy_for": round(now - self.busy_since, 3) if state != "idle" else 0,
+            "seq": progress.seq,
+            "next_seq": progress.next_seq,
+            "for_s": progress.for_s,
+            "peers": [list(peer) for peer in progress.peers],
+            "where": progress.where,
             "last_seq": self.last_seq,
             "done_seq": self.done_seq,
             "refs": len(values),

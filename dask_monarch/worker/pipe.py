@@ -138,7 +138,8 @@ class Pipe:
             return self.held.pop()
         if self.ended is not None:
             raise PipeFailed(self.ended)
-        lane.set_waiting(f"pipe {self.key!r}")
+        lane.set_waiting(f"pipe {self.key!r} (its producer on this rank has not sent a value)",
+                         seq=lane.last_seq if lane.last_seq >= 0 else None)
         try:
             while True:
                 try:

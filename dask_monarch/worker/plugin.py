@@ -22,8 +22,10 @@ import cloudpickle
 from distributed import WorkerPlugin, get_worker
 from distributed.batched import BatchedSend
 from distributed.comm.core import CommClosedError
+from distributed.protocol.serialize import ToPickle
 
 from ..protocol.names import (
+    HEARTBEAT_OP,
     PLUGIN_NAME,
     REPORTS_HANDLER,
     RESOURCE_CAPACITY,
@@ -192,7 +194,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
         The controller opens this stream right after claiming the worker. Its
         end (``Controller.close``, or a notebook kernel that died) releases
-        everything the controller held on this worker.
+        everything the controller held on this worker. The controller's
+        heartbeats arrive on it too; each is answered here, on the event loop,
+        with what every lane is doing (:meth:`RankState.heartbeat`), so a rank
+        whose lanes are all blocked still answers.
         """
         state = self.ranks.get(token)
         if state is None:
@@ -202,7 +207,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
         stream.start(comm)
         state.attach(stream)
         try:
-            await comm.read()  # returns or raises when the controller closes the stream
+            while True:  # heartbeats, until the controller closes the stream
+                msg = await comm.read()
+                if type(msg) is not dict or msg.get("op") != HEARTBEAT_OP:
+                    break
+                stream.send(ToPickle(state.heartbeat(msg.get("beat", 0))))
         except (CommClosedError, OSError) as e:
             logger.debug("controller %s hung up its report stream: %r", token, e)
         finally:

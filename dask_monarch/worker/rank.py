@@ -22,7 +22,7 @@ from .. import config
 from ..protocol import names
 from ..protocol.messages import StreamCreationMode
 from ..protocol.rules import RecordingChunks
-from ..protocol.wire import CONTROL, Fatal, LaneDone
+from ..protocol.wire import CONTROL, Fatal, Heartbeat, LaneDone
 from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
@@ -104,7 +104,7 @@ class RankState:
             if self.released:
                 raise FatalError(f"rank {self.rank} was released (Exit or close)")
             steps = pickle.loads(payload)
-            lane.state, lane.busy_since = "running", time.monotonic()
+            lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
             with self.device.running(lane.stream):
                 self._run_steps(lane, steps)
@@ -115,7 +115,7 @@ class RankState:
             self.fail(f"stream {label}: internal error: {format_exception(e)}")
             raise
         finally:
-            lane.state, lane.doing = "idle", ""
+            lane.state, lane.doing, lane.running = "idle", "", None
             lane.busy_seconds += time.monotonic() - lane.busy_since
         lane.segments += 1
         lane.done_seq = lane.last_seq
@@ -155,6 +155,11 @@ class RankState:
         for item in pending:
             stream.send(ToPickle(item))
 
+    def heartbeat(self, beat: int) -> Heartbeat:
+        """The answer to the controller's heartbeat ``beat`` (on the event loop, never locks)."""
+        now = time.monotonic()
+        return Heartbeat(self.rank, beat, tuple(lane.progress(now) for lane in self.all_lanes()))
+
     def record_error(self, error: SeqError) -> None:
         """Keep a fresh failure for the dashboard (the latest ``dashboard.errors`` of them)."""
         self.recent_errors.append((error.seq, error.error, time.time()))
@@ -172,12 +177,15 @@ class RankState:
             return False
 
     def wait(self, lane: Lane, event: threading.Event, what: str,
-             timeout: float | None = None) -> None:
-        """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves."""
+             timeout: float | None = None, peers: tuple = ()) -> None:
+        """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves.
+
+        ``what`` and ``peers`` say what the lane waits on (:meth:`Lane.set_waiting`).
+        """
         if event.is_set():
             return
         before = (lane.state, lane.doing)
-        lane.set_waiting(what)
+        lane.set_waiting(what, peers=peers)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not event.wait(WAIT_POLL_S):

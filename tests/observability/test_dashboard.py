@@ -111,6 +111,38 @@ def test_failures_and_fatal_errors_are_reported_with_tracebacks(ctrl, dashboard)
     assert "boom from a remote function" in error["error"]
 
 
+@pytest.mark.timeout(240)
+def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_path):
+    """The page's "running / waiting on" text is the controller's: seq, what, and for how long."""
+    gate = tmp_path / "gate"
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
+    ctrl.sync()
+    try:
+        ctrl.send(0, call(1, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
+        ctrl.send(0, m.BorrowFirstUse(1))
+        ctrl.send(0, fetch(2, Ref(2), stream=S1))
+        ctrl.send(0, m.BorrowLastUse(1))
+        ctrl.send(0, m.BorrowDrop(1))
+        ctrl.flush()
+        wait_until(lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
+                   what="stream 1 of rank 0 to wait at the borrow")
+        wait_until(lambda: "wait_for_file" in lane(mesh(dashboard, ctrl.token), 0, 0)["status"],
+                   what="the lender's call to be located")
+        entry = mesh(dashboard, ctrl.token)
+        borrower, lender = lane(entry, 0, 1), lane(entry, 0, 0)
+        assert borrower["next_seq"] == 2 and borrower["for_s"] > 0
+        assert borrower["status"].startswith("before seq 2: waiting ")
+        assert borrower["status"].endswith("s on borrow 1 (the lender's BorrowCreate)")
+        assert lender["status"].startswith("seq 1: running for ")
+        assert "in wait_for_file (" in lender["status"]
+        assert lane(entry, 1, 1)["status"] == ""  # idle lanes say nothing
+    finally:
+        gate.touch()
+    assert [type(r) for r in ctrl.sync(timeout=60)] == [m.FetchResult]
+
+
 def test_page_routes_and_more_menu(dashboard):
     page = get(f"{dashboard}/monarch/")
     assert "<title>dask_monarch</title>" in page and "__INTERVAL_MS__" not in page
