@@ -1,7 +1,12 @@
 """Streams on the client, and the creation of borrows (docs/protocol.md §1.6).
 
 A :class:`Stream` is a named lane on every rank: work on different streams
-runs concurrently, work on one stream in order. Tensors belong to the stream
+runs concurrently, work on one stream in order. Its lane (a thread and a ref
+table per rank) is created the first time a mesh uses it and ends once the
+Stream object and every tensor on it are garbage, after everything it ran
+(:meth:`Session.stream_ref <dask_monarch.controller.session.Session.stream_ref>`);
+its name is what the dashboard and errors show. Create a stream once, not in
+every step. Tensors belong to the stream
 that made them; another stream uses them only through a borrow:
 :meth:`Stream.borrow` sends ``BorrowCreate``, :mod:`dask_monarch.borrows`
 the later steps (first use lazily, last use and drop on ``Borrow.drop``).

@@ -197,3 +197,16 @@ def current_cuda_stream_is_default():
 def cuda_allocated():
     torch.cuda.synchronize()
     return torch.tensor(torch.cuda.memory_allocated())
+
+
+def interrupt_main_then(x, seconds=1.0):
+    """What a terminal's Ctrl-C does to a worker: a SIGINT for its main thread."""
+    import _thread
+
+    _thread.interrupt_main()
+    time.sleep(seconds)
+    return x + 1
+
+
+def raise_keyboard_interrupt(x):
+    raise KeyboardInterrupt("interrupted inside a remote function")

@@ -12,7 +12,10 @@ pinned to its rank by a resource annotation and to its lane by the
 * a control step depends on the previous control step, and a lane segment
   that follows a control step in message order depends on it (DESIGN
   decision 5), so worker-level effects are in place before later messages;
-* ``Exit`` drains: it depends on every lane's tail.
+* ``Exit`` drains: it depends on every lane's tail;
+* a dropped stream's lane (``DropLane``, its last step) leaves the compiler's
+  lanes once planned; Exit still follows its tail until the controller has
+  seen it run (:meth:`Compiler.forget_dropped`).
 
 Messages for every stream of a rank (``DeleteRefs``, ``RequestStatus``) are
 fanned out to each lane; ``CallRecording`` to each lane its recording uses.
@@ -38,7 +41,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from ..protocol import messages as m
 from ..protocol.names import executor_name
 from ..protocol.rules import FAMILY, ON_NAMED_STREAM
-from ..protocol.wire import CONTROL
+from ..protocol.wire import CONTROL, DropLane
 from ..worker import run_segment
 from .routing import InternalStep, ProtocolError, RankRouter
 
@@ -87,6 +90,7 @@ class Plan:
     messages: int
     error: ProtocolError | None = None
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
+    dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
 
 
 class Compiler:
@@ -98,6 +102,7 @@ class Compiler:
         self.routers = [RankRouter(rank) for rank in range(len(resources))]
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
+        self.dropped: dict[tuple[int, Any], _LaneTail] = {}  # dropped lanes Exit still follows
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
@@ -111,6 +116,7 @@ class Compiler:
         error = None
         count = 0
         rendezvous = False
+        dropped: list[tuple[int, Any]] = []
         for ranks, msg in buffer:
             try:
                 if type(msg) in ON_NAMED_STREAM:  # the hot path: one lane per rank, no fan-out
@@ -137,13 +143,24 @@ class Compiler:
                                 seg = self._lane(rank, lane, open_lanes, open_control, segments,
                                                  new_lanes)
                             seg.steps.append(step)
+                            if type(step) is DropLane:  # its last step: close the segment
+                                dropped.append((rank, lane))
+                                del open_lanes[rank][lane]
             except ProtocolError as e:
                 error = e
                 break
             count += 1
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
+        for lane in dropped:  # after _plan: the tails hold their final keys
+            tail = self.dropped[lane] = self.lanes.pop(lane)
+            self.created.discard(lane)
+            plan.dropped[lane] = tail.next_index - 1
         return plan
+
+    def forget_dropped(self, lane: tuple[int, Any]) -> None:
+        """The last segment of dropped ``lane`` ran: Exit need not follow it any more."""
+        self.dropped.pop(lane, None)
 
     def _lane(self, rank, lane, open_lanes, open_control, segments, new_lanes) -> Segment:
         per_rank = open_lanes.setdefault(rank, {})
@@ -170,7 +187,7 @@ class Compiler:
             seg = open_control[rank] = self._new(rank, CONTROL, tail, after, segments)
         if drains:
             seg.after.extend(
-                t.key for (r, lane), t in self.lanes.items()
+                t.key for (r, lane), t in [*self.lanes.items(), *self.dropped.items()]
                 if r == rank and lane != CONTROL and t.key is not None and t.key not in seg.after
             )
         open_lanes.pop(rank, None)  # later lane work must follow this control step

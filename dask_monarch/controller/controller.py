@@ -10,6 +10,8 @@ asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`).
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import itertools
 import logging
 import pickle
@@ -27,17 +29,20 @@ from .. import config
 from ..exceptions import DeviceException, RemoteException
 from ..protocol.messages import WORKER_MESSAGES, ArgsKwargs, GetRefUnitTestsOnly, Ref, StreamRef
 from ..protocol.ndslice import Slice
-from ..protocol.wire import ActorCall, ReadRef
+from ..protocol.wire import ActorCall, DropLane, ReadRef
 from ..worker import construct_actor, register_actor
 from .compiler import Compiler, InternalStep
 from .liveness import Liveness
-from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
+from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .reports import Reports
 
 if TYPE_CHECKING:
     from ..protocol.messages import WorkerMessage
 
 logger = logging.getLogger("dask_monarch.controller")
+
+SHUTDOWN_TIMEOUT = 2.0  # seconds to cancel a closing controller's queued work
+CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -46,6 +51,47 @@ _live: weakref.WeakSet = weakref.WeakSet()
 def live_controllers() -> list[Controller]:
     """The controllers of this process that are not closed (for progress displays)."""
     return [c for c in list(_live) if not c._closed]
+
+
+def client_problem(client: Client) -> str | None:
+    """Why ``client`` cannot carry a controller's work any more, or None (cheap: no I/O).
+
+    A client that lost its scheduler reconnects on its own, but the scheduler
+    forgot the client's tasks, so a mesh's work is gone either way.
+    """
+    status = client.status
+    if status in ("closing", "closed"):
+        return ("its distributed.Client was closed; close meshes (mesh.exit(), "
+                "Controller.close()) before their client")
+    comm = client.scheduler_comm
+    if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():
+        address = getattr(client.scheduler, "address", None) or "its scheduler"
+        return (f"lost the connection to the scheduler at {address} (the scheduler died or "
+                "the network failed): the mesh's work is gone; start a new mesh once the "
+                "scheduler is back")
+    return None
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit with controllers still open: release their ranks while the client can.
+
+    Runs before distributed's own exit hooks (registered earlier), so the
+    client still works; nothing is drained (call ``mesh.exit()`` for that).
+    """
+    open_ = [c for c in live_controllers() if c._broken is None]
+    if not open_:
+        return
+    logger.warning("dask_monarch: %d mesh%s still open at interpreter exit (%s): released "
+                   "without waiting for %s work; call mesh.exit() to wait for it",
+                   len(open_), "es were" if len(open_) > 1 else " was",
+                   ", ".join(f"controller {c.token}, {c.world_size} ranks" for c in open_),
+                   "their" if len(open_) > 1 else "its")
+    for controller in open_:
+        try:
+            controller.close(timeout=0)
+        except Exception as e:  # exiting anyway
+            logger.debug("closing %r at exit: %r", controller, e)
 
 Ranks = int | Iterable[int] | Slice
 
@@ -78,7 +124,9 @@ class Controller:
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
-        self._reports = Reports(self.token, self._progress, self._break_locked)
+        self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
+        self._reports = Reports(self.token, self._progress, self._break_locked,
+                                lambda: client_problem(client))
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -101,7 +149,7 @@ class Controller:
         client.sync(self._reports.subscribe, self.workers, client.connection_args,
                     callback_timeout=config.seconds("timeouts.claim"))
         client.loop.add_callback(self._liveness.start)
-        tune_batched_comms(client, self.workers)
+        self._restore_gap = lower_client_gap(client)
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
@@ -174,11 +222,28 @@ class Controller:
             raise self._broken
 
     def _submit(self, buffer: list) -> None:
+        """Compile ``buffer`` and hand it to Dask; whatever stops that half way breaks the
+        controller (the compiler already counts the flush as sent)."""
+        try:
+            self._hand_over(buffer)
+        except BaseException as e:
+            problem, log = client_problem(self._client), False  # the caller raises it
+            if problem is None and isinstance(e, KeyboardInterrupt):
+                problem = ("interrupted (KeyboardInterrupt) while handing a flush to Dask: the "
+                           "ranks' state is unknown; start a new mesh")
+            elif problem is None:
+                problem = f"handing a flush to Dask failed: {type(e).__name__}: {e}"
+                log = True  # the background flusher keeps it for the next call: say it now
+            self._break(DeviceException(problem), log=log)
+            if not isinstance(e, Exception):
+                raise
+
+    def _hand_over(self, buffer: list) -> None:
         plan = self._compiler.compile(buffer)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
         if plan.new_lanes:
-            add_lanes(self._client, self.token, self.workers, plan.new_lanes)
+            add_lanes(self._client, self.token, self.workers, plan.new_lanes, self._reports.names)
         self.messages_sent += plan.messages
         self.flushes += 1
         if plan.graph is not None:
@@ -187,8 +252,26 @@ class Controller:
             self._reports.expect(plan.counts)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
+        if plan.dropped:
+            self._dropping.update(plan.dropped)
+        if self._dropping:
+            self._retire_dropped()
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
+
+    def _retire_dropped(self) -> None:
+        """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
+        and names (the caller holds ``_flush_lock``)."""
+        with self._progress:
+            gone = self._reports.retire(self._dropping)
+        for lane in gone:
+            del self._dropping[lane]
+            self._tails.pop(lane, None)
+            self._compiler.forget_dropped(lane)
+        streams = {stream for _, stream in self._dropping}
+        for _, stream in gone:
+            if stream not in streams:
+                self._reports.names.pop(stream, None)
 
     def _flush_loop(self) -> None:
         """Flush once the buffer has been idle for a moment (a busy sender flushes itself)."""
@@ -221,6 +304,9 @@ class Controller:
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._progress:
             messages = self._reports.take_inbox()
+        if self._dropping:
+            with self._flush_lock:
+                self._retire_dropped()
         return sorted(messages, key=lambda msg: msg.seq)
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
@@ -236,7 +322,10 @@ class Controller:
                     raise TimeoutError(f"timed out after {timeout}s waiting for {pending()}")
                 if self._closed:
                     raise RuntimeError(f"the controller was closed while waiting for {pending()}")
-                self._progress.wait(remaining)
+                if not self._progress.wait(min(remaining, CLIENT_CHECK_S)):
+                    problem = client_problem(self._client)  # no report can say this
+                    if problem is not None:
+                        self._break_locked(DeviceException(problem), log=False)
 
     def get_ref(self, rank: int, ref: Ref, stream: StreamRef, timeout: float = 60) -> Any:
         """The value ``ref`` holds on ``rank``'s ``stream`` after everything sent before.
@@ -306,6 +395,27 @@ class Controller:
         step = ActorCall(tuple(broker_id), seq, method, ArgsKwargs.from_python(args, kwargs))
         self._send_internal(self._ranks(ranks), stream, step)
 
+    # -- streams ------------------------------------------------------------------------------
+
+    def name_stream(self, stream: StreamRef, name: str) -> None:
+        """Show ``stream`` as ``name`` on the dashboard and in errors (before it is created)."""
+        if type(stream) is not StreamRef or not isinstance(name, str):
+            raise TypeError("name_stream takes a StreamRef and a str")
+        self._reports.names[stream.id] = name
+
+    def drop_stream(self, ranks: Ranks, stream: StreamRef) -> None:
+        """End ``stream`` on ``ranks`` once everything sent to it so far has run there.
+
+        Its lane's refs, communicators and thread are freed on each rank.
+        Monarch's protocol has no such message (its streams live as long as
+        the mesh); the user API drops a :class:`dask_monarch.Stream` once it
+        and every tensor on it are garbage. A later message naming ``stream``
+        is a protocol error, and its id is not reused.
+        """
+        if type(stream) is not StreamRef:
+            raise TypeError(f"drop_stream takes a StreamRef, got {stream!r}")
+        self._send_internal(self._ranks(ranks), stream, DropLane())
+
     def _send_internal(self, ranks: tuple[int, ...], stream: StreamRef, step: Any) -> None:
         self._check_usable()
         with self._lock:
@@ -364,7 +474,10 @@ class Controller:
 
     @property
     def broken(self) -> DeviceException | None:
-        """The DeviceException that broke this controller, if any."""
+        """The DeviceException that broke this controller, if any (waiting loops poll it: a
+        client that lost its scheduler, or was closed, breaks the controller here)."""
+        if self._broken is None and not self._closed:
+            self._check_client()
         return self._broken
 
     @property
@@ -372,48 +485,75 @@ class Controller:
         """True once :meth:`close` ran (nothing sent after it runs)."""
         return self._closed
 
-    def _break(self, exc: DeviceException) -> None:
-        with self._progress:
-            self._break_locked(exc)
+    def _check_client(self) -> None:
+        """Fail at once when the client was closed or lost its scheduler: the work handed to
+        Dask is gone, and no report would ever say so (DESIGN decision 12)."""
+        problem = client_problem(self._client)
+        if problem is not None:  # the caller raises it at once
+            self._break(DeviceException(problem), log=False)
 
-    def _break_locked(self, exc: DeviceException) -> None:
+    def _break(self, exc: DeviceException, log: bool = True) -> None:
+        with self._progress:
+            self._break_locked(exc, log)
+
+    def _break_locked(self, exc: DeviceException, log: bool = True) -> None:
         if self._broken is not None or self._closed:
             return
-        logger.warning("controller %s is broken: %s", self.token, exc)
+        if log:
+            logger.warning("controller %s is broken: %s", self.token, exc)
         self._broken = exc
         self._progress.notify_all()
-        self._client.loop.add_callback(self._shutdown_async)
+        self._restore_gap()
+        try:
+            self._client.loop.add_callback(self._shutdown_async)
+        except RuntimeError:  # the client's event loop is gone (a closed client)
+            self._reports.hang_up()
 
     async def _shutdown_async(self) -> None:
-        """Cancel queued work and hang up every report stream (workers then free our state)."""
+        """Cancel queued work and hang up every report stream (workers then free our state).
+
+        The cancel is bounded: a client that lost its scheduler would wait for
+        it to come back.
+        """
         self._liveness.stop()
         futures = list(self._tails.values())
         self._tails.clear()
-        if futures:
-            try:
-                await self._client._cancel(futures)
-            except Exception as e:
-                logger.debug("controller %s could not cancel its queued work: %s", self.token, e)
-        self._actors.clear()
-        self._reports.hang_up()
+        try:
+            if futures:
+                await asyncio.wait_for(self._client._cancel(futures), SHUTDOWN_TIMEOUT)
+        except Exception as e:
+            logger.debug("controller %s could not cancel its queued work: %r", self.token, e)
+        finally:
+            self._actors.clear()
+            self._reports.hang_up()
 
-    def close(self) -> None:
-        """Wait briefly for outstanding work, then release everything on every rank."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for outstanding work, then release every rank.
+
+        ``timeout`` defaults to ``dask_monarch.timeouts.close``; 0 releases at
+        once (after Ctrl-C, or at interpreter exit). Ends within about
+        ``timeout`` + 5 s whatever state the client is in.
+        """
         if self._closed:
             return
-        if self._broken is None:
+        if timeout is None:
+            timeout = config.seconds("timeouts.close")
+        if self._broken is None and timeout > 0:
             try:
-                self.sync(timeout=config.seconds("timeouts.close"))
+                self.sync(timeout=timeout)
             except Exception as e:
                 logger.info("closing controller %s without draining: %s", self.token, e)
         self._closed = True
         self._wake.set()
         with self._progress:
             self._progress.notify_all()
+        self._restore_gap()
         try:
-            self._client.sync(self._shutdown_async)
-        except Exception as e:
-            logger.debug("controller %s could not shut down cleanly: %s", self.token, e)
+            self._client.sync(self._shutdown_async, callback_timeout=2 * SHUTDOWN_TIMEOUT)
+        except Exception as e:  # a closed client: its loop may be gone, hang up from here
+            logger.debug("controller %s could not shut down on the client's loop: %r",
+                         self.token, e)
+            self._reports.hang_up()
 
     def __enter__(self) -> Controller:
         return self

@@ -36,7 +36,7 @@ from typing import Any
 from distributed.comm import Comm
 
 from ..exceptions import DeviceException, LivenessWarning
-from ..protocol.liveness import explain, lane_name, stuck_seq
+from ..protocol.liveness import explain, stuck_seq
 from ..protocol.names import HEARTBEAT_OP
 from ..protocol.wire import LaneProgress
 from .reports import Reports
@@ -174,7 +174,8 @@ class Liveness:
         order = {"waiting": 0, "running": 1}
         stalled = sorted(stalled, key=lambda item: (
             order.get(getattr(_lane(beats, *item[0]), "state", ""), 2), str(item[0])))
-        lines = [f"rank {rank}, {lane_name(lane)} has completed no message for {age:.1f}s; "
+        lines = [f"rank {rank}, {self.reports.describe(lane)} has completed no message for "
+                 f"{age:.1f}s; "
                  f"{self._explain(rank, lane)}" for (rank, lane), age in stalled]
         text = lines[0]
         if len(lines) > 1:
@@ -239,8 +240,9 @@ class Liveness:
         """
         reports = self.reports
         pending = [
-            f"rank {rank}, {lane_name(lane)} (ran {reports.done.get((rank, lane), -1) + 1} of "
-            f"{index + 1} segments; {self._explain(rank, lane)})"
+            f"rank {rank}, {reports.describe(lane)} "
+            f"(ran {reports.done.get((rank, lane), -1) + 1} of {index + 1} segments; "
+            f"{self._explain(rank, lane)})"
             for (rank, lane), index in sorted(reports.expected.items(), key=str)
             if reports.done.get((rank, lane), -1) < index
         ]

@@ -24,10 +24,13 @@ from distributed.comm import Comm, connect
 from distributed.comm.core import CommClosedError
 
 from ..exceptions import DeviceException
+from ..protocol.liveness import lane_name
 from ..protocol.messages import FetchResult, RemoteFunctionFailed, Status
 from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue
 
 logger = logging.getLogger("dask_monarch.controller")
+
+SCHEDULER_GRACE_S = 0.2  # a report stream ended: did the client lose its scheduler meanwhile?
 
 
 class Reports:
@@ -39,10 +42,12 @@ class Reports:
     """
 
     def __init__(self, token: str, progress: threading.Condition,
-                 fail: Callable[[DeviceException], None]) -> None:
+                 fail: Callable[[DeviceException], None],
+                 client_problem: Callable[[], str | None] = lambda: None) -> None:
         self.token = token
         self.progress = progress
         self.fail = fail
+        self.client_problem = client_problem  # why the client lost its scheduler, if it did
         self.expected: dict[tuple[int, Any], int] = {}  # (rank, lane) -> newest segment
         self.done: dict[tuple[int, Any], int] = {}  # (rank, lane) -> last finished segment
         self.inbox: list = []  # controller messages not yet returned by a sync
@@ -52,6 +57,8 @@ class Reports:
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
         self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
         self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
+        self.names: dict[int, str] = {}  # stream id -> the name the user gave it
+        self.retired = 0  # segments of dropped lanes, no longer in expected/done
 
     # -- the streams --------------------------------------------------------------------------
 
@@ -80,8 +87,15 @@ class Reports:
             with self.progress:
                 self.fail(DeviceException(f"unreadable report from its worker: {e!r}", rank=rank))
             return
+        if self.comms.get(rank) is not comm:  # hung up on purpose
+            return
+        # Workers close when they lose the scheduler: a lost scheduler is not a lost rank.
+        problem = self.client_problem()
+        if problem is None:
+            await asyncio.sleep(SCHEDULER_GRACE_S)
+            problem = self.client_problem()
         with self.progress:  # a no-op once the controller is closed
-            self.fail(DeviceException(
+            self.fail(DeviceException(problem) if problem is not None else DeviceException(
                 f"lost connection to its worker {address} "
                 "(the worker died, restarted or was removed)", rank=rank))
 
@@ -90,7 +104,10 @@ class Reports:
         comms = list(self.comms.values())
         self.comms.clear()
         for comm in comms:
-            comm.abort()
+            try:
+                comm.abort()
+            except Exception as e:  # its event loop is gone: the process's exit closes it
+                logger.debug("aborting a report stream: %r", e)
 
     # -- what they say ------------------------------------------------------------------------
 
@@ -144,12 +161,25 @@ class Reports:
         done = self.done
         return all(done.get(lane, -1) >= index for lane, index in self.expected.items())
 
+    def describe(self, lane: Any) -> str:
+        """``stream 'comms' (3)``, ``stream 3`` without a name, or ``control steps``."""
+        return lane_name(lane, self.names.get(lane))
+
     def segments(self) -> tuple[int, int]:
         """Segments submitted and segments finished (the caller holds ``progress``)."""
-        expected = sum(index + 1 for index in self.expected.values())
+        expected = sum(index + 1 for index in self.expected.values()) + self.retired
         done = sum(min(self.done.get(lane, -1), index) + 1
-                   for lane, index in self.expected.items())
+                   for lane, index in self.expected.items()) + self.retired
         return expected, done
+
+    def retire(self, dropping: dict[tuple[int, Any], int]) -> list[tuple[int, Any]]:
+        """Forget the dropped lanes of ``dropping`` whose last segment ran; returns them
+        (the caller holds ``progress``)."""
+        gone = [lane for lane, index in dropping.items() if self.done.get(lane, -1) >= index]
+        for lane in gone:
+            self.retired += self.expected.pop(lane, -1) + 1
+            self.done.pop(lane, None)
+        return gone
 
     def take_inbox(self) -> list:
         """The controller messages since the last call (the caller holds ``progress``)."""

@@ -16,7 +16,14 @@ Every setting that matters for torch ranks is chosen here, not inherited:
   Python loop, and a scheduler sharing its GIL answers late (measured: chain
   hops of 250 ms instead of 10 ms while the client sends messages);
 * with a dashboard, the scheduler preloads :mod:`dask_monarch.dashboard`, so
-  ``<dashboard>/monarch/`` shows every mesh, rank and stream.
+  ``<dashboard>/monarch/`` shows every mesh, rank and stream;
+* Dask's batched-send gaps of its scheduler and workers are lowered to
+  ``dask_monarch.comm.batched-interval`` from the start (:mod:`.comm_gaps`):
+  this cluster is dask_monarch's own, so no controller has to change them;
+* the scheduler runs in a session of its own, so a terminal's Ctrl-C reaches
+  the client, not the scheduler, which stays up until the client has closed
+  (it also ends if this process dies: it watches its stdin); the rank workers
+  ignore SIGINT (:mod:`dask_monarch.worker.signals`).
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from typing import Any
 
 import psutil
 from distributed import Scheduler, SpecCluster
+from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
+from .. import config
 from .workers import RankNanny, rank_worker_options, visible_gpus
 
 logger = logging.getLogger("dask_monarch.cluster")
@@ -46,16 +55,26 @@ class SchedulerProcess(SubprocessScheduler):
 
     The scheduler unpickles task graphs, so it gets the client's ``sys.path``
     (an in-process scheduler would have it too); its log lines are forwarded
-    to the ``dask_monarch.cluster`` logger, as a full pipe would block it.
+    to the ``dask_monarch.cluster`` logger, as a full pipe would block it. It
+    runs in a session of its own (a terminal's Ctrl-C is the client's to
+    handle: the scheduler must outlive the client's close) and ends when this
+    process does (:mod:`.lifeline`).
     """
 
     async def _start(self) -> None:
+        options = dict(self.scheduler_kwargs)
+        preload = list(options.get("preload") or [])
+        argv = list(options.get("preload_argv") or [[] for _ in preload])
+        options["preload"] = [*preload, "dask_monarch.deployment.lifeline"]
+        options["preload_argv"] = [*argv, []]
         cmd = [sys.executable, "-m", "dask", "spec", "--spec",
-               json.dumps({"cls": "distributed.Scheduler", "opts": self.scheduler_kwargs})]
+               json.dumps({"cls": "distributed.Scheduler", "opts": options})]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        self.process = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE,
-                                                            env=env)
+        self.process = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True)
         self._logs = asyncio.ensure_future(self._forward_logs())
+        self._watch = asyncio.ensure_future(self._watch_process(self.process))
         scheduler_file = self.scheduler_kwargs["scheduler_file"]
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline and self.process.returncode is None:
@@ -73,9 +92,9 @@ class SchedulerProcess(SubprocessScheduler):
 
         A killed scheduler leaves its scheduler file behind: it is removed here.
         """
-        logs = getattr(self, "_logs", None)
-        if logs is not None:
-            logs.cancel()
+        for task in (getattr(self, "_logs", None), getattr(self, "_watch", None)):
+            if task is not None:
+                task.cancel()
         process, self.process = self.process, None
         if process is not None:
             if process.returncode is None:
@@ -87,6 +106,19 @@ class SchedulerProcess(SubprocessScheduler):
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.scheduler_kwargs["scheduler_file"])
         await ProcessInterface.close(self)
+
+    @property
+    def lost(self) -> bool:
+        """The scheduler process ended without being closed (killed, crashed)."""
+        return self.status == Status.failed
+
+    async def _watch_process(self, process: asyncio.subprocess.Process) -> None:
+        """A scheduler that dies is marked failed: closing the cluster then skips it."""
+        code = await process.wait()
+        if self.process is process and self.status == Status.running:
+            logger.warning("the scheduler process of %s ended on its own (exit code %s)",
+                           self.address, code)
+            self.status = Status.failed
 
     async def _forward_logs(self) -> None:
         stream = self.process.stderr if self.process else None
@@ -132,18 +164,25 @@ class LocalMeshCluster(SpecCluster):
         threads = torch_threads or max(1, cores // n_ranks)
         if memory_limit == "auto":
             memory_limit = MEMORY_LIMIT // n_ranks
+        gap = config.seconds("comm.batched-interval")
         workers = {}
         for i in range(n_ranks):
             options = rank_worker_options(
                 f"rank{i}", rank=i, torch_threads=threads, memory_limit=memory_limit,
                 gpus=gpus if device == "cuda" else None, gpu_index=i, host="127.0.0.1",
-                profile=profile, silence_logs=silence_logs)
+                profile=profile, silence_logs=silence_logs, batched_interval=gap)
             workers[f"rank{i}"] = {"cls": RankNanny, "options": {**options,
                                                                   **(worker_options or {})}}
-        scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
-                             "dashboard_address": dashboard_address}
-        if dashboard_address is not None:  # the /monarch/ page (a preload reaches a subprocess)
-            scheduler_options["preload"] = ["dask_monarch.dashboard"]
+        scheduler_options: dict[str, Any] = {"host": "127.0.0.1", "port": scheduler_port,
+                                             "dashboard_address": dashboard_address}
+        preloads = {}  # module -> argv (a preload reaches a scheduler subprocess too)
+        if dashboard_address is not None:  # the /monarch/ page
+            preloads["dask_monarch.dashboard"] = []
+        if gap is not None:
+            preloads["dask_monarch.deployment.comm_gaps"] = [f"--batched-interval={gap}s"]
+        if preloads:
+            scheduler_options["preload"] = list(preloads)
+            scheduler_options["preload_argv"] = list(preloads.values())
         if scheduler_process:
             scheduler = {"cls": SchedulerProcess,
                          "options": {"scheduler_kwargs": scheduler_options}}
@@ -151,6 +190,17 @@ class LocalMeshCluster(SpecCluster):
             scheduler = {"cls": Scheduler, "options": scheduler_options}
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs,
                          asynchronous=asynchronous, name="LocalMeshCluster", **kwargs)
+
+    async def _close(self) -> None:
+        """Close as SpecCluster does; with its scheduler process gone (killed, crashed), close
+        the workers without asking it (which would wait 30 s per request to connect)."""
+        scheduler = self.scheduler
+        lost = isinstance(scheduler, SchedulerProcess) and scheduler.lost
+        if lost:
+            self.shutdown_scheduler = False
+        await super()._close()
+        if lost:
+            await scheduler.close()
 
     def __repr__(self) -> str:
         return (f"LocalMeshCluster({self.n_ranks} {self.device} ranks, "

@@ -43,6 +43,7 @@ EXIT_ERROR = 1
 EXIT_REMOTE = 3
 EXIT_DEVICE = 4
 EXIT_INTERRUPTED = 130
+INTERRUPTED_CLOSE_S = 2  # after Ctrl-C the client and the cluster each get this long to close
 
 
 class SetupError(Exception):
@@ -83,7 +84,18 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
         finally:
             if line is not None:
                 line.stop()
-        _close_controllers(drain=code != EXIT_INTERRUPTED)
+        if code != EXIT_INTERRUPTED:
+            _close_controllers()
+            return code
+        with _second_interrupt_exits():  # the cluster closes now, quietly and promptly
+            _quiet_dask(client, embedded=client.cluster is not None)
+            _close_controllers(drain=False)
+            for close in (client.close, getattr(client.cluster, "close", None)):
+                if close is not None:
+                    try:
+                        close(timeout=INTERRUPTED_CLOSE_S)
+                    except Exception as e:  # exiting anyway: the processes end with us
+                        logging.getLogger("dask_monarch.cli").debug("closing: %r", e)
     return code
 
 
@@ -144,19 +156,59 @@ def _close_controllers(drain: bool = True) -> None:
 
     A controller drains its outstanding work first (up to
     ``dask_monarch.timeouts.close``), as the script's own ``close`` would;
-    after Ctrl-C nothing drains and the workers free the state when this
-    process's report streams close.
+    after Ctrl-C nothing drains: each releases its ranks at once (on a shared
+    cluster too), before the client and the cluster close.
     """
     from ..controller.controller import live_controllers
 
-    if not drain:  # the cluster closes under the controllers: that is expected, not news
+    if not drain:  # whatever breaks while closing after Ctrl-C is expected, not news
         logging.getLogger("dask_monarch.controller").setLevel(logging.ERROR)
-        return
     for controller in live_controllers():
         try:
-            controller.close()
+            controller.close(timeout=None if drain else 0)
         except Exception as e:  # already reported by the controller; exit anyway
             logging.getLogger("dask_monarch.cli").info("closing %r: %s", controller, e)
+
+
+def _quiet_dask(client: Client, embedded: bool) -> None:
+    """After Ctrl-C, the cluster's own shutdown chatter (closed comms, cancelled tasks) is
+    not the user's news: one line said what happened. The workers of an embedded cluster
+    (they write to this terminal) are quieted too; a shared cluster's are left alone."""
+    _quiet_loggers()
+    if embedded:
+        try:
+            client.run(_quiet_loggers)
+        except Exception as e:  # only cosmetic
+            logging.getLogger("dask_monarch.cli").debug("quieting the workers: %r", e)
+
+
+def _quiet_loggers() -> None:
+    for name in ("distributed", "tornado", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def _second_interrupt_exits() -> Iterator[None]:
+    """While the cluster closes after Ctrl-C, a second Ctrl-C exits at once.
+
+    The embedded scheduler then ends with this process (it watches its
+    stdin) and the rank workers with their nannies' pipes.
+    """
+    import signal
+
+    def exit_now(signum: int, frame: Any) -> None:
+        os.write(2, b"dask-monarch: interrupted again; exiting without closing the cluster\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    try:
+        previous = signal.signal(signal.SIGINT, exit_now)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # -- running the script in this process ------------------------------------------------------
@@ -172,6 +224,7 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
     """
     stderr = stderr or sys.stderr
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    path = script
     try:
         if as_module:
             sys.path.insert(0, os.getcwd())  # as python -m does, before looking it up
@@ -187,14 +240,28 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
         _exec_main(code, path)
     except SystemExit as e:
         return _exit_status(e.code, stderr)
-    except KeyboardInterrupt:
-        traceback.print_exc(file=stderr)
+    except KeyboardInterrupt as e:
+        where = _script_frame(e, path)
+        stderr.write(f"dask-monarch: interrupted (Ctrl-C){where}; releasing the ranks and "
+                     "stopping\n")
+        stderr.flush()
         return EXIT_INTERRUPTED
     except BaseException as e:
         return report_exception(e, stderr)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
+
+
+def _script_frame(exc: BaseException, path: str) -> str:
+    """`` at train.py:12`` for the script's innermost frame in ``exc``'s traceback, or ''."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if os.path.abspath(code.co_filename) == os.path.abspath(path):
+            where = f" at {os.path.basename(path)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def _module_code(name: str) -> CodeType:

@@ -19,8 +19,11 @@ LanesOf = Callable[[int], "Mapping[Any, LaneProgress] | None"]  # a rank's lanes
 OutstandingOf = Callable[[int, Any], "int | None"]  # segments sent to a lane and not yet run
 
 
-def lane_name(lane: Any) -> str:
-    return "control steps" if lane == CONTROL else f"stream {lane}"
+def lane_name(lane: Any, name: str | None = None) -> str:
+    """``control steps``, ``stream 7``, or with the name the user gave it ``stream 'comms' (7)``."""
+    if lane == CONTROL:
+        return "control steps"
+    return f"stream {name!r} ({lane})" if name is not None else f"stream {lane}"
 
 
 def _seq(seq: int) -> str:

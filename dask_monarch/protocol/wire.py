@@ -42,6 +42,11 @@ class ActorCall(NamedTuple):
     args_kwargs: Any
 
 
+class DropLane(NamedTuple):
+    """The last step of a stream's lane (:meth:`Controller.drop_stream`): free its refs, its
+    communicators and its thread, after everything the stream ran before."""
+
+
 # --------------------------------------------------------------------------- reports
 
 

@@ -77,7 +77,7 @@ def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | N
         raise
     except DependentError as e:
         dependent_failure(lane, results or (), call.mutates, e.root)
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:  # an interrupted method is that call's error
         fail_call(lane, call.seq, results or (), call.mutates, e)
 
 

@@ -75,6 +75,7 @@ class Comms:
         self.remote_defs: dict[int, tuple[int, tuple[str, ...]]] = {}  # group ref -> (mesh, dims)
         self.remote: dict[tuple[int, Any], Any] = {}  # (group ref, stream) -> group
         self.handoffs: dict[Any, tuple[threading.Event, list]] = {}
+        self.dropped: set[int] = set()  # streams dropped on this rank (their p2p may go)
         self.lock = threading.Lock()
 
     @property
@@ -107,6 +108,21 @@ class Comms:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
         with self.lock:
             return self.handoffs.setdefault(key, (threading.Event(), []))
+
+    def release_stream(self, stream: int) -> None:
+        """Free the communicators of a dropped ``stream``.
+
+        Its Reduce and process-group communicators go at once: every rank ran
+        the stream's collectives before its last step. A point-to-point
+        communicator goes once both its streams were dropped here.
+        """
+        self.dropped.add(stream)
+        gone = [self.splits.pop(k) for k in [k for k in self.splits if k[1] == stream]]
+        gone += [self.remote.pop(k) for k in [k for k in self.remote if k[1] == stream]]
+        gone += [self.p2p.pop(k) for k in [k for k in self.p2p if stream in k
+                                           and all(s in self.dropped for s in k)]]
+        for pg in gone:
+            groups.release_group(pg)
 
     def close(self) -> None:
         for pg in [self.world, *self.splits.values(), *self.p2p.values(), *self.remote.values()]:
@@ -280,7 +296,7 @@ def _ranks_text(ranks: list[int]) -> str:
 def _input(lane: Lane, ref, what: str):
     value = lane.env.get(ref.id, _MISSING)
     if value is _MISSING:
-        raise FatalError(f"{what}: r{ref.id} is not on stream {lane.label}")
+        raise FatalError(f"{what}: r{ref.id} is not on {lane.title}")
     return value
 
 
@@ -298,7 +314,7 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     key = (msg.mesh.id, lane.label, dims)
     pg = comms.splits.get(key)
     if pg is None:
-        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream {lane.label} "
+        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: {lane.title} "
                          "has no communicator for them (SplitComm was not sent)")
     value = _input(lane, msg.tensor, "Reduce")
     out = _input(lane, msg.out, "Reduce out") if msg.out is not None else None
@@ -387,7 +403,7 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     sending = lane.label == msg.from_stream.id and me in msg.from_ranks
     receiving = lane.label == msg.to_stream.id and me in msg.to_ranks
     if not sending and not receiving:
-        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on stream {lane.label}")
+        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on {lane.title}")
     to_rank = msg.to_ranks.get(msg.from_ranks.index(me)) if sending else None
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)

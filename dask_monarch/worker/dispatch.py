@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import messages as m
-from ..protocol.wire import ActorCall, ReadRef, StatusProbe
+from ..protocol.wire import ActorCall, DropLane, ReadRef, StatusProbe
 from . import actor, borrow, comm, handlers, pipe, recording
 from .errors import FatalError
 from .lane import Lane
@@ -45,6 +45,7 @@ HANDLERS: dict[type, Handler] = {
     m.SendValue: handlers.send_value,
     m.DeleteRefs: handlers.delete_refs,
     m.CreateStream: handlers.create_stream,
+    DropLane: handlers.drop_lane,
     StatusProbe: handlers.status_probe,
     m.SetRefUnitTestsOnly: handlers.set_ref,
     m.GetRefUnitTestsOnly: handlers.read_ref,

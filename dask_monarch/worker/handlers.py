@@ -23,7 +23,7 @@ from ..protocol.messages import (
     SetRefUnitTestsOnly,
     Status,
 )
-from ..protocol.wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
+from ..protocol.wire import DropLane, Exited, Fetched, ReadRef, RefValue, StatusProbe
 from . import calls
 from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
@@ -44,7 +44,7 @@ def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKw
         calls.bind_results(lane.env, results, value)
     except FatalError:
         raise
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:  # an interrupted function is that call's error
         call_failed(lane, seq, results, mutates, e)
 
 
@@ -93,7 +93,7 @@ def send_value(lane: Lane, msg: SendValue) -> None:
         raise
     except DependentError as e:
         dependent_failure(lane, (), msg.mutates, e.root)
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
         fail_call(lane, msg.seq, (), msg.mutates, e)
 
 
@@ -107,6 +107,12 @@ def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
 def create_stream(lane: Lane, msg: CreateStream) -> None:
     """Start (or restart, with an empty table) the stream; its lane already exists."""
     lane.create(msg.stream_creation)
+
+
+def drop_lane(lane: Lane, step: DropLane) -> None:
+    """The last step of a dropped stream (Controller.drop_stream): the compiler chains it
+    after everything the stream ran, so its refs, communicators and thread can go now."""
+    lane.rank.drop_lane(lane)
 
 
 def status_probe(lane: Lane, probe: StatusProbe) -> None:

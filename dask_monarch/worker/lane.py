@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..protocol.messages import StreamCreationMode
-from ..protocol.wire import LaneProgress, StatusProbe
+from ..protocol.wire import CONTROL, LaneProgress, StatusProbe
 from .calls import lookup
 from .errors import ReplayRefused, SeqError
 
@@ -53,9 +53,11 @@ class Lane:
     """The executor, ref table and progress of one stream (or the control steps) of a rank."""
 
     def __init__(self, rank: RankState, label: Any, executor_name: str,
-                 mode: StreamCreationMode = StreamCreationMode.UseDefaultStream):
+                 mode: StreamCreationMode = StreamCreationMode.UseDefaultStream,
+                 name: str | None = None):
         self.rank = rank
         self.label = label  # stream id, or wire.CONTROL
+        self.name = name  # the name the user gave the stream (dm.Stream("comms")), if any
         self.executor_name = executor_name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=executor_name)
         self.env: dict[int, Any] = {}
@@ -77,6 +79,14 @@ class Lane:
         self.segments = 0
         self.busy_since = 0.0
         self.busy_seconds = 0.0
+
+    @property
+    def title(self) -> str:
+        """How errors and logs name the lane: ``stream 'comms' (7)``, ``stream 7``, ``control
+        steps``."""
+        if self.label == CONTROL:
+            return "control steps"
+        return f"stream {self.name!r} ({self.label})" if self.name else f"stream {self.label}"
 
     # -- values -------------------------------------------------------------------------------
 
@@ -108,7 +118,7 @@ class Lane:
         """Segments run exactly once and in order; anything else is a replay."""
         if index != self.next_index:
             raise ReplayRefused(
-                f"stream {self.label}: segment {index} arrived when {self.next_index} was expected "
+                f"{self.title}: segment {index} arrived when {self.next_index} was expected "
                 "(Dask re-ran work, e.g. after a lost worker); refusing to execute it twice"
             )
         self.next_index += 1
@@ -191,6 +201,7 @@ class Lane:
         state = progress.state
         return {
             "stream": self.label,
+            "name": self.name,
             "state": state,
             "doing": progress.doing,
             "busy_for": round(now - self.busy_since, 3) if state != "idle" else 0,
@@ -212,3 +223,10 @@ class Lane:
     def close(self) -> None:
         self.env.clear()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def retire(self) -> None:
+        """The stream was dropped (its last step runs now, on this lane's thread): free its
+        refs and let the thread end after this segment. Blocks freed here go back to the
+        allocator on this lane's device stream, in order after its queued work."""
+        self.env.clear()
+        self.executor.shutdown(wait=False)

@@ -147,7 +147,7 @@ class Pipe:
                     break
                 except queue.Empty:
                     if self.state.abort.is_set():
-                        raise FatalError(f"stream {lane.label} stopped waiting for pipe "
+                        raise FatalError(f"{lane.title} stopped waiting for pipe "
                                          f"{self.key!r}: {self.state.failed or 'released'}"
                                          ) from None
                     if self.process is not None and not self.process.is_alive():

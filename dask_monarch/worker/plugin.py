@@ -34,6 +34,7 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+from .signals import ignore_sigint
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -55,13 +56,23 @@ class MonarchWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, report_interval: str | None = None):
+    def __init__(self, report_interval: str | None = None,
+                 batched_interval: float | None = None):
         self.report_interval = report_interval  # None: dask_monarch.comm.report-interval
+        # The gap of the worker's own batched stream to the scheduler, lowered only on workers
+        # dask_monarch started (LocalMeshCluster: deployment/comm_gaps.py); None leaves Dask's.
+        if batched_interval is not None and batched_interval < 0:
+            raise ValueError(f"batched_interval cannot be negative, got {batched_interval}")
+        self.batched_interval = batched_interval
 
     async def setup(self, worker) -> None:
         from .. import config
 
         self.worker = worker
+        ignore_sigint(worker)
+        if self.batched_interval is not None:
+            stream = worker.batched_stream
+            stream.interval = min(stream.interval, self.batched_interval)
         if self.report_interval is None:  # read here: the worker's config, not the client's
             self.report_interval = config.get("comm.report-interval", "0.5ms")
         self.ranks: dict = {}  # controller token -> RankState
@@ -130,12 +141,13 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 "address": self.worker.address, "name": str(self.worker.name),
                 "gpu": gpu_uuid(device.index) if device is not None else None}
 
-    def add_lanes(self, token: str, lanes: list[tuple[int, StreamCreationMode]]) -> None:
-        """Create lanes (and their device streams) before any task names their executor
-        (DESIGN decision 2)."""
+    def add_lanes(self, token: str,
+                  lanes: list[tuple[int, StreamCreationMode, str | None]]) -> None:
+        """Create lanes ``(stream id, creation mode, name)`` and their device streams before any
+        task names their executor (DESIGN decision 2); the name is the dashboard's."""
         state = self.ranks[token]
-        for stream_id, mode in lanes:
-            lane = state.add_lane(stream_id, mode)
+        for stream_id, mode, name in lanes:
+            lane = state.add_lane(stream_id, mode, name)
             if lane is not None:
                 self._register(lane)
 
@@ -144,6 +156,18 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.worker.executors[lane.executor_name] = lane.executor
         self.extra_threads += 1
         self.worker.state.nthreads += 1
+
+    def remove_lane(self, state, lane) -> None:
+        """A dropped stream's lane ran its last step: forget it, give its thread back (on the
+        loop). No task names its executor any more; a released rank already gave it back."""
+        if state.lanes.get(lane.label) is lane:
+            del state.lanes[lane.label]
+        if self.worker.executors.get(lane.executor_name) is lane.executor:
+            self.worker.executors = {  # a new dict: Worker.close may iterate the old one
+                k: v for k, v in self.worker.executors.items() if k != lane.executor_name
+            }
+            self.extra_threads -= 1
+            self.worker.state.nthreads -= 1
 
     def forget(self, state) -> None:
         """Drop a released rank state and give its threads back (on the loop)."""
@@ -257,9 +281,10 @@ async def claim_rank(token: str, ranks: dict[str, int], world_size: int, setting
     return await _plugin(dask_worker).claim(token, rank, world_size, settings)
 
 
-async def create_lanes(token: str, lanes: list[tuple[int, StreamCreationMode]],
+async def create_lanes(token: str, lanes: list[tuple[int, StreamCreationMode, str | None]],
                        dask_worker: Worker | None = None) -> None:
-    """Create controller ``token``'s lanes ``(stream id, creation mode)`` on this worker."""
+    """Create controller ``token``'s lanes ``(stream id, creation mode, name)`` on this
+    worker."""
     _plugin(dask_worker).add_lanes(token, lanes)
 
 

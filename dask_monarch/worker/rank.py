@@ -79,13 +79,23 @@ class RankState:
     def executor_name(self, stream_id: int) -> str:
         return names.executor_name(self.token, stream_id)
 
-    def add_lane(self, stream_id: int, mode: StreamCreationMode) -> Lane | None:
+    def add_lane(self, stream_id: int, mode: StreamCreationMode,
+                 name: str | None = None) -> Lane | None:
         """Create the lane of a stream and its device stream (on the event loop, before a task
-        names it)."""
+        names it); ``name`` is what the dashboard and errors call it."""
         if stream_id in self.lanes:
             return None
-        lane = self.lanes[stream_id] = Lane(self, stream_id, self.executor_name(stream_id), mode)
+        lane = self.lanes[stream_id] = Lane(self, stream_id, self.executor_name(stream_id), mode,
+                                            name)
         return lane
+
+    def drop_lane(self, lane: Lane) -> None:
+        """The stream's last step (on its lane's thread): free its communicators, refs and
+        thread; the plugin then forgets the lane and gives its thread back (on the loop)."""
+        if self.comms is not None:
+            self.comms.release_stream(lane.label)
+        lane.retire()
+        self.loop.add_callback(self.plugin.remove_lane, self, lane)
 
     def all_lanes(self) -> list[Lane]:
         return [*self.lanes.values(), self.control]
@@ -96,7 +106,8 @@ class RankState:
         """Run one segment of steps on its lane, in order; called on the lane's thread."""
         lane = self.control if label == CONTROL else self.lanes.get(label)
         if lane is None:
-            raise FatalError(f"rank {self.rank}: no lane for stream {label}")
+            raise FatalError(f"rank {self.rank}: no lane for stream {label} (never created, "
+                             "or dropped)")
         try:
             lane.claim_index(index)
             if self.failed is not None:
@@ -109,10 +120,10 @@ class RankState:
             with self.device.running(lane.stream):
                 self._run_steps(lane, steps)
         except FatalError as e:
-            self.fail(f"stream {label}: {e}")
+            self.fail(f"{lane.title}: {e}")
             raise
         except BaseException as e:
-            self.fail(f"stream {label}: internal error: {format_exception(e)}")
+            self.fail(f"{lane.title}: internal error: {format_exception(e)}")
             raise
         finally:
             lane.state, lane.doing, lane.running = "idle", "", None
@@ -191,12 +202,12 @@ class RankState:
             while not event.wait(WAIT_POLL_S):
                 if self.abort.is_set():
                     raise FatalError(
-                        f"stream {lane.label} stopped waiting for {what}: "
+                        f"{lane.title} stopped waiting for {what}: "
                         f"{self.failed or 'the rank was released'}"
                     )
                 if deadline is not None and time.monotonic() > deadline:
                     raise FatalError(
-                        f"stream {lane.label} timed out after {timeout}s waiting for {what}"
+                        f"{lane.title} timed out after {timeout}s waiting for {what}"
                     )
         finally:
             lane.state, lane.doing = before
