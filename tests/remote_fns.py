@@ -197,3 +197,17 @@ def current_cuda_stream_is_default():
 def cuda_allocated():
     torch.cuda.synchronize()
     return torch.tensor(torch.cuda.memory_allocated())
+
+
+def exit_process(x, code=1):
+    """Kill this worker process at once (no cleanup, no exception): a lost worker."""
+    import os
+
+    os._exit(code)
+
+
+def allocate(x, mib):
+    """Hold ``mib`` MiB of touched memory for a while (trips a nanny's memory limit)."""
+    block = torch.ones(mib * 2**18)  # 4-byte floats
+    time.sleep(30)
+    return block.sum()

@@ -76,7 +76,7 @@ class Controller:
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
-        self._reports = Reports(self.token, self._progress, self._break_locked)
+        self._reports = Reports(self.token, self._progress, self._break_locked, client.scheduler)
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -176,7 +176,7 @@ class Controller:
         if plan.graph is not None:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
-            self._reports.expect(plan.counts)
+            self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
         if plan.error is not None:

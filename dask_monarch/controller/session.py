@@ -29,6 +29,7 @@ from distributed import Client
 from ..exceptions import DeviceException, RemoteException
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
+from ..protocol.wire import ValueFailed
 from .controller import Controller
 from .history import History
 
@@ -273,6 +274,10 @@ class Session:
                 self._failed(msg)
             elif t is m.Status:
                 self._progress(msg)
+            elif t is ValueFailed:  # fails the seq that defined the value, and its users
+                seq = self.history.definer.get(msg.ref)
+                if seq is not None:
+                    self._failed(m.RemoteFunctionFailed(seq, msg.rank, msg.error))
 
     def _failed(self, msg: m.RemoteFunctionFailed) -> None:
         inv = self.history.invocations.get(msg.seq)
