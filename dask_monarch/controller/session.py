@@ -48,13 +48,17 @@ class MeshFuture(concurrent.futures.Future):
         self._session = session
         self.seq = seq
         self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
+        self.check: Any = None  # called with the value before result() returns it
 
     def result(self, timeout: float | None = None) -> Any:
         self._session.controller.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return super().result(timeout=0.05)
+                value = super().result(timeout=0.05)
+                if self.check is not None:
+                    self.check(value)
+                return value
             except concurrent.futures.TimeoutError:
                 broken = self._session.controller.broken
                 if broken is not None:

@@ -251,3 +251,13 @@ def test_a_memory_limit_kill_says_so():
             assert "remote_fns.allocate" in text
         finally:
             controller.close()
+
+
+def test_fetching_a_value_whose_propagation_lied_says_so(mesh):
+    lying = dm.remote(_three_sevens, propagate=lambda x: torch.empty(3, 4))
+    with mesh.activate():
+        y = lying(torch.zeros(1))
+        assert y.shape == (3, 4)  # what the client believes
+        with pytest.raises(dm.RemoteException, match=r"rank 1 has shape \(3,\).*believes shape "
+                                                     r"\(3, 4\)"):
+            dm.inspect(y, gpu=1)
