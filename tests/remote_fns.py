@@ -210,3 +210,15 @@ def interrupt_main_then(x, seconds=1.0):
 
 def raise_keyboard_interrupt(x):
     raise KeyboardInterrupt("interrupted inside a remote function")
+def exit_process(x, code=1):
+    """Kill this worker process at once (no cleanup, no exception): a lost worker."""
+    import os
+
+    os._exit(code)
+
+
+def allocate(x, mib):
+    """Hold ``mib`` MiB of touched memory for a while (trips a nanny's memory limit)."""
+    block = torch.ones(mib * 2**18)  # 4-byte floats
+    time.sleep(30)
+    return block.sum()

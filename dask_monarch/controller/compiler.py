@@ -25,19 +25,24 @@ through edges, which would make the graph cyclic.
 Which lane runs a message is decided per rank by :mod:`.routing`, in
 Monarch's per-rank mailbox order. A message it cannot route is a
 :class:`ProtocolError`: the valid prefix is submitted, then the controller
-fails with ``DeviceException`` naming the rank.
+fails with ``DeviceException`` naming the rank. So is a message whose ``seq``
+does not increase on its stream of a rank (failures are reported by seq: two
+messages with one seq would blur which one failed), and a stream beyond the
+``limits.lanes`` lanes a rank may hold (each lane is a thread on the worker).
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import cloudpickle
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
+from .. import config
 from ..protocol import messages as m
 from ..protocol.names import executor_name
 from ..protocol.rules import FAMILY, ON_NAMED_STREAM
@@ -46,6 +51,13 @@ from ..worker import run_segment
 from .routing import InternalStep, ProtocolError, RankRouter
 
 __all__ = ["Compiler", "InternalStep", "Plan", "ProtocolError", "Segment", "segment_name"]
+
+# Messages that carry the seq failures are reported under: (seq, stream) (RequestStatus
+# repeats the last seq; recordings run on several streams and are checked among themselves).
+_SEQ_OF = {t: attrgetter("seq", "stream") for t in (m.CallFunction, m.SendValue, m.PipeRecv,
+                                                    m.SendResultOfActorCall)}
+_SEQ_OF[m.CallActorMethod] = attrgetter("call.seq", "call.stream")
+_SEQ_OF[m.CallRecording] = lambda msg: (msg.seq, None)
 
 # Families of bookkeeping steps: a segment is named after its other work, if any.
 _BOOKKEEPING = ("status", "stream", "delete")
@@ -91,6 +103,7 @@ class Plan:
     error: ProtocolError | None = None
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
     dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
+    segments: list = field(default_factory=list)  # what each task runs (lost-worker messages)
 
 
 class Compiler:
@@ -103,6 +116,9 @@ class Compiler:
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
         self.dropped: dict[tuple[int, Any], _LaneTail] = {}  # dropped lanes Exit still follows
+        self.lane_counts = [0] * len(resources)  # streams each rank holds a lane for
+        self.max_lanes = int(config.get("limits.lanes", 256))
+        self.seqs: dict[tuple[int, Any], int] = {}  # (rank, stream) -> the newest seq sent
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
@@ -117,8 +133,15 @@ class Compiler:
         count = 0
         rendezvous = False
         dropped: list[tuple[int, Any]] = []
+        seqs = self.seqs
         for ranks, msg in buffer:
             try:
+                seq_of = _SEQ_OF.get(type(msg))
+                if seq_of is not None:
+                    seq, stream = seq_of(msg)
+                    for rank in ranks:
+                        if seq <= seqs.get((rank, stream), -1):
+                            self._bad_seq(rank, stream, seq, msg)
                 if type(msg) in ON_NAMED_STREAM:  # the hot path: one lane per rank, no fan-out
                     stream = int(msg.stream)
                     for rank in ranks:
@@ -149,24 +172,43 @@ class Compiler:
             except ProtocolError as e:
                 error = e
                 break
+            if seq_of is not None:
+                for rank in ranks:
+                    seqs[(rank, stream)] = seq
             count += 1
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
         for lane in dropped:  # after _plan: the tails hold their final keys
             tail = self.dropped[lane] = self.lanes.pop(lane)
             self.created.discard(lane)
+            self.lane_counts[lane[0]] -= 1  # a released lane no longer counts to the cap
             plan.dropped[lane] = tail.next_index - 1
+        plan.segments = segments
         return plan
 
     def forget_dropped(self, lane: tuple[int, Any]) -> None:
         """The last segment of dropped ``lane`` ran: Exit need not follow it any more."""
         self.dropped.pop(lane, None)
 
+
+    def _bad_seq(self, rank: int, stream: Any, seq: int, msg: Any) -> None:
+        where = "recordings" if stream is None else f"stream {int(stream)}"
+        raise ProtocolError(rank, f"{type(msg).__name__}.seq={seq} does not increase: {where} "
+                                  f"of this rank was already sent seq {self.seqs[(rank, stream)]}; "
+                                  "give every message a new, larger seq")
+
     def _lane(self, rank, lane, open_lanes, open_control, segments, new_lanes) -> Segment:
         per_rank = open_lanes.setdefault(rank, {})
         seg = per_rank.get(lane)
         if seg is None:
             if (rank, lane) not in self.created:
+                if self.lane_counts[rank] >= self.max_lanes:
+                    raise ProtocolError(rank, f"stream {lane} would be this rank's lane number "
+                                              f"{self.lane_counts[rank] + 1}, over the limit "
+                                              f"dask_monarch.limits.lanes={self.max_lanes} "
+                                              "(a lane is a thread on the worker): use fewer "
+                                              "streams, or raise the limit")
+                self.lane_counts[rank] += 1
                 self.created.add((rank, lane))
                 new_lanes.setdefault(rank, []).append((lane, self.routers[rank].streams[lane]))
             tail = self.lanes.setdefault((rank, lane), _LaneTail())

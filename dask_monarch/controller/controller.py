@@ -126,7 +126,7 @@ class Controller:
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(self.token, self._progress, self._break_locked,
-                                lambda: client_problem(client))
+                                lambda: client_problem(client), client.scheduler)
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -249,7 +249,7 @@ class Controller:
         if plan.graph is not None:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
-            self._reports.expect(plan.counts)
+            self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
         if plan.dropped:

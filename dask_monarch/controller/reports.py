@@ -6,8 +6,10 @@ shows up at once as a closed stream. A rank reports the segments it finished
 (``LaneDone``), controller messages (``Status``, ``RemoteFunctionFailed``, and
 fetched values, unpickled here into ``FetchResult``), what a probe read
 (``RefValue``), its exit (``Exited``), failures that break the mesh
-(``Fatal``) and its answers to the controller's heartbeat (``Heartbeat``, read
-by :mod:`~dask_monarch.controller.liveness`).
+(``Fatal``), values that a message without a seq failed (``ValueFailed``,
+for the listeners: the user API knows which seq defined the value) and its
+answers to the controller's heartbeat (``Heartbeat``, read by
+:mod:`~dask_monarch.controller.liveness`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +28,9 @@ from distributed.comm.core import CommClosedError
 
 from ..exceptions import DeviceException
 from ..protocol.liveness import lane_name
-from ..protocol.messages import FetchResult, RemoteFunctionFailed, Status
-from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue
+from ..protocol.messages import FetchResult, FunctionPath, RemoteFunctionFailed, Status
+from ..protocol.rules import RULES
+from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue, ValueFailed
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -43,8 +47,10 @@ class Reports:
 
     def __init__(self, token: str, progress: threading.Condition,
                  fail: Callable[[DeviceException], None],
-                 client_problem: Callable[[], str | None] = lambda: None) -> None:
+                 client_problem: Callable[[], str | None] = lambda: None,
+                 scheduler: Any = None) -> None:
         self.token = token
+        self.scheduler = scheduler  # the client's scheduler rpc: why a worker was lost
         self.progress = progress
         self.fail = fail
         self.client_problem = client_problem  # why the client lost its scheduler, if it did
@@ -59,6 +65,9 @@ class Reports:
         self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
         self.names: dict[int, str] = {}  # stream id -> the name the user gave it
         self.retired = 0  # segments of dropped lanes, no longer in expected/done
+        # (rank, lane) -> [(index, steps)] of segments submitted and maybe not yet run: a lost
+        # worker's message says what it was running (pruned as flushes come)
+        self.in_flight: dict[tuple[int, Any], deque] = {}
 
     # -- the streams --------------------------------------------------------------------------
 
@@ -94,10 +103,29 @@ class Reports:
         if problem is None:
             await asyncio.sleep(SCHEDULER_GRACE_S)
             problem = self.client_problem()
+        why = await self._memory_kill(address) if problem is None else ""
         with self.progress:  # a no-op once the controller is closed
             self.fail(DeviceException(problem) if problem is not None else DeviceException(
                 f"lost connection to its worker {address} "
-                "(the worker died, restarted or was removed)", rank=rank))
+                f"({why or 'the worker died, restarted or was removed'}){self.running(rank)}",
+                rank=rank))
+
+    async def _memory_kill(self, address: str) -> str:
+        """Why the worker at ``address`` went, if its nanny killed it for its memory."""
+        if self.scheduler is None:
+            return ""
+        try:  # the nanny logs this event before it terminates the worker (docs/dask.md)
+            events = await asyncio.wait_for(
+                self.scheduler.events(topic="worker-restart-memory"), 2.0)
+        except Exception as e:
+            logger.debug("no memory events from the scheduler: %r", e)
+            return ""
+        for _, event in reversed(list(events or ())):
+            if isinstance(event, dict) and event.get("worker") == address:
+                return (f"its nanny killed it for exceeding its memory limit: it used "
+                        f"{event.get('rss', 0) / 2**20:.0f} MiB (see distributed.worker.memory."
+                        "terminate and the worker's memory_limit)")
+        return ""
 
     def hang_up(self) -> None:
         """Abort every report stream (the workers then free this controller's state)."""
@@ -113,7 +141,8 @@ class Reports:
 
     def on_reports(self, rank: int, batch: list) -> None:
         """Apply one batch of ``rank``'s reports, then hand its controller messages to listeners."""
-        delivered = []
+        delivered = []  # for the inbox and the listeners, in arrival order
+        seqless = False  # a ValueFailed is among them: for the listeners only
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -125,6 +154,9 @@ class Reports:
                     delivered.append(_fetch_result(item))
                 elif t is Status or t is RemoteFunctionFailed:
                     delivered.append(item)
+                elif t is ValueFailed:  # not a controller message (no seq)
+                    delivered.append(item)
+                    seqless = True
                 elif t is RefValue:
                     if item.probe > 0:
                         self.replies[item.probe] = item
@@ -140,16 +172,41 @@ class Reports:
                 elif t is Heartbeat:
                     self.beats[item.rank] = item
                     self.answered[item.rank] = time.monotonic()
-            self.inbox.extend(delivered)
+            self.inbox.extend([x for x in delivered if type(x) is not ValueFailed]
+                              if seqless else delivered)
             self.progress.notify_all()
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)
 
-    def expect(self, counts: dict[tuple[int, Any], int]) -> None:
-        """A flush was submitted: ``counts`` gives each of its lanes' newest segment."""
+    def expect(self, counts: dict[tuple[int, Any], int], segments: list = ()) -> None:
+        """A flush was submitted: ``counts`` gives each of its lanes' newest segment,
+        ``segments`` (compiler Segments) what they run."""
         with self.progress:
             self.expected.update(counts)
+            done, in_flight = self.done, self.in_flight
+            for seg in segments:
+                key = (seg.rank, seg.lane)
+                queue = in_flight.get(key)
+                if queue is None:
+                    queue = in_flight[key] = deque()
+                last = done.get(key, -1)
+                while queue and queue[0][0] <= last:
+                    queue.popleft()
+                queue.append((seg.index, seg.steps))
+
+    def running(self, rank: int) -> str:
+        """What ``rank``'s lanes were running or about to run (the caller holds ``progress``):
+        the first unfinished segment of each lane, by the seqs and functions in it."""
+        parts = []
+        for (r, lane), queue in sorted(self.in_flight.items(), key=str):
+            last = self.done.get((r, lane), -1)
+            first = next((steps for index, steps in queue if index > last), None) if r == rank \
+                else None
+            if first:
+                where = "control steps" if lane == "control" else f"stream {lane}"
+                parts.append(f"{where}: {describe(first)}")
+        return f"; it was running {'; '.join(parts)}" if parts else ""
 
     def ranks_idle(self) -> bool:
         """Every segment submitted so far has run (takes ``progress``; any thread)."""
@@ -185,6 +242,24 @@ class Reports:
         """The controller messages since the last call (the caller holds ``progress``)."""
         messages, self.inbox = self.inbox, []
         return messages
+
+
+def describe(steps: list, most: int = 3) -> str:
+    """A segment's work for an error message: the messages in it that run user code (else all),
+    by seq and function."""
+    users = [s for s in steps if getattr(RULES.get(type(s)), "user_code", False)]
+    names = []
+    for step in users or steps:
+        fn = getattr(step, "function", None)
+        seq = getattr(step, "seq", None)
+        what = type(step).__name__
+        if type(fn) is FunctionPath:
+            what = f"{what} of {fn.path}"
+        elif fn is not None:
+            what = f"{what} of a pickled function"
+        names.append(what if seq is None else f"{what} (seq {seq})")
+    more = f" and {len(names) - most} more messages" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _fetch_result(item: Fetched) -> FetchResult | RemoteFunctionFailed:

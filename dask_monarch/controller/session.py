@@ -33,6 +33,7 @@ from ..exceptions import DeviceException, RemoteException
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
 from ..protocol.rules import streams_named
+from ..protocol.wire import ValueFailed
 from .controller import Controller
 from .history import History
 
@@ -51,6 +52,7 @@ class MeshFuture(concurrent.futures.Future):
         self._session = session
         self.seq = seq
         self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
+        self.check: Any = None  # called with the value before result() returns it
 
     def result(self, timeout: float | None = None) -> Any:
         """The value; waits ``timeout`` seconds at most (None: until it resolves).
@@ -64,7 +66,10 @@ class MeshFuture(concurrent.futures.Future):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return super().result(timeout=0.05)
+                value = super().result(timeout=0.05)
+                if self.check is not None:
+                    self.check(value)
+                return value
             except concurrent.futures.TimeoutError:
                 broken = controller.broken
                 if broken is not None:
@@ -334,6 +339,10 @@ class Session:
                 self._failed(msg)
             elif t is m.Status:
                 self._progress(msg)
+            elif t is ValueFailed:  # fails the seq that defined the value, and its users
+                seq = self.history.definer.get(msg.ref)
+                if seq is not None:
+                    self._failed(m.RemoteFunctionFailed(seq, msg.rank, msg.error))
 
     def _failed(self, msg: m.RemoteFunctionFailed) -> None:
         inv = self.history.invocations.get(msg.seq)

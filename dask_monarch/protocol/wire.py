@@ -65,6 +65,15 @@ class Fatal(NamedTuple):
     cause: str
 
 
+class ValueFailed(NamedTuple):
+    """A message without a seq (``Reduce``, ``SendTensor``) failed ``ref`` on ``rank``; the
+    user API fails the seq that defined ``ref`` (a :class:`RemoteFunctionFailed` for it)."""
+
+    rank: int
+    ref: int
+    error: str
+
+
 class Fetched(NamedTuple):
     """A fetched value, pickled on the worker at the moment it was computed."""
 

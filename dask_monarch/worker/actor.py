@@ -77,7 +77,7 @@ def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | N
         raise
     except DependentError as e:
         dependent_failure(lane, results or (), call.mutates, e.root)
-    except (Exception, KeyboardInterrupt) as e:  # an interrupted method is that call's error
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, call.seq, results or (), call.mutates, e)
 
 

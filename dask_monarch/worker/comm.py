@@ -23,8 +23,12 @@ to run at once; keep collectives of different streams off the same GPU
 resources or give each stream's work a consistent order across ranks.
 
 A rank whose input errored still takes part with zeros (its peers never
-hang); Reduce and SendTensor report nothing. A failure inside a collective
-(a peer gone, a timeout) is fatal: the controller fails with DeviceException.
+hang); Reduce and SendTensor report nothing. An input whose shape or dtype is
+not the ``factory`` the client declared (a wrong ``propagate``, say) would
+make peers receive garbage or abort gloo: it is a fresh failure of the result
+(reported as :class:`~dask_monarch.protocol.wire.ValueFailed`) and the rank
+takes part with zeros of the declared shape. A failure inside a collective (a
+peer gone, a timeout) is fatal: the controller fails with DeviceException.
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ from ..protocol.messages import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
     CreateRemoteProcessGroup,
+    Factory,
     Reduce,
     ReduceOp,
     SendTensor,
     SplitComm,
     SplitCommForProcessGroup,
 )
+from ..protocol.wire import ValueFailed
 from . import groups
 from .errors import FatalError, SeqError
 from .lane import Lane
@@ -300,6 +306,42 @@ def _input(lane: Lane, ref, what: str):
     return value
 
 
+class ValueMismatch(Exception):
+    """A tensor is not what the client declared it to be (shape or dtype)."""
+
+
+def _declared(lane: Lane, value: Any, factory: Factory, what: str, ref) -> SeqError | None:
+    """The fresh failure of an input that does not match its declared ``factory``, else None.
+
+    Reported once, naming the op, the rank and both metadata; the caller
+    takes part with ``factory.zeros()`` so that its peers never see garbage.
+    """
+    if type(value) is SeqError:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dtype is factory.dtype and tuple(value.shape) == factory.size:
+            return None
+        actual = f"shape {tuple(value.shape)} dtype {value.dtype}"
+    else:
+        actual = f"a {type(value).__name__}, not a tensor"
+    exc = ValueMismatch(
+        f"{what} on rank {lane.rank.rank}: r{ref.id} is {actual}, but the client declared shape "
+        f"{factory.size} dtype {factory.dtype} (the function that made it returned something "
+        "else than its propagation said: fix its propagate or its result); this rank took part "
+        "with zeros of the declared shape"
+    )
+    if lane.recording is not None:
+        return lane.recording.fresh_error(lane.rank, exc)
+    error = SeqError.from_exception(lane.last_seq, exc)
+    lane.rank.record_error(error)
+    return error
+
+
+def _report_mismatch(lane: Lane, error: SeqError, result) -> None:
+    if lane.recording is None:
+        lane.rank.report(ValueFailed(lane.rank.rank, result.id, error.error))
+
+
 def reduce(lane: Lane, msg: Reduce) -> None:
     """A collective over the mesh dims; every member takes part, even with an error.
 
@@ -324,6 +366,10 @@ def reduce(lane: Lane, msg: Reduce) -> None:
         value, out = msg.factory.zeros(), None
     if type(out) is SeqError:
         out = None
+    mismatch = _declared(lane, value, msg.factory, f"Reduce {msg.reduction!r} over {list(dims)}",
+                         msg.tensor)
+    if mismatch is not None:
+        value, out = msg.factory.zeros(), None
     members, peers = comms.members[key]
     op = getattr(msg.reduction, "value", msg.reduction)
     kind = _KINDS[(op == "stack", bool(msg.scatter))]
@@ -331,6 +377,13 @@ def reduce(lane: Lane, msg: Reduce) -> None:
                      f"{members}", peers=peers)
     output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
     lane.set_running()
+    if mismatch is not None:
+        _report_mismatch(lane, mismatch, msg.result)
+        lane.env[msg.result.id] = mismatch
+        for ref in (msg.out, msg.tensor if msg.in_place else None):
+            if ref is not None:
+                lane.env[ref.id] = mismatch
+        return
     lane.env[msg.result.id] = output
 
 
@@ -404,12 +457,21 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     receiving = lane.label == msg.to_stream.id and me in msg.to_ranks
     if not sending and not receiving:
         raise FatalError(f"SendTensor: rank {me} neither sends nor receives on {lane.title}")
+    if len(msg.from_ranks) != len(msg.to_ranks):
+        raise FatalError(f"SendTensor of r{msg.tensor.id}: from_ranks has {len(msg.from_ranks)} "
+                         f"ranks but to_ranks has {len(msg.to_ranks)}; ranks pair one to one, so "
+                         "both slices must have the same size")
     to_rank = msg.to_ranks.get(msg.from_ranks.index(me)) if sending else None
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)
     value = _input(lane, msg.tensor, "SendTensor") if sending else None
     if type(value) is SeqError and lane.recording is not None:
         lane.recording.dependent(value)
+    if sending:
+        mismatch = _declared(lane, value, msg.factory, f"SendTensor to rank {to_rank}", msg.tensor)
+        if mismatch is not None:
+            _report_mismatch(lane, mismatch, msg.result)
+            value = mismatch  # sent as zeros of the declared shape, bound as the error
     handoff_key = msg.result.id if lane.recording is None else (lane.recording.seq, msg.result.id)
 
     if to_rank == me:  # a copy that stays on this rank: never shares storage with the source

@@ -44,7 +44,7 @@ def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKw
         calls.bind_results(lane.env, results, value)
     except FatalError:
         raise
-    except (Exception, KeyboardInterrupt) as e:  # an interrupted function is that call's error
+    except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill a rank
         call_failed(lane, seq, results, mutates, e)
 
 
@@ -93,7 +93,7 @@ def send_value(lane: Lane, msg: SendValue) -> None:
         raise
     except DependentError as e:
         dependent_failure(lane, (), msg.mutates, e.root)
-    except (Exception, KeyboardInterrupt) as e:
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, msg.seq, (), msg.mutates, e)
 
 

@@ -234,5 +234,5 @@ def pipe_recv(lane: Lane, msg: PipeRecv) -> None:
         calls.bind_results(lane.env, msg.results, value)
     except FatalError:
         raise
-    except Exception as e:
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, msg.seq, msg.results, (), e)

@@ -114,7 +114,11 @@ class RankState:
                 raise FatalError(f"controller already failed on rank {self.rank}: {self.failed}")
             if self.released:
                 raise FatalError(f"rank {self.rank} was released (Exit or close)")
-            steps = pickle.loads(payload)
+            try:
+                steps = pickle.loads(payload)
+            except BaseException as e:  # a value whose unpickling raises, or exits
+                raise FatalError(f"rank {self.rank}: the segment's messages cannot be unpickled "
+                                 f"(a value in them raised {type(e).__name__}: {e})") from None
             lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
             with self.device.running(lane.stream):
@@ -124,6 +128,8 @@ class RankState:
             raise
         except BaseException as e:
             self.fail(f"{lane.title}: internal error: {format_exception(e)}")
+            if not isinstance(e, Exception):  # SystemExit & co. would stop the Dask worker
+                raise FatalError(f"{lane.title}: internal error: {e!r}") from e
             raise
         finally:
             lane.state, lane.doing, lane.running = "idle", "", None

@@ -274,7 +274,7 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
                         env[result] = value
                 except FatalError:
                     raise
-                except Exception as e:
+                except BaseException as e:  # user code cannot kill a rank (SystemExit...)
                     call_failed(lane, message.seq, message.results, message.mutates, e)
             elif t is m.RecordingFormal:
                 if cmd.argument_index >= len(actuals):
