@@ -32,6 +32,7 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+from .calls import InvalidRemoteFunction, pickled_code_allowed
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -292,7 +293,14 @@ async def release_controller(token: str, dask_worker: Worker | None = None) -> b
 
 
 def construct_actor(payload: bytes) -> Any:
-    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task).
+
+    The class travels pickled: refused where pickled code is (docs/security.md).
+    """
+    if not pickled_code_allowed():
+        raise InvalidRemoteFunction(
+            "actor classes travel pickled, and pickled code is disabled by "
+            "dask_monarch.functions.allow-pickled on this worker")
     cls, args, kwargs = cloudpickle.loads(payload)
     return cls(*args, **kwargs)
 
