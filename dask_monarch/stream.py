@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from .borrows import Borrow, first_use
@@ -43,11 +44,11 @@ class Stream:
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
         """Make this the stream new work runs on, inside the ``with`` block."""
-        _active.append(self)
+        token = _active.set(self)
         try:
             yield self
         finally:
-            _active.pop()
+            _active.reset(token)
 
     def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
         """``t`` as seen from this stream, and the borrow that must be dropped to give it back.
@@ -94,12 +95,13 @@ class Stream:
 
 
 DEFAULT = Stream("main", _default=True)
-_active: list[Stream] = [DEFAULT]
+# Per thread and per asyncio task, like the active mesh (tensor.py).
+_active: ContextVar[Stream] = ContextVar("dask_monarch_active_stream", default=DEFAULT)
 
 
 def get_active_stream() -> Stream:
-    """The stream new work runs on (``main`` unless another one is active)."""
-    return _active[-1]
+    """The stream new work runs on (``main`` unless another one is active in this thread/task)."""
+    return _active.get()
 
 
 def drop_trace() -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,11 +220,10 @@ def check_mutable(t: Tensor) -> None:
 
 # -- activation ------------------------------------------------------------------------------
 
-_active_meshes: list[DeviceMesh | None] = []
-
-
-def active_mesh() -> DeviceMesh | None:
-    return _active_meshes[-1] if _active_meshes else None
+# Per thread and per asyncio task: two threads (or tasks) may drive two meshes at once.
+_active_mesh: ContextVar[DeviceMesh | None] = ContextVar("dask_monarch_active_mesh",
+                                                         default=None)
+active_mesh: Callable[[], DeviceMesh | None] = _active_mesh.get
 
 
 def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Stream]:
@@ -278,12 +278,12 @@ def _has_mesh_tensor(args: tuple, kwargs: dict) -> bool:
 @contextlib.contextmanager
 def activate_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
     """Make ``mesh`` the active mesh (``None``: plain local torch) inside the block."""
-    _active_meshes.append(mesh)
+    token = _active_mesh.set(mesh)
     try:
         with _MeshMode():
             yield
     finally:
-        _active_meshes.pop()
+        _active_mesh.reset(token)
 
 
 class _NoMesh:

@@ -50,7 +50,8 @@ from ..protocol.wire import CONTROL, DropLane
 from ..worker import run_segment
 from .routing import InternalStep, ProtocolError, RankRouter
 
-__all__ = ["Compiler", "InternalStep", "Plan", "ProtocolError", "Segment", "segment_name"]
+__all__ = ["Compiler", "InternalStep", "PayloadError", "Plan", "ProtocolError", "Segment",
+           "segment_name"]
 
 # Messages that carry the seq failures are reported under: (seq, stream) (RequestStatus
 # repeats the last seq; recordings run on several streams and are checked among themselves).
@@ -292,13 +293,43 @@ class _Payloads:
         for steps, payload in candidates:
             if all(a is b for a, b in zip(steps, seg.steps)):
                 return payload
-        payload = _dumps(seg.steps)
+        payload = _dumps(seg.steps, seg.rank)
         candidates.append((seg.steps, payload))
         return payload
 
 
-def _dumps(steps: list) -> bytes:
+class PayloadError(Exception):
+    """A step of a flush that cannot be serialised: the flush cannot be sent at all."""
+
+    def __init__(self, rank: int, step: Any, error: BaseException):
+        cause = (f"{type(step).__name__} {_describe(step)} cannot be serialised "
+                 f"({type(error).__name__}: {error}); nothing of this flush was sent")
+        super().__init__(f"rank {rank}: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+def _describe(step: Any) -> str:
+    seq = getattr(step, "seq", None)
+    ref = getattr(step, "reference", None)
+    return f"seq {seq}" if seq is not None else f"for {ref}" if ref is not None else ""
+
+
+def _dumps(steps: list, rank: int = 0) -> bytes:
     try:
         return pickle.dumps(steps, protocol=5)
     except Exception:  # closures or __main__ objects in a SetRef value, say
-        return cloudpickle.dumps(steps, protocol=5)
+        try:
+            return cloudpickle.dumps(steps, protocol=5)
+        except Exception as e:
+            raise PayloadError(rank, _culprit(steps), e) from e
+
+
+def _culprit(steps: list) -> Any:
+    """The first step that cannot be serialised on its own (the first step if none)."""
+    for step in steps:
+        try:
+            cloudpickle.dumps(step, protocol=5)
+        except Exception:
+            return getattr(step, "step", step)  # an InternalStep names what it carries
+    return steps[0]

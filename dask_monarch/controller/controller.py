@@ -27,11 +27,20 @@ from distributed import Client, wait
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
-from ..protocol.messages import WORKER_MESSAGES, ArgsKwargs, GetRefUnitTestsOnly, Ref, StreamRef
+from ..protocol.messages import (
+    WORKER_MESSAGES,
+    ArgsKwargs,
+    CommandGroup,
+    DefineRecording,
+    GetRefUnitTestsOnly,
+    Ref,
+    SetRefUnitTestsOnly,
+    StreamRef,
+)
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ReadRef
 from ..worker import construct_actor, register_actor
-from .compiler import Compiler, InternalStep
+from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .reports import Reports
@@ -45,6 +54,10 @@ SHUTDOWN_TIMEOUT = 2.0  # seconds to cancel a closing controller's queued work
 CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
+# Messages whose fields may hold any Python value: checked at send (the others hold plain data
+# or arguments that ArgsKwargs already serialised when it was made).
+_ANY_VALUE = frozenset({SetRefUnitTestsOnly, CommandGroup, DefineRecording})
+_PLAIN = (type(None), bool, int, float, str, bytes)
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -178,6 +191,8 @@ class Controller:
             raise RuntimeError("the controller is closed")
         if type(message) not in _WORKER_MESSAGE_TYPES:
             raise TypeError(f"expected a worker message, got {message!r}")
+        if type(message) in _ANY_VALUE:
+            _check_serialisable(message)
         try:
             ranks = self._rank_sets[ranks]
         except (KeyError, TypeError):
@@ -217,7 +232,14 @@ class Controller:
             with self._lock:
                 buffer, self._buffer = self._buffer, []
             if buffer and self._broken is None:
-                self._submit(buffer)
+                try:
+                    self._submit(buffer)
+                except PayloadError as e:
+                    self._break(DeviceException(e.cause, rank=e.rank))
+                except Exception as e:  # the flush may be partly submitted: never run on
+                    self._break(DeviceException(
+                        f"a flush of {len(buffer)} messages could not be submitted "
+                        f"({type(e).__name__}: {e}); create a new controller"))
         if self._broken is not None:
             raise self._broken
 
@@ -564,3 +586,26 @@ class Controller:
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
         return f"<Controller {self.token}: {self.world_size} ranks, {state}>"
+
+
+def _check_serialisable(message: Any) -> None:
+    """Refuse a message that a flush could not pickle, before it joins the buffer.
+
+    Checked here, where the sender sees the error; a value changed after
+    ``send`` so that it no longer pickles fails the whole flush instead
+    (DeviceException naming the message).
+    """
+    if type(message) is SetRefUnitTestsOnly:
+        value = message.value
+        if type(value) in _PLAIN:
+            return
+        try:
+            cloudpickle.dumps(value, protocol=5)
+        except Exception as e:
+            raise TypeError(
+                f"SetRefUnitTestsOnly.value cannot be serialised for {message.reference}: "
+                f"{type(e).__name__}: {e}; send plain data, tensors or picklable objects") from e
+    else:  # a group or recording: check what it carries
+        for inner in getattr(message, "messages", None) or getattr(message, "commands", ()):
+            if type(inner) in _ANY_VALUE:
+                _check_serialisable(inner)

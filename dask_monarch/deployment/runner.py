@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from types import CodeType
 
-    from distributed import Client
+    from distributed import Client, Security
 
 EXIT_ERROR = 1
 EXIT_REMOTE = 3
@@ -53,26 +53,29 @@ class SetupError(Exception):
 def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int | None = None,
         device: str = "auto", scheduler_address: str | None = None,
         scheduler_file: str | None = None, dashboard_address: str | None = None,
-        progress: bool = False, say: Callable[[str], None] = lambda text: None) -> int:
+        progress: bool = False, say: Callable[[str], None] = lambda text: None,
+        security: Security | None = None) -> int:
     """Run ``script`` on an existing cluster, or on an embedded one; return its exit status.
 
     With ``scheduler_address`` or ``scheduler_file`` the cluster exists (wait
     for ``ranks`` workers); otherwise a LocalMeshCluster of ``ranks``
     ``device`` ranks starts here and closes at the end. ``say`` receives the
-    information lines (where the cluster and its dashboard are).
+    information lines (where the cluster and its dashboard are). ``security``
+    (:func:`security_for`): every comm is ``tls://``.
     """
     from ..observability.progress import ProgressLine
     from .cluster_info import dashboard_note
 
     with contextlib.ExitStack() as stack:
         if scheduler_address or scheduler_file:
-            client = _connect(scheduler_address, scheduler_file, ranks)
+            client = _connect(scheduler_address, scheduler_file, ranks, security)
             stack.enter_context(client)
             say(f"using the cluster at {client.scheduler.address} "
                 f"({len(client.scheduler_info()['workers'])} workers)"
                 + dashboard_note(client.dashboard_link))
         else:
-            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address))
+            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address,
+                                                          security))
             cluster = client.cluster
             say(f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
                 f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link))
@@ -99,7 +102,31 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
     return code
 
 
-def _connect(address: str | None, scheduler_file: str | None, ranks: int | None) -> Client:
+def security_for(ca_file: str | None, cert: str | None, key: str | None,
+                 temporary: bool = False) -> Security | None:
+    """The TLS settings of ``--tls-ca-file/--tls-cert/--tls-key`` or ``--tls-temporary``.
+
+    One certificate serves every role (scheduler, workers, client), as
+    ``Security.temporary()`` does; None when no TLS option was given.
+    """
+    from distributed import Security
+
+    if temporary:
+        try:
+            return Security.temporary()
+        except ImportError as e:
+            raise SetupError(f"--tls-temporary: {e}") from None
+    if not (ca_file or cert or key):
+        return None
+    if not (ca_file and cert and key):
+        raise SetupError("TLS needs a CA file, a certificate and its key together")
+    return Security(tls_ca_file=ca_file, tls_client_cert=cert, tls_client_key=key,
+                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
+                    tls_worker_key=key, require_encryption=True)
+
+
+def _connect(address: str | None, scheduler_file: str | None, ranks: int | None,
+             security: Security | None = None) -> Client:
     from distributed import Client
 
     from .. import config
@@ -113,9 +140,10 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
             time.sleep(0.2)
     try:
         if scheduler_file is not None:
-            client = Client(scheduler_file=scheduler_file, set_as_default=True)
+            client = Client(scheduler_file=scheduler_file, set_as_default=True,
+                            security=security)
         else:
-            client = Client(address, set_as_default=True)
+            client = Client(address, set_as_default=True, security=security)
     except OSError as e:
         where = address or f"the address in {scheduler_file}"
         raise SetupError(f"cannot reach the scheduler at {where}: {e}") from None
@@ -131,7 +159,8 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
 
 
 @contextlib.contextmanager
-def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None) -> Iterator:
+def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None,
+                     security: Security | None = None) -> Iterator:
     from distributed import Client
 
     from .. import config
@@ -144,7 +173,8 @@ def _embedded_client(ranks: int | None, device: str, dashboard_address: str | No
         ranks = int(config.get("cli.cpu-ranks", 2))
         device = "cpu" if device == "auto" else device
     try:
-        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address)
+        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address,
+                                   security=security)
     except ValueError as e:
         raise SetupError(str(e)) from None
     with cluster, Client(cluster, set_as_default=True) as client:

@@ -34,6 +34,7 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+from .calls import InvalidRemoteFunction, pickled_code_allowed
 from .signals import ignore_sigint
 
 if TYPE_CHECKING:
@@ -326,7 +327,14 @@ async def release_controller(token: str, dask_worker: Worker | None = None) -> b
 
 
 def construct_actor(payload: bytes) -> Any:
-    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task).
+
+    The class travels pickled: refused where pickled code is (docs/security.md).
+    """
+    if not pickled_code_allowed():
+        raise InvalidRemoteFunction(
+            "actor classes travel pickled, and pickled code is disabled by "
+            "dask_monarch.functions.allow-pickled on this worker")
     cls, args, kwargs = cloudpickle.loads(payload)
     return cls(*args, **kwargs)
 

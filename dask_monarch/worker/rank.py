@@ -27,6 +27,8 @@ from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
+from .restricted import RestrictedPickleError
+from .restricted import loads as restricted_loads
 
 if TYPE_CHECKING:
     from .plugin import MonarchWorkerPlugin
@@ -67,6 +69,9 @@ class RankState:
         self._closers: list = []
         self.comms = None  # worker.comm.Comms, made on first use
         self.handlers = HANDLERS  # message type -> handler (recordings replay through it too)
+        # no pickled code accepted: batches load plain data only (docs/security.md)
+        self.loads = (pickle.loads if config.get("functions.allow-pickled", True)
+                      else restricted_loads)
         self.recordings: dict[int, Any] = {}
         self.chunks = RecordingChunks(FatalError)  # a recording whose chunks are arriving
         self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
@@ -115,7 +120,9 @@ class RankState:
             if self.released:
                 raise FatalError(f"rank {self.rank} was released (Exit or close)")
             try:
-                steps = pickle.loads(payload)
+                steps = self.loads(payload)
+            except RestrictedPickleError as e:  # a message holds more than plain data
+                raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
             except BaseException as e:  # a value whose unpickling raises, or exits
                 raise FatalError(f"rank {self.rank}: the segment's messages cannot be unpickled "
                                  f"(a value in them raised {type(e).__name__}: {e})") from None

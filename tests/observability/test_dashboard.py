@@ -18,6 +18,7 @@ from raw import S0, S1, call, create_streams, fetch
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
+from dask_monarch.observability.dashboard import HIDDEN, public_id
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
@@ -34,7 +35,7 @@ def state(base: str) -> dict:
 
 
 def mesh(base: str, token: str) -> dict:
-    (found,) = [c for c in state(base)["controllers"] if c["token"] == token]
+    (found,) = [c for c in state(base)["controllers"] if c["token"] == public_id(token)]
     return found
 
 
@@ -143,6 +144,18 @@ def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_
     assert [type(r) for r in ctrl.sync(timeout=60)] == [m.FetchResult]
 
 
+@pytest.mark.timeout(120)
+def test_state_json_hides_tokens_and_argument_values_by_default(ctrl, dashboard):
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(1, call(0, Ref(1), "builtins.int", "secret-value-1234"))
+    ctrl.sync()
+    text = get(f"{dashboard}/monarch/state.json")
+    assert ctrl.token not in text and "secret-value-1234" not in text
+    (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
+    (error,) = rank1["errors"]
+    assert "Traceback" in error["error"] and f"ValueError: {HIDDEN}" in error["error"]
+
+
 def test_page_routes_and_more_menu(dashboard):
     page = get(f"{dashboard}/monarch/")
     assert "<title>dask_monarch</title>" in page and "__INTERVAL_MS__" not in page
@@ -169,7 +182,7 @@ def chromium(tmp_path: Path, *args: str, timeout: float = 90) -> str:
 def mesh_dom(tmp_path: Path, url: str, token: str) -> str:
     """The rendered DOM of one mesh's section of the page."""
     dom = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
-    start = dom.find(f'<section class="mesh" id="mesh-{token}"')
+    start = dom.find(f'<section class="mesh" id="mesh-{public_id(token)}"')
     assert start >= 0, f"mesh {token} is not on the page:\n{dom[-3000:]}"
     return dom[start:dom.index("</section>", start)]
 
@@ -197,7 +210,8 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         url = f"{dashboard}/monarch/"
         dom = mesh_dom(tmp_path, url, ctrl.token)
         assert '<span class="last-done-seq">1</span>' in dom  # rank 1 finished seq 1
-        waiting = f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="waiting"'
+        waiting = (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
+                   'data-state="waiting"')
         assert waiting in dom
         assert "borrow 1 (the lender's BorrowCreate)" in dom
         assert 'data-stream="0" data-state="running"' in dom
@@ -215,5 +229,6 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
     assert [type(r) for r in reports] == [m.FetchResult]
     dom = mesh_dom(tmp_path, url, ctrl.token)
     assert waiting not in dom
-    assert f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="idle"' in dom
+    assert (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
+            'data-state="idle"') in dom
     assert '<span class="last-done-seq">3</span>' in dom
