@@ -20,6 +20,7 @@ segment; :func:`current_stream` says which stream the calling thread is in
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
 import itertools
@@ -61,41 +62,41 @@ class HostStream:
         return f"HostStream({self.name!r})"
 
 
-class Device:
+class Device(abc.ABC):
     """The operations a lane needs from its device (see the module docstring)."""
 
     kind = "cpu"
     torch_device: torch.device | None = None
 
+    @abc.abstractmethod
     def stream(self, name: str, mode: StreamCreationMode) -> Any:
         """The stream of a new lane: the device's default one or a fresh one."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     @contextlib.contextmanager
     def running(self, stream: Any) -> Iterator[None]:
         """Run the body (a segment's steps) inside ``stream``, on the calling thread."""
-        raise NotImplementedError
         yield  # pragma: no cover
 
+    @abc.abstractmethod
     def switch(self, stream: Any) -> None:
         """Move the running segment's thread to ``stream`` (a stream re-created mid-segment)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def record(self, stream: Any) -> Any:
         """An event marking the work ``stream`` was given so far (producer side of a hand-off)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def record_current(self) -> Any:
         """An event on the calling thread's current stream (a pipe's producer thread)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait(self, stream: Any, event: Any) -> None:
         """Make later work on ``stream`` wait for ``event`` (consumer side of a hand-off)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def keep(self, value: Any, stream: Any) -> None:
         """``stream`` uses ``value``'s memory: keep the allocator from reusing it early."""
-        raise NotImplementedError
 
 
 class HostDevice(Device):
