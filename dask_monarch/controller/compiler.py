@@ -20,9 +20,13 @@ Borrows synchronise their two lanes inside the rank (one-shot channels), not
 through edges, which would make the graph cyclic.
 
 Which lane runs a message is decided per rank by :mod:`.routing`, in
-Monarch's per-rank mailbox order. A message it cannot route is a
-:class:`ProtocolError`: the valid prefix is submitted, then the controller
-fails with ``DeviceException`` naming the rank.
+Monarch's per-rank mailbox order; :mod:`.precheck` then checks what the
+flush's collectives, sends, borrows and exits would wait on (DESIGN decision
+14). Only those messages pay for the check: the fast path (calls, fetches)
+does not. A message it cannot route, or a flush that would hang or whose
+ranks disagree on a collective, is a :class:`ProtocolError`: nothing of that
+flush is submitted (earlier flushes are), and the controller fails with
+``DeviceException`` naming the rank.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..protocol import messages as m
 from ..protocol.names import executor_name
-from ..protocol.rules import FAMILY, ON_NAMED_STREAM
+from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL
 from ..worker import run_segment
+from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
 
 __all__ = ["Compiler", "InternalStep", "Plan", "ProtocolError", "Segment", "segment_name"]
@@ -76,7 +81,7 @@ class _LaneTail:
 
 @dataclass
 class Plan:
-    """One flush: a graph to submit, lanes to create first, and maybe a protocol error."""
+    """One flush: a graph to submit, lanes to create first; or a protocol error and nothing."""
 
     graph: HighLevelGraph | None
     keys: list
@@ -92,22 +97,28 @@ class Plan:
 class Compiler:
     """Turns a controller's buffer into one graph per flush (see module docs)."""
 
-    def __init__(self, token: str, resources: list[str]):
+    def __init__(self, token: str, resources: list[str], done: dict | None = None):
         self.token = token
         self.resources = resources
         self.routers = [RankRouter(rank) for rank in range(len(resources))]
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
+        self.check = Precheck(len(resources), done)  # done: (rank, lane) -> segments run
+        self.refused: ProtocolError | None = None  # why a flush was refused (then broken)
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
 
-    def compile(self, buffer: list[tuple[tuple[int, ...], Any]]) -> Plan:
+    def compile(self, buffer: list[tuple[tuple[int, ...], Any]],
+                final: bool | tuple[int, int] = False) -> Plan:
+        """The plan of one flush; ``final``: nothing more will be sent before a wait on every
+        lane (``True``) or on one ``(rank, stream)``, so what waits for more is refused."""
         segments: list[Segment] = []
         open_lanes: dict[int, dict[Any, Segment]] = {}
         open_control: dict[int, Segment] = {}
         new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]] = {}
         routers = self.routers
+        check = self.check
         error = None
         count = 0
         rendezvous = False
@@ -126,21 +137,35 @@ class Compiler:
                                              new_lanes)
                         seg.steps.append(msg)
                 else:
+                    checked = type(msg) in CHECKED
                     for rank in ranks:
                         for lane, step, drains in routers[rank].route(msg):
                             if lane == CONTROL:
                                 seg = self._control(rank, open_control, open_lanes, segments,
                                                     drains)
+                                check.control(rank, step)
                                 if type(step) is m.BackendNetworkInit:
                                     rendezvous = True
                             else:
                                 seg = self._lane(rank, lane, open_lanes, open_control, segments,
                                                  new_lanes)
+                                if checked:
+                                    check.lane(rank, lane, step, seg.index)
                             seg.steps.append(step)
             except ProtocolError as e:
                 error = e
                 break
             count += 1
+        if error is None:
+            try:
+                check.settle()
+            except ProtocolError as e:
+                error = e
+            if error is None and final:
+                error = check.waiting(*final) if type(final) is tuple else check.waiting()
+        if error is not None:  # refused: nothing of this flush runs
+            self.refused = error
+            return Plan(None, [], {}, {}, {}, 0, error)
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
         return plan

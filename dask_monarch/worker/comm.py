@@ -284,6 +284,20 @@ def _input(lane: Lane, ref, what: str):
     return value
 
 
+def _like_factory(value: Any, factory, what: str) -> None:
+    """A tensor that takes part in a collective or send has its factory's shape and dtype.
+
+    The compiler checks that the members' factories agree (DESIGN decision
+    14); a tensor that differs from its factory would make the members move
+    different sizes, which gloo answers by aborting the worker process.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise FatalError(f"{what} is a {type(value).__name__}, not a tensor")
+    if tuple(value.shape) != factory.size or value.dtype != factory.dtype:
+        raise FatalError(f"{what} has shape {tuple(value.shape)} and dtype {value.dtype}, but "
+                         f"the message's factory says {factory.size} and {factory.dtype}")
+
+
 def reduce(lane: Lane, msg: Reduce) -> None:
     """A collective over the mesh dims; every member takes part, even with an error.
 
@@ -306,8 +320,12 @@ def reduce(lane: Lane, msg: Reduce) -> None:
         if lane.recording is not None:
             lane.recording.dependent(value)
         value, out = msg.factory.zeros(), None
+    else:
+        _like_factory(value, msg.factory, f"Reduce r{msg.result.id}: its input r{msg.tensor.id}")
     if type(out) is SeqError:
         out = None
+    elif out is not None and msg.reduction != "stack" and not msg.scatter:  # reduced in out
+        _like_factory(out, msg.factory, f"Reduce r{msg.result.id}: its out r{msg.out.id}")
     members, peers = comms.members[key]
     op = getattr(msg.reduction, "value", msg.reduction)
     kind = _KINDS[(op == "stack", bool(msg.scatter))]
@@ -392,8 +410,11 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)
     value = _input(lane, msg.tensor, "SendTensor") if sending else None
-    if type(value) is SeqError and lane.recording is not None:
-        lane.recording.dependent(value)
+    if type(value) is SeqError:
+        if lane.recording is not None:
+            lane.recording.dependent(value)
+    elif sending and to_rank != me:  # over the wire: both ends must move the same bytes
+        _like_factory(value, msg.factory, f"SendTensor r{msg.result.id}: r{msg.tensor.id}")
     handoff_key = msg.result.id if lane.recording is None else (lane.recording.seq, msg.result.id)
 
     if to_rank == me:  # a copy that stays on this rank: never shares storage with the source
