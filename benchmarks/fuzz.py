@@ -14,7 +14,8 @@ the collective timeout); every ``--check-every`` sequences a normal
 controller must run a call and a fetch on them. The summary counts each
 outcome, valid sequences refused (false alarms), worker restarts (a worker
 process that changed) and the time; it lists the seeds of hangs and false
-alarms (rerun one with ``--sequences 1 --seed S --verbose``).
+alarms (rerun one with ``--sequences 1 --seed S --verbose``). Interrupted
+(Ctrl-C, SIGTERM), it prints the summary of the sequences it ran.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import collections
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,9 @@ def main() -> None:
     config = {"dask_monarch.timeouts.collective": args.collective_timeout}
     rest_bound = parse_timedelta(args.collective_timeout) + 30
     dask.config.set(config)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     cluster, client = _start()
+    n = 0
     try:
         pids = _pids(client)
         for i in range(args.sequences):
@@ -82,6 +86,7 @@ def main() -> None:
             outcome = fuzz.run(client, sequence, bound=args.bound)
             counts[outcome.kind] += 1
             counts[("valid" if sequence.valid else "invalid", outcome.kind)] += 1
+            n = i + 1
             if outcome.kind == "hang":
                 hangs.append(seed)
             if sequence.valid and outcome.kind == "refused":
@@ -111,15 +116,16 @@ def main() -> None:
             if (i + 1) % args.check_every == 0 or i + 1 == args.sequences:
                 if not fuzz.healthy(client):
                     unhealthy.append(seed)
-            if (i + 1) % args.progress_every == 0:
-                print(f"{i + 1} sequences, {time.monotonic() - start:.0f}s: "
+            if n % args.progress_every == 0:
+                print(f"{n} sequences, {time.monotonic() - start:.0f}s: "
                       f"{dict((k, v) for k, v in counts.items() if isinstance(k, str))}",
                       flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted after {n} sequences")
     finally:
         client.close()
         cluster.close()
     elapsed = time.monotonic() - start
-    n = args.sequences
     print()
     valid = sum(v for k, v in counts.items() if isinstance(k, tuple) and k[0] == "valid")
     print(f"sequences: {n} (seeds {args.seed}..{args.seed + n - 1}; {valid} valid)")
@@ -133,7 +139,7 @@ def main() -> None:
     print(f"health checks failed: {len(unhealthy)}; clusters restarted because a worker "
           f"kept executing a finished controller's task: {wedged}")
     print(f"sequences whose leftover work took over 0.5s to end: {waited} ({waited_s:.0f}s)")
-    print(f"time: {elapsed:.0f}s ({elapsed / n * 1000:.0f} ms per sequence)")
+    print(f"time: {elapsed:.0f}s ({elapsed / max(n, 1) * 1000:.0f} ms per sequence)")
     if false_alarms:
         print(f"valid sequences refused: {false_alarms[:20]}")
 
