@@ -284,7 +284,7 @@ def _input(lane: Lane, ref, what: str):
     return value
 
 
-def _like_factory(value: Any, factory, what: str) -> None:
+def _like_factory(value: Any, factory, what: str, dtype: bool = True) -> None:
     """A tensor that takes part in a collective or send has its factory's shape and dtype.
 
     The compiler checks that the members' factories agree (DESIGN decision
@@ -293,7 +293,7 @@ def _like_factory(value: Any, factory, what: str) -> None:
     """
     if not isinstance(value, torch.Tensor):
         raise FatalError(f"{what} is a {type(value).__name__}, not a tensor")
-    if tuple(value.shape) != factory.size or value.dtype != factory.dtype:
+    if tuple(value.shape) != factory.size or (dtype and value.dtype != factory.dtype):
         raise FatalError(f"{what} has shape {tuple(value.shape)} and dtype {value.dtype}, but "
                          f"the message's factory says {factory.size} and {factory.dtype}")
 
@@ -325,7 +325,8 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     if type(out) is SeqError:
         out = None
     elif out is not None and msg.reduction != "stack" and not msg.scatter:  # reduced in out
-        _like_factory(out, msg.factory, f"Reduce r{msg.result.id}: its out r{msg.out.id}")
+        _like_factory(out, msg.factory, f"Reduce r{msg.result.id}: its out r{msg.out.id}",
+                      dtype=False)  # the input is copied into it
     members, peers = comms.members[key]
     op = getattr(msg.reduction, "value", msg.reduction)
     kind = _KINDS[(op == "stack", bool(msg.scatter))]
