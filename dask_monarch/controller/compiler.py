@@ -136,6 +136,19 @@ class Compiler:
                             seg = self._lane(rank, stream, open_lanes, open_control, segments,
                                              new_lanes)
                         seg.steps.append(msg)
+                elif type(msg) is m.Reduce:  # one lane per rank, as above, and checked
+                    stream = int(msg.stream)
+                    for rank in ranks:
+                        per_rank = open_lanes.get(rank)
+                        seg = per_rank.get(stream) if per_rank else None
+                        if seg is None:
+                            router = routers[rank]
+                            if router.exited or stream not in router.streams:
+                                list(router.route(msg))  # raises the ProtocolError
+                            seg = self._lane(rank, stream, open_lanes, open_control, segments,
+                                             new_lanes)
+                        check.reduce(rank, stream, msg)
+                        seg.steps.append(msg)
                 else:
                     checked = type(msg) in CHECKED
                     for rank in ranks:

@@ -78,36 +78,72 @@ class _Lane:
 
 
 class _Event:
-    """Something a lane waits on or lets go; ``what`` says it for errors."""
+    """Something a lane waits on or lets go; :attr:`what` says it for errors.
 
-    __slots__ = ("lane", "pos", "after", "kind", "key", "slots", "left", "started", "what")
+    ``text`` is the description, or ``(function, *args)`` that makes it: the
+    description is only needed for an error, so it is not formatted before.
+    """
 
-    def __init__(self, kind: str, what: str, key: Any = None):
+    __slots__ = ("lane", "pos", "after", "kind", "key", "slots", "left", "started", "text")
+
+    def __init__(self, kind: str, key: Any = None, text: Any = None):
         self.kind = kind
-        self.what = what
         self.key = key  # signal/wait: the channel; drain: {lane: events to pass}
-        self.slots: list[_Slot] = []
+        self.text = text
+        self.slots: tuple[_Slot, ...] = ()
         self.left = 0  # meet: slots not complete yet
         self.started = False  # meet: arrived at its slots
         self.lane: _Lane | None = None
         self.pos = 0
         self.after = 0  # lane events: control steps of the rank that must have run first
 
+    @property
+    def what(self) -> str:
+        text = self.text
+        if text is None:
+            return " and ".join(slot.what for slot in self.slots)
+        return text if type(text) is str else text[0](*text[1:])
+
 
 class _Slot:
-    """The ``index``-th operation of a communicator: every rank in ``need`` must arrive."""
+    """The ``index``-th operation of a communicator (``key``): every rank in ``need`` arrives.
 
-    __slots__ = ("key", "sig", "need", "labels", "events", "arrived", "what")
+    ``key[0]`` is the communicator: ``("reduce", mesh, stream, dims, group)``,
+    ``("send", from stream, to stream, from rank, to rank)``, or one being
+    built (its description in ``text``).
+    """
 
-    def __init__(self, key: tuple, sig: Any, need: tuple[int, ...], labels: dict[int, Any],
-                 what: str):
+    __slots__ = ("key", "sig", "need", "events", "arrived", "text")
+
+    def __init__(self, key: tuple, sig: Any, need: tuple[int, ...], text: str | None):
         self.key = key
         self.sig = sig
         self.need = need
-        self.labels = labels  # rank -> the lane a member's part runs on
         self.events: dict[int, _Event] = {}
         self.arrived = 0
-        self.what = what
+        self.text = text
+
+    def label(self, rank: int) -> Any:
+        """The lane ``rank``'s part runs on."""
+        comm = self.key[0]
+        if comm[0] == "reduce":
+            return comm[2]
+        if comm[0] == "send":
+            return comm[1] if rank == comm[3] else comm[2]
+        return CONTROL
+
+    @property
+    def what(self) -> str:
+        comm = self.key[0]
+        if comm[0] == "reduce":
+            _, mesh, stream, dims, group = comm
+            return (f"Reduce r{self.sig[1]} over {list(dims)} of mesh r{mesh} on stream "
+                    f"{stream} (ranks {list(group)})")
+        if comm[0] == "send":
+            _, src_stream, dst_stream, src, dst = comm
+            return (f"SendTensor r{self.sig[1]} from rank {src} stream {src_stream} to rank {dst} "
+                    f"stream {dst_stream}")
+        return self.text
 
 
 class Precheck:
@@ -118,6 +154,7 @@ class Precheck:
         self.done = {} if done is None else done  # (rank, lane) -> last segment it finished
         self.lanes: dict[tuple[int, Any], _Lane] = {}
         self.control_steps = [0] * world_size  # control steps routed per rank
+        self.passed_control = [0] * world_size  # ... and passed in the model
         self.slots: dict[tuple, _Slot] = {}  # incomplete meets
         self.counts: dict[tuple, int] = {}  # (rank, communicator) -> operations queued
         self.signals: dict[Any, int] = {}  # signals given and not yet taken
@@ -141,8 +178,10 @@ class Precheck:
         self.dropped: list[dict[int, tuple[int, int]]] = [{} for _ in self.world]
         self.recordings: list[dict[int, dict[int, list]]] = [{} for _ in self.world]
         self.chunks: list[list] = [[] for _ in self.world]
-        self.handoff: list[int | None] = [None for _ in self.world]
+        self.handoff: list[Any] = [None for _ in self.world]
         self._ids = itertools.count()
+        self._msg: Any = None  # the last Reduce seen, and its (sorted dims, signature):
+        self._facts: Any = None  # one message goes to many ranks
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -154,7 +193,7 @@ class Precheck:
         if sync is None:
             return
         if t is m.Reduce:
-            self._reduce(rank, label, msg, None)
+            self.reduce(rank, label, msg)
         elif t is m.SendTensor:
             self._send(rank, label, msg, None)
         elif sync is Sync.SIGNAL or sync is Sync.WAIT:
@@ -193,26 +232,32 @@ class Precheck:
             snapshot = {lane: lane.enqueued for (r, label), lane in self.lanes.items()
                         if r == rank and label != CONTROL}
             self.exited.add(rank)
-            self._queue(rank, CONTROL, _Event(_DRAIN, "Exit (waits for every stream of the "
-                                                      "rank)", snapshot))
+            self._queue(rank, CONTROL, _Event(_DRAIN, snapshot,
+                                              "Exit (waits for every stream of the rank)"))
         self.control_steps[rank] += 1
+        control = self.lanes.get((rank, CONTROL))
+        if control is None or not control.queue:
+            self.passed_control[rank] = self.control_steps[rank]
 
     # -- collectives and sends ----------------------------------------------------------------
 
-    def _reduce(self, rank: int, label: int, msg: m.Reduce, replay: int | None) -> None:
-        dims = tuple(sorted(msg.dims))
+    def reduce(self, rank: int, label: int, msg: m.Reduce) -> None:
+        """A Reduce on ``rank``'s stream ``label`` (the compiler calls it directly: no routing
+        generator for the commonest checked message)."""
+        if msg is not self._msg:
+            factory = msg.factory
+            self._facts = (tuple(sorted(msg.dims)), ("Reduce", msg.result.id, msg.reduction,
+                                                     bool(msg.scatter), factory.size,
+                                                     factory.dtype))
+            self._msg = msg
+        dims, sig = self._facts
         group = self.splits[rank].get((msg.mesh.id, label, dims))
         if group is None:
             raise ProtocolError(rank, f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream "
                                       f"{label} has no communicator for them (SplitComm was not "
                                       "sent)")
-        comm = ("reduce", msg.mesh.id, label, dims, group)
-        what = (f"Reduce r{msg.result.id} over {list(dims)} of mesh r{msg.mesh.id} on stream "
-                f"{label} (ranks {list(group)})")
-        sig = ("Reduce", msg.result.id, _reduction(msg.reduction), bool(msg.scatter),
-               msg.factory.size, msg.factory.dtype)
-        event = _Event(_MEET, what)
-        self._part(rank, event, comm, group, dict.fromkeys(group, label), sig, what)
+        event = _Event(_MEET)
+        self._part(rank, event, ("reduce", msg.mesh.id, label, dims, group), group, sig)
         self._queue(rank, label, event)
 
     def _send(self, rank: int, label: int, msg: m.SendTensor, replay: int | None) -> None:
@@ -235,50 +280,45 @@ class Precheck:
             else:
                 key, self.handoff[rank] = self.handoff[rank], None
             if sending:
-                self._queue(rank, label, _Event(_SIGNAL, f"the copy of SendTensor r{ref}", key))
+                self._queue(rank, label, _Event(_SIGNAL, key, (_copy, ref, None)))
             else:
-                self._queue(rank, label, _Event(
-                    _WAIT, f"SendTensor r{ref} (the copy from stream {src_stream})", key))
+                self._queue(rank, label, _Event(_WAIT, key, (_copy, ref, src_stream)))
             return
         if (src_stream, dst_stream) not in self.p2p[rank]:
             raise ProtocolError(rank, f"SendTensor from stream {src_stream} to {dst_stream}: no "
                                       "communicator (BackendNetworkPointToPointInit was not sent)")
         sig = ("SendTensor", ref, msg.factory.size, msg.factory.dtype)
-        event = _Event(_MEET, "")
-        parts = []
+        event = _Event(_MEET)
         if sending:
-            parts.append((rank, to_rank))
+            self._part(rank, event, ("send", src_stream, dst_stream, rank, to_rank),
+                       (rank, to_rank), sig)
         if receiving:
-            parts.append((from_rank, rank))
-        for src, dst in parts:
-            what = (f"SendTensor r{ref} from rank {src} stream {src_stream} to rank {dst} "
-                    f"stream {dst_stream}")
-            self._part(rank, event, ("send", src_stream, dst_stream, src, dst), (src, dst),
-                       {src: src_stream, dst: dst_stream}, sig, what)
-        event.what = " and ".join(s.what for s in event.slots)
+            self._part(rank, event, ("send", src_stream, dst_stream, from_rank, rank),
+                       (from_rank, rank), sig)
         self._queue(rank, label, event)
 
-    def _part(self, rank: int, event: _Event, comm: tuple, need: tuple[int, ...],
-              labels: dict[int, Any], sig: Any, what: str) -> None:
+    def _part(self, rank: int, event: _Event, comm: tuple, need: tuple[int, ...], sig: Any,
+              text: str | None = None) -> None:
         """``event`` is ``rank``'s next operation on ``comm``; its members must agree on it."""
-        index = self.counts.get((rank, comm), 0)
-        self.counts[(rank, comm)] = index + 1
+        counted = (rank, comm)
+        index = self.counts.get(counted, 0)
+        self.counts[counted] = index + 1
         key = (comm, index)
         slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[key] = _Slot(key, sig, need, labels, what)
+            slot = self.slots[key] = _Slot(key, sig, need, text)
         elif slot.sig != sig:
             other = next(iter(slot.events))
-            raise ProtocolError(rank, _mismatch(rank, other, index, what, slot.what, sig,
+            mine = _Slot(key, sig, need, text)
+            raise ProtocolError(rank, _mismatch(rank, other, index, mine.what, slot.what, sig,
                                                 slot.sig))
         slot.events[rank] = event
-        event.slots.append(slot)
+        event.slots += (slot,)
         event.left += 1
 
     def _meet_control(self, rank: int, comm: tuple, need: Iterable[int], what: str) -> None:
-        need = tuple(need)
-        event = _Event(_MEET, what)
-        self._part(rank, event, comm, need, dict.fromkeys(need, CONTROL), ("build",), what)
+        event = _Event(_MEET)
+        self._part(rank, event, comm, tuple(need), ("build",), what)
         self._queue(rank, CONTROL, event)
 
     # -- communicators and meshes -------------------------------------------------------------
@@ -368,16 +408,15 @@ class Precheck:
         del self.dropped[rank][borrow]
 
     def _borrow_step(self, rank: int, label: int, t: type, borrow: int, instance: Any) -> None:
+        text = (_borrow_step, t, borrow)
         if t is m.BorrowCreate:
-            event = _Event(_SIGNAL, f"BorrowCreate {borrow}", ("created", instance))
+            event = _Event(_SIGNAL, ("created", instance), text)
         elif t is m.BorrowFirstUse:
-            event = _Event(_WAIT, f"BorrowFirstUse {borrow} (waits for the lender's "
-                                  "BorrowCreate)", ("created", instance))
+            event = _Event(_WAIT, ("created", instance), text)
         elif t is m.BorrowLastUse:
-            event = _Event(_SIGNAL, f"BorrowLastUse {borrow}", ("returned", instance))
+            event = _Event(_SIGNAL, ("returned", instance), text)
         else:
-            event = _Event(_WAIT, f"BorrowDrop {borrow} (waits for the borrower's "
-                                  "BorrowLastUse)", ("returned", instance))
+            event = _Event(_WAIT, ("returned", instance), text)
         self._queue(rank, label, event)
 
     def _define(self, rank: int, msg: m.DefineRecording) -> None:
@@ -423,7 +462,7 @@ class Precheck:
         for cmd in streams.get(label, ()):
             t = type(cmd)
             if t is m.Reduce:
-                self._reduce(rank, label, cmd, msg.seq)
+                self.reduce(rank, label, cmd)
             elif t is m.SendTensor:
                 self._send(rank, label, cmd, msg.seq)
             else:
@@ -445,6 +484,8 @@ class Precheck:
         if not lane.queue:
             self.work.append(lane)
             self.busy.add(lane)
+            if label == CONTROL:
+                self.passed_control[rank] = event.pos
         lane.queue.append(event)
 
     def settle(self) -> None:
@@ -465,7 +506,7 @@ class Precheck:
     def _go(self, lane: _Lane, event: _Event) -> bool:
         """Whether ``event`` (the head of ``lane``) is passed now."""
         rank = lane.rank
-        if lane.label != CONTROL and self._control_done(rank) < event.after:
+        if event.after > self.passed_control[rank] and lane.label != CONTROL:
             self.after_control[rank].add(lane)
             return False
         kind = event.kind
@@ -508,6 +549,8 @@ class Precheck:
     def _passed(self, lane: _Lane, event: _Event) -> None:
         rank = lane.rank
         if lane.label == CONTROL:
+            self.passed_control[rank] = (lane.queue[0].pos if lane.queue
+                                         else self.control_steps[rank])
             waiting = self.after_control[rank]
             if waiting:
                 self.work.extend(waiting)
@@ -518,8 +561,7 @@ class Precheck:
                 self.work.append(drain)
 
     def _control_done(self, rank: int) -> int:
-        lane = self.lanes.get((rank, CONTROL))
-        return self.control_steps[rank] if lane is None or not lane.queue else lane.queue[0].pos
+        return self.passed_control[rank]
 
     # -- what waits, and on what --------------------------------------------------------------
 
@@ -555,7 +597,7 @@ class Precheck:
                     needs.append(_NEVER)
                     why.append(f"rank {peer}, which exited without it")
                 else:  # a later message may bring it, once that lane passed what it holds
-                    later = self.lanes.get((peer, slot.labels[peer]))
+                    later = self.lanes.get((peer, slot.label(peer)))
                     if later is not None:
                         needs.append(later)
                     why.append(f"rank {peer}, which was not sent it")
@@ -627,6 +669,18 @@ def _reduction(reduction: Any) -> str:
     return reduction if isinstance(reduction, str) else reduction.name.lower()
 
 
+def _copy(ref: int, src_stream: int | None) -> str:
+    if src_stream is None:
+        return f"the copy of SendTensor r{ref} to another stream of the rank"
+    return f"SendTensor r{ref} (the copy from stream {src_stream})"
+
+
+def _borrow_step(t: type, borrow: int) -> str:
+    waits = {m.BorrowFirstUse: " (waits for the lender's BorrowCreate)",
+             m.BorrowDrop: " (waits for the borrower's BorrowLastUse)"}
+    return f"{t.__name__} {borrow}{waits.get(t, '')}"
+
+
 def _mismatch(rank: int, other: int, index: int, what: str, other_what: str, sig: tuple,
               other_sig: tuple) -> str:
     where = f"operation #{index} of its communicator"
@@ -643,4 +697,4 @@ def _mismatch(rank: int, other: int, index: int, what: str, other_what: str, sig
 
 
 def _describe_op(sig: tuple) -> str:
-    return f"{sig[2]}{' with scatter' if sig[3] else ''}"
+    return f"{_reduction(sig[2])}{' with scatter' if sig[3] else ''}"
