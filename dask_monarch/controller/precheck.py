@@ -565,24 +565,26 @@ class Precheck:
 
     # -- what waits, and on what --------------------------------------------------------------
 
-    def _needs(self, lane: _Lane) -> tuple[list[Any], list[str]]:
+    def _needs(self, lane: _Lane, explain: bool = False) -> tuple[list[Any], list[str]]:
         """The lanes whose head must pass before ``lane``'s head can (``_NEVER``: nothing can
-        let it go), and why."""
+        let it go), and, to ``explain``, why."""
         event = lane.queue[0]
         rank = lane.rank
         if lane.label != CONTROL and self._control_done(rank) < event.after:
             control = self.lanes[(rank, CONTROL)]
-            return [control], [f"the control step before it ({control.queue[0].what})"]
+            return [control], ([f"the control step before it ({control.queue[0].what})"]
+                               if explain else [])
         if event.kind is _WAIT:
             other = self.signal_at.get(event.key)
             if other is None:
                 return [_NEVER], ["a signal that was never sent"]
-            return [other], [f"{other.name()} to reach {_queued(other, event.key)}"]
+            return [other], ([f"{other.name()} to reach {_queued(other, event.key)}"]
+                             if explain else [])
         if event.kind is _DRAIN:
             behind = [other for other, needed in event.key.items() if other.done() < needed]
-            return behind, [f"{other.name()} to finish" for other in behind]
+            return behind, [f"{other.name()} to finish" for other in behind] if explain else []
         needs: list[Any] = []
-        why = []
+        why: list[str] = []
         for slot in event.slots:
             if slot.key not in self.slots:
                 continue  # complete
@@ -591,16 +593,19 @@ class Precheck:
                 if theirs is not None:
                     if not theirs.started:
                         needs.append(theirs.lane)
-                        why.append(f"{theirs.lane.name()} to reach it (it waits at "
-                                   f"{theirs.lane.queue[0].what} first)")
+                        if explain:
+                            why.append(f"{theirs.lane.name()} to reach it (it waits at "
+                                       f"{theirs.lane.queue[0].what} first)")
                 elif peer in self.exited:
                     needs.append(_NEVER)
-                    why.append(f"rank {peer}, which exited without it")
+                    if explain:
+                        why.append(f"rank {peer}, which exited without it")
                 else:  # a later message may bring it, once that lane passed what it holds
                     later = self.lanes.get((peer, slot.label(peer)))
                     if later is not None:
                         needs.append(later)
-                    why.append(f"rank {peer}, which was not sent it")
+                    if explain:
+                        why.append(f"rank {peer}, which was not sent it")
         return needs, why
 
     def _stuck(self) -> list[_Lane]:
@@ -626,7 +631,7 @@ class Precheck:
                 "or send its part in the same order, and borrows in their order")
 
     def _describe(self, lane: _Lane) -> str:
-        _, why = self._needs(lane)
+        _, why = self._needs(lane, explain=True)
         return f"{lane.name()} waits at {lane.queue[0].what} for " + ", ".join(dict.fromkeys(why))
 
     def waiting(self, rank: int | None = None, stream: int | None = None) -> ProtocolError | None:
