@@ -137,8 +137,8 @@ class _Slot:
         comm = self.key[0]
         if comm[0] == "reduce":
             _, mesh, stream, dims, group = comm
-            return (f"Reduce r{self.sig[1]} over {list(dims)} of mesh r{mesh} on stream "
-                    f"{stream} (ranks {list(group)})")
+            return (f"Reduce over {list(dims)} of mesh r{mesh} on stream {stream} (result "
+                    f"r{self.sig[1]}, ranks {list(group)})")
         if comm[0] == "send":
             _, src_stream, dst_stream, src, dst = comm
             return (f"SendTensor r{self.sig[1]} from rank {src} stream {src_stream} to rank {dst} "
