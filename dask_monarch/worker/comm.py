@@ -40,6 +40,7 @@ from ..protocol.messages import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
     CreateRemoteProcessGroup,
+    Factory,
     Reduce,
     ReduceOp,
     SendTensor,
@@ -284,7 +285,7 @@ def _input(lane: Lane, ref, what: str):
     return value
 
 
-def _like_factory(value: Any, factory, what: str, dtype: bool = True) -> None:
+def _like_factory(value: Any, factory: Factory, what: str, dtype: bool = True) -> None:
     """A tensor that takes part in a collective or send has its factory's shape and dtype.
 
     The compiler checks that the members' factories agree (DESIGN decision
