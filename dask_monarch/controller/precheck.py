@@ -267,6 +267,11 @@ class Precheck:
         receiving = label == dst_stream and rank in msg.to_ranks
         if not (sending or receiving):
             return
+        if len(msg.from_ranks) != len(msg.to_ranks):  # as the rank would say it
+            raise ProtocolError(rank, f"SendTensor of r{msg.tensor.id}: from_ranks has "
+                                      f"{len(msg.from_ranks)} ranks but to_ranks has "
+                                      f"{len(msg.to_ranks)}; ranks pair one to one, so both "
+                                      "slices must have the same size")
         to_rank = msg.to_ranks.get(msg.from_ranks.index(rank)) if sending else None
         from_rank = msg.from_ranks.get(msg.to_ranks.index(rank)) if receiving else None
         ref = msg.result.id

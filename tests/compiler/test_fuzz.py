@@ -6,23 +6,23 @@ The generator is tests/compiler/fuzz.py; benchmarks/fuzz.py runs thousands.
 from __future__ import annotations
 
 import collections
-import os
+import sys
 import time
+from pathlib import Path
 
 import dask
-import fuzz
 import pytest
-import torch
 from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch import messages as m
 from dask_monarch.controller.compiler import Compiler
-from dask_monarch.messages import ArgsKwargs, Factory, ReduceOp, Ref, StreamRef
-from dask_monarch.ndslice import Slice
+from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+
+sys.path.insert(0, str(Path(__file__).parent))  # fuzz.py sits here (also when imported by path)
+import fuzz  # noqa: E402
 
 S0, S1 = StreamRef(0), StreamRef(1)
-MESH = Ref(9)
 
 SEED = 20_000  # the suite's seeds: SEED, SEED + 1, ...
 
@@ -95,7 +95,7 @@ def _lend_and_return(ctrl, bid, result, tensor, lender, borrower, slow=0.0):
     ctrl.send(0, m.BorrowFirstUse(bid))
     ctrl.send(0, m.BorrowLastUse(bid))
     if slow:  # the lender is still busy when the borrower moves on
-        ctrl.send(0, _call(0, None, "time.sleep", slow, stream=lender))
+        ctrl.send(0, _call(2, None, "time.sleep", slow, stream=lender))
     ctrl.send(0, m.BorrowDrop(bid))
 
 
@@ -125,35 +125,3 @@ def test_a_borrow_id_used_again_before_its_drop_ran_is_refused(fuzz_client):
         ctrl.sync(timeout=60)
         _lend_and_return(ctrl, 1, Ref(4), Ref(2), S1, S0)
         ctrl.sync(timeout=60)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["reduce", "send"])
-def test_a_tensor_unlike_its_factory_fails_the_mesh_not_the_worker(fuzz_client, kind):
-    """A gathered [2, 4] tensor sent or reduced with a factory of [4]: the members would move
-    different sizes, and gloo aborted the worker process."""
-    pids = set(fuzz_client.run(os.getpid).values())
-    factory = Factory((4,), torch.float32, torch.strided, "cpu")
-    ctrl = dm.Controller(fuzz_client, world_size=2)
-    try:
-        _streams(ctrl)
-        ctrl.send([0, 1], m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([2])))
-        ctrl.send([0, 1], m.BackendNetworkInit())
-        ctrl.send([0, 1], m.SplitComm(["gpu"], MESH, S0))
-        ctrl.send([0, 1], m.BackendNetworkPointToPointInit(S0, S0))
-        ctrl.send(0, _call(0, Ref(1), "torch.ones", 4))  # rank 0's is what the factory says
-        ctrl.send(1, _call(0, Ref(1), "torch.ones", 2, 4))
-        if kind == "reduce":
-            message = m.Reduce(Ref(2), Ref(1), factory, MESH, S0, ["gpu"], ReduceOp.SUM, False,
-                               False, None)
-        else:
-            message = m.SendTensor(Ref(2), Slice(1, [1], [1]), Slice(0, [1], [1]), Ref(1),
-                                   factory, S0, S0)
-        ctrl.send([0, 1], message)
-        with pytest.raises(dm.DeviceException, match=r"has shape \(2, 4\).*factory says \(4,\)"):
-            ctrl.sync(timeout=60)
-    finally:
-        ctrl.close()
-    assert fuzz.quiesce(fuzz_client, timeout=60) is not None
-    assert set(fuzz_client.run(os.getpid).values()) == pids  # no worker died
-    assert fuzz.healthy(fuzz_client)

@@ -116,6 +116,12 @@ def test_sends_between_a_pair_keep_one_order_per_stream_pair():
     assert error.rank == 1 and "SendTensor r23" in error.cause
 
 
+def test_a_send_between_slices_of_different_sizes_is_refused_with_the_worker_text():
+    c = compiler()
+    error = refused(c, [[(BOTH, send_msg(20, frm=R0, to=Slice(0, [2], [1])))]])
+    assert "both slices must have the same size" in error.cause
+
+
 def test_without_a_communicator_it_is_refused_with_the_worker_text():
     c = compiler(splits=())
     error = refused(c, [[(BOTH, reduce_msg(10))]])
