@@ -39,8 +39,13 @@ SIZES = {"1M": 1 << 20, "16M": 1 << 24}
 
 def _plain(rank, port, sizes, ops, repeat, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
     out = {}
     for name, n in sizes.items():
         x = torch.ones(n)
@@ -74,8 +79,9 @@ def plain_torch(sizes, ops, repeat) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_plain, args=(port, sizes, ops, repeat, queue), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _plain, args=(port, sizes, ops, repeat, queue), nprocs=2, start_method="spawn"
+    )
     return queue.get()
 
 
@@ -95,8 +101,18 @@ def ours(sizes, ops, repeat) -> dict:
             seq = 0
             for name, n in sizes.items():
                 x = Ref(10)
-                ctrl.send(both, m.CallFunction(seq, [x], [], m.FunctionPath("torch.ones"),
-                                               ArgsKwargs.from_python((n,)), S0, []))
+                ctrl.send(
+                    both,
+                    m.CallFunction(
+                        seq,
+                        [x],
+                        [],
+                        m.FunctionPath("torch.ones"),
+                        ArgsKwargs.from_python((n,)),
+                        S0,
+                        [],
+                    ),
+                )
                 ctrl.sync()
                 factory = Factory((n,), torch.float32, torch.strided, "cpu")
                 for kind in ("reduce", "send"):
@@ -106,12 +122,34 @@ def ours(sizes, ops, repeat) -> dict:
                         for i in range(ops):
                             result = Ref(100 + i)
                             if kind == "reduce":
-                                ctrl.send(both, m.Reduce(result, x, factory, MESH, S0, ["gpu"],
-                                                         ReduceOp.SUM, False, True, None))
+                                ctrl.send(
+                                    both,
+                                    m.Reduce(
+                                        result,
+                                        x,
+                                        factory,
+                                        MESH,
+                                        S0,
+                                        ["gpu"],
+                                        ReduceOp.SUM,
+                                        False,
+                                        True,
+                                        None,
+                                    ),
+                                )
                             else:
-                                ctrl.send(both, m.SendTensor(result, Slice(0, [1], [1]),
-                                                             Slice(1, [1], [1]), x, factory,
-                                                             S0, S0))
+                                ctrl.send(
+                                    both,
+                                    m.SendTensor(
+                                        result,
+                                        Slice(0, [1], [1]),
+                                        Slice(1, [1], [1]),
+                                        x,
+                                        factory,
+                                        S0,
+                                        S0,
+                                    ),
+                                )
                         ctrl.sync(timeout=600)
                         times.append(time.perf_counter() - start)
                         ctrl.send(both, m.DeleteRefs([Ref(100 + i) for i in range(ops)]))

@@ -76,6 +76,7 @@ def chained_adds(n: int, mesh=None, mode: str = "plain") -> float:
         ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
         dm.inspect(acc[0, 0])
         if mode == "compile":
+
             @dm.compile
             def block(acc, ones):
                 for _ in range(BLOCK):
@@ -135,8 +136,10 @@ def latencies(client, n: int) -> list[tuple[str, float]]:
         start = time.perf_counter()
         client.submit(noop, i, pure=False).result()
         submits.append(time.perf_counter() - start)
-    return [("dask_monarch: op + dm.inspect", statistics.median(fetches)),
-            ("bare dask: submit().result()", statistics.median(submits))]
+    return [
+        ("dask_monarch: op + dm.inspect", statistics.median(fetches)),
+        ("bare dask: submit().result()", statistics.median(submits)),
+    ]
 
 
 def main() -> None:
@@ -151,16 +154,23 @@ def main() -> None:
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
         ctrl = dm.Controller(client, world_size=2)
         ctrl.send((0, 1), m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
-        ctrl.send((0, 1), m.CallFunction(0, [Ref(1)], [], m.FunctionPath("torch.ones"),
-                                         ArgsKwargs.from_python((3,)), S0, []))
+        ctrl.send(
+            (0, 1),
+            m.CallFunction(
+                0, [Ref(1)], [], m.FunctionPath("torch.ones"), ArgsKwargs.from_python((3,)), S0, []
+            ),
+        )
         ctrl.sync()
         rows = []
-        for label, fn in (("aten.add (3 floats)", "torch.ops.aten.add.Tensor"),
-                          ("no-op function", "operator.add")):
+        for label, fn in (
+            ("aten.add (3 floats)", "torch.ops.aten.add.Tensor"),
+            ("no-op function", "operator.add"),
+        ):
             function = m.FunctionPath(fn)
             raw_dispatch(ctrl, 1000, function, 10**6)  # warm up
-            times = [raw_dispatch(ctrl, args.n, function, 10**7 * (r + 1))
-                     for r in range(args.repeat)]
+            times = [
+                raw_dispatch(ctrl, args.n, function, 10**7 * (r + 1)) for r in range(args.repeat)
+            ]
             rows.append((label, statistics.median(times)))
         bare_dask(client, 200)
         dask_time = statistics.median(bare_dask(client, args.dask_n) for _ in range(args.repeat))
@@ -168,8 +178,10 @@ def main() -> None:
         api_rows = user_api(client, args.ops, args.repeat)
         latency_rows = latencies(client, args.fetches)
 
-    print(f"\ndispatch of tiny CallFunction messages to 2 ranks, then sync "
-          f"(median of {args.repeat}; torch {torch.__version__})")
+    print(
+        f"\ndispatch of tiny CallFunction messages to 2 ranks, then sync "
+        f"(median of {args.repeat}; torch {torch.__version__})"
+    )
     print(f"{'path':<34}{'messages/s':>12}{'us/message':>12}{'deliveries/s':>14}")
     for label, elapsed in rows:
         rate = args.n / elapsed

@@ -56,8 +56,9 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0, help="the first sequence's seed")
     parser.add_argument("--bound", type=float, default=60.0, help="seconds a final sync may take")
-    parser.add_argument("--collective-timeout", default="15s",
-                        help="dask_monarch.timeouts.collective on the ranks")
+    parser.add_argument(
+        "--collective-timeout", default="15s", help="dask_monarch.timeouts.collective on the ranks"
+    )
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--progress-every", type=int, default=100)
     parser.add_argument("--verbose", action="store_true", help="print every sequence's outcome")
@@ -92,15 +93,20 @@ def main() -> None:
             if sequence.valid and outcome.kind == "refused":
                 false_alarms.append(seed)
             if args.verbose or outcome.kind in ("hang", "lost"):
-                print(f"seed {seed}: {outcome.kind} in {outcome.seconds:.2f}s, "
-                      f"{len(sequence)} messages, valid={sequence.valid} "
-                      f"{outcome.error[:300]}", flush=True)
+                print(
+                    f"seed {seed}: {outcome.kind} in {outcome.seconds:.2f}s, "
+                    f"{len(sequence)} messages, valid={sequence.valid} "
+                    f"{outcome.error[:300]}",
+                    flush=True,
+                )
             rest = fuzz.quiesce(client, timeout=rest_bound)
             if rest is None:  # a lost execution slot: start a fresh cluster to go on
                 wedged += 1
-                print(f"seed {seed}: workers still executing {fuzz.executing(client)[:4]} "
-                      f"{rest_bound:.0f}s after the sequence ended; starting a new cluster",
-                      flush=True)
+                print(
+                    f"seed {seed}: workers still executing {fuzz.executing(client)[:4]} "
+                    f"{rest_bound:.0f}s after the sequence ended; starting a new cluster",
+                    flush=True,
+                )
                 client.close()
                 cluster.close()
                 cluster, client = _start()
@@ -117,9 +123,11 @@ def main() -> None:
                 if not fuzz.healthy(client):
                     unhealthy.append(seed)
             if n % args.progress_every == 0:
-                print(f"{n} sequences, {time.monotonic() - start:.0f}s: "
-                      f"{dict((k, v) for k, v in counts.items() if isinstance(k, str))}",
-                      flush=True)
+                print(
+                    f"{n} sequences, {time.monotonic() - start:.0f}s: "
+                    f"{dict((k, v) for k, v in counts.items() if isinstance(k, str))}",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         print(f"interrupted after {n} sequences")
     finally:
@@ -130,14 +138,19 @@ def main() -> None:
     valid = sum(v for k, v in counts.items() if isinstance(k, tuple) and k[0] == "valid")
     print(f"sequences: {n} (seeds {args.seed}..{args.seed + n - 1}; {valid} valid)")
     print(f"ok: {counts['ok']}")
-    print(f"refused before dispatch: {counts['refused']} "
-          f"(valid sequences refused: {len(false_alarms)})")
-    print(f"failed with DeviceException: {counts['failed']} (and {counts['lost']} when a worker "
-          "died)")
+    print(
+        f"refused before dispatch: {counts['refused']} "
+        f"(valid sequences refused: {len(false_alarms)})"
+    )
+    print(
+        f"failed with DeviceException: {counts['failed']} (and {counts['lost']} when a worker died)"
+    )
     print(f"hangs: {len(hangs)}{' ' + str(hangs[:20]) if hangs else ''}")
     print(f"worker restarts: {restarts}")
-    print(f"health checks failed: {len(unhealthy)}; clusters restarted because a worker "
-          f"kept executing a finished controller's task: {wedged}")
+    print(
+        f"health checks failed: {len(unhealthy)}; clusters restarted because a worker "
+        f"kept executing a finished controller's task: {wedged}"
+    )
     print(f"sequences whose leftover work took over 0.5s to end: {waited} ({waited_s:.0f}s)")
     print(f"time: {elapsed:.0f}s ({elapsed / max(n, 1) * 1000:.0f} ms per sequence)")
     if false_alarms:

@@ -60,8 +60,18 @@ def main() -> None:
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
         with dm.Controller(client, world_size=2) as ctrl:
             ctrl.send(BOTH, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
-            ctrl.send(BOTH, m.CallFunction(0, [Ref(1)], [], m.FunctionPath("torch.ones"),
-                                           ArgsKwargs.from_python((4,)), S0, []))
+            ctrl.send(
+                BOTH,
+                m.CallFunction(
+                    0,
+                    [Ref(1)],
+                    [],
+                    m.FunctionPath("torch.ones"),
+                    ArgsKwargs.from_python((4,)),
+                    S0,
+                    [],
+                ),
+            )
             # the recording: y1 = formal + x; y2 = y1 + x; ...; result y_k
             formal = Ref(100)
             commands = [m.RecordingFormal(formal, 0, S0)]
@@ -71,7 +81,7 @@ def main() -> None:
                 prev = Ref(101 + i)
             commands.append(m.RecordingResult(prev, 0, S0))
             chunk = 1000
-            chunks = [commands[i:i + chunk] for i in range(0, len(commands), chunk)]
+            chunks = [commands[i : i + chunk] for i in range(0, len(commands), chunk)]
             for i, part in enumerate(chunks):
                 ctrl.send(BOTH, m.DefineRecording(Ref(50), 1, 1, part, len(chunks), i))
             ctrl.sync()
@@ -89,8 +99,9 @@ def main() -> None:
                         prev, next_ref, seq = Ref(next_ref), next_ref + 1, seq + 1
                 ctrl.sync(timeout=600)
                 resend.append((time.perf_counter() - start) / (k * calls))
-                ctrl.send(BOTH, m.DeleteRefs([Ref(r) for r in range(next_ref - k * calls,
-                                                                     next_ref)]))
+                ctrl.send(
+                    BOTH, m.DeleteRefs([Ref(r) for r in range(next_ref - k * calls, next_ref)])
+                )
                 ctrl.sync()
                 # replay the recording
                 busy = lane_seconds(client, ctrl.token)
@@ -103,14 +114,19 @@ def main() -> None:
                 replay_lane.append((lane_seconds(client, ctrl.token) - busy) / (k * calls))
 
     op = statistics.median(op_times)
-    rows = [("bare op (in-process torch)", op), ("resend as CallFunction, end to end",
-            statistics.median(resend)), ("replay, end to end", statistics.median(replay)),
-            ("replay, on the lane", statistics.median(replay_lane))]
+    rows = [
+        ("bare op (in-process torch)", op),
+        ("resend as CallFunction, end to end", statistics.median(resend)),
+        ("replay, end to end", statistics.median(replay)),
+        ("replay, on the lane", statistics.median(replay_lane)),
+    ]
     print(f"\n{k} commands x {calls} calls on 2 ranks, median of {args.repeat}")
     for label, value in rows:
         print(f"{label:<40}{value * 1e6:>8.2f} us/command")
-    print(f"{'replay overhead over the op (lane)':<40}"
-          f"{(statistics.median(replay_lane) - op) * 1e6:>8.2f} us/command")
+    print(
+        f"{'replay overhead over the op (lane)':<40}"
+        f"{(statistics.median(replay_lane) - op) * 1e6:>8.2f} us/command"
+    )
 
 
 if __name__ == "__main__":

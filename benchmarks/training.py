@@ -39,8 +39,13 @@ WORLD = 4
 
 def _ddp(rank, port, args, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
     model = train_mlp.make_model(torch.manual_seed, FEATURES, args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     times = []
@@ -50,7 +55,7 @@ def _ddp(rank, port, args, queue):
         for step in range(args.steps):
             x, y = train_mlp.batch(torch.manual_seed, step, args.batch, FEATURES)
             shard = args.batch // WORLD
-            x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+            x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -77,8 +82,9 @@ def plain_ddp(args) -> float:
 def local(args) -> float:
     def run():
         start = time.perf_counter()
-        train_mlp.train_locally(args.steps, args.batch, FEATURES, args.hidden,
-                                fetch_every=args.steps)
+        train_mlp.train_locally(
+            args.steps, args.batch, FEATURES, args.hidden, fetch_every=args.steps
+        )
         return time.perf_counter() - start
 
     run()
@@ -87,11 +93,13 @@ def local(args) -> float:
 
 def on_mesh(args) -> float:
     with dm.LocalMeshCluster(n_ranks=WORLD, device="cpu") as cluster, Client(cluster) as client:
+
         def run():
             mesh = dm.device_mesh(client, host=2, gpu=2)
             start = time.perf_counter()
-            train_mlp.train_on_mesh(mesh, args.steps, args.batch, FEATURES, args.hidden,
-                                    fetch_every=args.steps)
+            train_mlp.train_on_mesh(
+                mesh, args.steps, args.batch, FEATURES, args.hidden, fetch_every=args.steps
+            )
             elapsed = time.perf_counter() - start
             mesh.exit()
             return elapsed
@@ -107,11 +115,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    rows = [("plain torch, 1 process, full batch", local(args)),
-            ("plain torch.distributed, 4 gloo processes", plain_ddp(args)),
-            ("dask_monarch, 2x2 mesh", on_mesh(args))]
-    print(f"\ndata-parallel MLP {FEATURES}-{args.hidden}-1, batch {args.batch}, {args.steps} steps "
-          f"then one loss fetch; median of {args.repeat} (torch {torch.__version__})")
+    rows = [
+        ("plain torch, 1 process, full batch", local(args)),
+        ("plain torch.distributed, 4 gloo processes", plain_ddp(args)),
+        ("dask_monarch, 2x2 mesh", on_mesh(args)),
+    ]
+    print(
+        f"\ndata-parallel MLP {FEATURES}-{args.hidden}-1, batch {args.batch}, {args.steps} steps "
+        f"then one loss fetch; median of {args.repeat} (torch {torch.__version__})"
+    )
     print(f"{'path':<44}{'ms/step':>10}")
     for label, seconds in rows:
         print(f"{label:<44}{seconds * 1e3:>10.2f}")

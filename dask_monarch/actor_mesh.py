@@ -28,13 +28,11 @@ if TYPE_CHECKING:
 class ActorMesh:
     """One actor per rank of a mesh; see :meth:`DeviceMesh.spawn`."""
 
-    def __init__(self, mesh: DeviceMesh, name: str, cls: type, *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(self, mesh: DeviceMesh, name: str, cls: type, *args: Any, **kwargs: Any) -> None:
         self.mesh = mesh
         self.name = name
         self._session = mesh._session
-        self.broker = self._session.controller.spawn_actor(mesh._ranks, name, cls, *args,
-                                                           **kwargs)
+        self.broker = self._session.controller.spawn_actor(mesh._ranks, name, cls, *args, **kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple, dict]:
         leaves = tree_flatten((args, kwargs))[0]
@@ -43,8 +41,9 @@ class ActorMesh:
             check_usable(h)
             if h._mesh != self.mesh:
                 raise TypeError(f"WRONG_MESH: {h!r} is not on {self.mesh!r}")
-        local_args, local_kwargs = tree_map(lambda x: x._ref if isinstance(x, Tensor) else x,
-                                            (args, kwargs))
+        local_args, local_kwargs = tree_map(
+            lambda x: x._ref if isinstance(x, Tensor) else x, (args, kwargs)
+        )
         return handles, local_args, local_kwargs
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> MeshFuture:
@@ -66,12 +65,15 @@ class ActorMesh:
         session.controller.flush()
         return future
 
-    def call_tensor(self, method: str, *args: Any, propagate: Callable | None = None,
-                    **kwargs: Any) -> Any:
+    def call_tensor(
+        self, method: str, *args: Any, propagate: Callable | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``method`` on every rank; what it returns stays there, as mesh tensors."""
         if propagate is None or not callable(propagate):
-            raise ValueError("call_tensor needs propagate=: a function of fake tensors that "
-                             "returns tensors shaped like the method's result")
+            raise ValueError(
+                "call_tensor needs propagate=: a function of fake tensors that "
+                "returns tensors shaped like the method's result"
+            )
         handles, local_args, local_kwargs = self._prepare(args, kwargs)
         spec, _ = propagate_locally(propagate, args, kwargs)
         stream = get_active_stream()
@@ -85,20 +87,23 @@ class ActorMesh:
         if capture is not None and capture.tracing:
             raise NotImplementedError("actor calls inside compiled functions are not supported")
 
-    def _message(self, method: str, handles: list[Tensor], args: tuple,
-                 kwargs: dict) -> Callable[..., m.SendResultOfActorCall | m.CallActorMethod]:
+    def _message(
+        self, method: str, handles: list[Tensor], args: tuple, kwargs: dict
+    ) -> Callable[..., m.SendResultOfActorCall | m.CallActorMethod]:
         """What sends one call: the actor call itself goes to the ranks' actors through the
         controller, the returned message puts it in order on the stream."""
         session, ranks, broker = self._session, self.mesh._ranks, self.broker
         local_state = [h._ref for h in handles]
 
-        def message(seq: int, results: list | None, _: Any,
-                    stream_ref: m.StreamRef) -> m.SendResultOfActorCall | m.CallActorMethod:
+        def message(
+            seq: int, results: list | None, _: Any, stream_ref: m.StreamRef
+        ) -> m.SendResultOfActorCall | m.CallActorMethod:
             session.controller.call_actor(ranks, broker, seq, stream_ref, method, args, kwargs)
             if results is None:
                 return m.SendResultOfActorCall(seq, broker, local_state, [], stream_ref)
-            return m.CallActorMethod(results, m.ActorCallParams(seq, broker, local_state, [],
-                                                                stream_ref))
+            return m.CallActorMethod(
+                results, m.ActorCallParams(seq, broker, local_state, [], stream_ref)
+            )
 
         return message
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dask_monarch.borrows")
 
+
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
 
@@ -70,8 +71,9 @@ class StorageInfo:
 class Borrow:
     """A tensor lent from one stream to another until :meth:`drop` (also a context manager)."""
 
-    def __init__(self, session: Session, borrow_id: int, origin: Tensor, borrowed: Tensor,
-                 mutable: bool) -> None:
+    def __init__(
+        self, session: Session, borrow_id: int, origin: Tensor, borrowed: Tensor, mutable: bool
+    ) -> None:
         self.session = session
         self.id = borrow_id
         self.origin = origin
@@ -88,8 +90,10 @@ class Borrow:
         with session.lock:
             capture = session.capture
             if capture is not None and capture.tracing and self not in capture.borrows:
-                raise ValueError("cannot explicitly drop a tensor inside a compiled block that "
-                                 "was borrowed outside of it")
+                raise ValueError(
+                    "cannot explicitly drop a tensor inside a compiled block that "
+                    "was borrowed outside of it"
+                )
             ranks = self.origin._mesh._ranks
             if not self.first_used:
                 self.first_used = True
@@ -138,8 +142,9 @@ class Borrow:
 
     def __del__(self) -> None:
         if not getattr(self, "dropped", True) and not self.session.closed:
-            warnings.warn(f"borrow {self.id} was garbage collected without drop(); dropping it",
-                          stacklevel=2)
+            warnings.warn(
+                f"borrow {self.id} was garbage collected without drop(); dropping it", stacklevel=2
+            )
             try:
                 self.drop()
             except Exception as e:  # a finalizer must not raise; the mesh may be gone

@@ -32,20 +32,35 @@ if TYPE_CHECKING:
     from .mesh import DeviceMesh
 
 REDUCTIONS: dict[str, ReduceOp | str] = {
-    "sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "product": ReduceOp.PRODUCT,
-    "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "band": ReduceOp.BAND,
-    "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR, "stack": "stack",
+    "sum": ReduceOp.SUM,
+    "avg": ReduceOp.AVG,
+    "product": ReduceOp.PRODUCT,
+    "prod": ReduceOp.PRODUCT,
+    "min": ReduceOp.MIN,
+    "max": ReduceOp.MAX,
+    "band": ReduceOp.BAND,
+    "bor": ReduceOp.BOR,
+    "bxor": ReduceOp.BXOR,
+    "stack": "stack",
 }
 
 # Bitwise reductions: gloo has them, NCCL does not (it would fail the collective on every rank).
 NCCL_UNSUPPORTED = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
-            mesh: DeviceMesh | None, out: Tensor | None, in_place: bool) -> Tensor:
+def _reduce(
+    t: Tensor,
+    dims: str | Sequence[str],
+    reduction: str,
+    scatter: bool,
+    mesh: DeviceMesh | None,
+    out: Tensor | None,
+    in_place: bool,
+) -> Tensor:
     if mesh is not None:
-        raise NotImplementedError("reduce(mesh=...) is not supported: reduce over dims of the "
-                                  "tensor's own mesh")
+        raise NotImplementedError(
+            "reduce(mesh=...) is not supported: reduce over dims of the tensor's own mesh"
+        )
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
     check_usable(t)
@@ -62,23 +77,29 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     op = REDUCTIONS[reduction]
     if op in NCCL_UNSUPPORTED and t.device.type == "cuda" and own._session.backend != "gloo":
-        raise ValueError(f"reduction {reduction!r} is not supported by NCCL, the backend of "
-                         f"CUDA tensors on {own!r}: reduce an integer sum instead, or set "
-                         "dask_monarch.backend to 'gloo' before creating the mesh")
+        raise ValueError(
+            f"reduction {reduction!r} is not supported by NCCL, the backend of "
+            f"CUDA tensors on {own!r}: reduce an integer sum instead, or set "
+            "dask_monarch.backend to 'gloo' before creating the mesh"
+        )
     if len(names) > 1 and (op == "stack" or scatter):
         kind = "stack" if op == "stack" else "scatter"
         raise ValueError(f"{kind} is not valid for multiple dimensions {list(names)}")
     if out is not None and in_place:
         raise ValueError("reduce_ works in place: it takes no out=")
     if in_place and (scatter or op == "stack"):
-        raise ValueError("an in-place reduce cannot stack or scatter (the shape changes)"
-                         if not (op == "stack" and scatter) else
-                         "an in-place all-to-all is not supported; use out=")
+        raise ValueError(
+            "an in-place reduce cannot stack or scatter (the shape changes)"
+            if not (op == "stack" and scatter)
+            else "an in-place all-to-all is not supported; use out="
+        )
     n = own.size(names)
     shape = tuple(t.shape)
     if scatter and (len(shape) == 0 or shape[0] != n):
-        raise TypeError(f"When scattering, the first dimension of the tensor must be the size "
-                        f"of the reduced dims ({n}), got shape {list(shape)}")
+        raise TypeError(
+            f"When scattering, the first dimension of the tensor must be the size "
+            f"of the reduced dims ({n}), got shape {list(shape)}"
+        )
     if op == "stack":
         result_shape = shape if scatter else (n, *shape)
     else:
@@ -86,8 +107,10 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
     inputs = [t] if out is None else [t, out]
     _, stream = placement(inputs, "reduce", "borrow it first")
     if out is not None and tuple(out.shape) != result_shape:
-        raise ValueError(f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
-                         f"got {list(out.shape)}")
+        raise ValueError(
+            f"Reduce expects the shape to be torch.Size({list(result_shape)}), "
+            f"got {list(out.shape)}"
+        )
     dims = tuple(sorted(names))
     session = own._session
     with session.lock:
@@ -103,30 +126,63 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
         else:
             storage, mutates = None, []
             stride, offset = contiguous(result_shape), 0
-        handle = Tensor(result_shape, stride, offset, t.dtype, t.device, session, own, stream,
-                        result, storage)
+        handle = Tensor(
+            result_shape, stride, offset, t.dtype, t.device, session, own, stream, result, storage
+        )
         issue(session, inputs, [result.id] + mutates, [handle])
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
-        session.send(own._ranks, m.Reduce(result, t._ref, factory, mesh_ref, stream_ref,
-                                          list(dims), op, scatter, in_place,
-                                          out._ref if out is not None else None))
+        session.send(
+            own._ranks,
+            m.Reduce(
+                result,
+                t._ref,
+                factory,
+                mesh_ref,
+                stream_ref,
+                list(dims),
+                op,
+                scatter,
+                in_place,
+                out._ref if out is not None else None,
+            ),
+        )
     if in_place:
         return t
     return out if out is not None else handle
 
 
-def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-           scatter: bool = False, mesh: DeviceMesh | None = None, out: Any = None) -> Any:
+def reduce(
+    tensors: Any,
+    dims: str | Sequence[str],
+    reduction: str = "sum",
+    scatter: bool = False,
+    mesh: DeviceMesh | None = None,
+    out: Any = None,
+) -> Any:
     """A collective over mesh ``dims`` of every mesh tensor in ``tensors`` (a pytree)."""
     if out is not None:
-        return tree_map(lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False),
-                        tensors, out)
-    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, None, False)
-                    if isinstance(t, Tensor) else t, tensors)
+        return tree_map(
+            lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False), tensors, out
+        )
+    return tree_map(
+        lambda t: (
+            _reduce(t, dims, reduction, scatter, mesh, None, False) if isinstance(t, Tensor) else t
+        ),
+        tensors,
+    )
 
 
-def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-            scatter: bool = False, mesh: DeviceMesh | None = None) -> Any:
+def reduce_(
+    tensors: Any,
+    dims: str | Sequence[str],
+    reduction: str = "sum",
+    scatter: bool = False,
+    mesh: DeviceMesh | None = None,
+) -> Any:
     """In-place :func:`reduce`: each tensor holds the result afterwards."""
-    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, None, True)
-                    if isinstance(t, Tensor) else t, tensors)
+    return tree_map(
+        lambda t: (
+            _reduce(t, dims, reduction, scatter, mesh, None, True) if isinstance(t, Tensor) else t
+        ),
+        tensors,
+    )

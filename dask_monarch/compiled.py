@@ -38,10 +38,18 @@ TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
 class _Trace:
     """One traced call: what to send to replay it, and what it returns."""
 
-    def __init__(self, ref: m.Ref, ranks: list[int], formals: dict[int, Tensor],
-                 outputs: list[tuple], template: list[Any], out_spec: TreeSpec,
-                 captured: list[weakref.ref], mutated: list[tuple[int | None, int | None]],
-                 messages: list[tuple[tuple[int, ...], Any]]) -> None:
+    def __init__(
+        self,
+        ref: m.Ref,
+        ranks: list[int],
+        formals: dict[int, Tensor],
+        outputs: list[tuple],
+        template: list[Any],
+        out_spec: TreeSpec,
+        captured: list[weakref.ref],
+        mutated: list[tuple[int | None, int | None]],
+        messages: list[tuple[tuple[int, ...], Any]],
+    ) -> None:
         self.ref = ref
         self.ranks = ranks
         self.formals = formals  # argument index -> formal handle (for aliasing of outputs)
@@ -92,13 +100,20 @@ class Compiled:
             trace.verified = True
         return _call_recording(mesh, trace, [t for _, t in tensors])
 
-    def _trace(self, mesh: DeviceMesh, leaves: list[Any], spec: TreeSpec,
-               tensors: list[tuple[int, Tensor]], define: bool = True) -> _Trace:
+    def _trace(
+        self,
+        mesh: DeviceMesh,
+        leaves: list[Any],
+        spec: TreeSpec,
+        tensors: list[tuple[int, Tensor]],
+        define: bool = True,
+    ) -> _Trace:
         session = mesh._session
         with session.lock:
             if session.capture is not None:
-                raise RuntimeError("compiled functions cannot run inside coalescing() or "
-                                   "another compiled function")
+                raise RuntimeError(
+                    "compiled functions cannot run inside coalescing() or another compiled function"
+                )
             capture = session.capture = Capture("recording", session.new_id())
             first_id = capture.first_id
             try:
@@ -108,12 +123,23 @@ class Compiled:
                 for index, (position, t) in enumerate(tensors):
                     shape, stride, offset, dtype, device = t._mkey
                     storage = storages.get(id(t._storage))
-                    formal = Tensor(shape, stride, offset, dtype, device, session, t._mesh,
-                                    t._stream, session.new_ref(), storage)
+                    formal = Tensor(
+                        shape,
+                        stride,
+                        offset,
+                        dtype,
+                        device,
+                        session,
+                        t._mesh,
+                        t._stream,
+                        session.new_ref(),
+                        storage,
+                    )
                     storages.setdefault(id(t._storage), formal._storage)
-                    capture.add(t._mesh._ranks,
-                                m.RecordingFormal(formal._ref, index,
-                                                  session.stream_ref(t._stream)))
+                    capture.add(
+                        t._mesh._ranks,
+                        m.RecordingFormal(formal._ref, index, session.stream_ref(t._stream)),
+                    )
                     stand_ins[position] = formals[index] = formal
                 args, kwargs = tree_unflatten(stand_ins, spec)
                 out = self.fn(*args, **kwargs)
@@ -122,14 +148,17 @@ class Compiled:
                 for j, h in enumerate(x for x in out_leaves if isinstance(x, Tensor)):
                     if h.requires_grad:
                         raise ValueError("outputs of a compiled function may not require grad")
-                    capture.add(h._mesh._ranks,
-                                m.RecordingResult(h._ref, j, session.stream_ref(h._stream)))
+                    capture.add(
+                        h._mesh._ranks, m.RecordingResult(h._ref, j, session.stream_ref(h._stream))
+                    )
                     is_formal = next((i for i, f in formals.items() if f is h), None)
                     outputs.append((*h._mkey, h._stream, is_formal))
                 open_borrows = [b for b in capture.borrows if not b.dropped]
                 if open_borrows:
-                    raise RuntimeError("all borrows created within a compiled function must be "
-                                       f"dropped within it ({open_borrows})")
+                    raise RuntimeError(
+                        "all borrows created within a compiled function must be "
+                        f"dropped within it ({open_borrows})"
+                    )
             except BaseException:
                 _abandon(capture)
                 raise
@@ -152,17 +181,26 @@ class Compiled:
             ranks = sorted({r for ranks, _ in capture.messages for r in ranks})
             ref = session.new_ref()
             if define:
-                _define_recording(session, ref, ranks, capture.messages, len(outputs),
-                                  len(formals))
+                _define_recording(session, ref, ranks, capture.messages, len(outputs), len(formals))
             template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
-            trace = _Trace(ref, ranks, formals, outputs, template, out_spec, captured,
-                           list(mutated), capture.messages)
+            trace = _Trace(
+                ref,
+                ranks,
+                formals,
+                outputs,
+                template,
+                out_spec,
+                captured,
+                list(mutated),
+                capture.messages,
+            )
             trace.streams = session.streams_named(capture.messages)
             return trace
 
 
-def compile(fn: Callable | None = None, *,
-            verify: bool = False) -> Compiled | Callable[[Callable], Compiled]:
+def compile(
+    fn: Callable | None = None, *, verify: bool = False
+) -> Compiled | Callable[[Callable], Compiled]:
     """Trace ``fn`` once per argument signature into a recording and replay it (a decorator)."""
     if fn is None:
         return lambda f: Compiled(f, verify)
@@ -175,8 +213,17 @@ def _signature(leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tenso
     for x in leaves:
         if isinstance(x, Tensor):
             group = storages.setdefault(id(x._storage), len(storages))
-            parts.append((x._mkey, id(x._mesh._session), x._mesh.dims, x._mesh.slice_,
-                          x._stream, x.requires_grad, group))
+            parts.append(
+                (
+                    x._mkey,
+                    id(x._mesh._session),
+                    x._mesh.dims,
+                    x._mesh.slice_,
+                    x._stream,
+                    x.requires_grad,
+                    group,
+                )
+            )
         else:
             try:
                 hash(x)
@@ -196,16 +243,18 @@ def _abandon(capture: Capture) -> None:
             borrow.forget("the compiled function that borrowed it failed")
 
 
-def _define_recording(session: Session, ref: m.Ref, ranks: list[int], messages: list,
-                      nresults: int, nformals: int) -> None:
+def _define_recording(
+    session: Session, ref: m.Ref, ranks: list[int], messages: list, nresults: int, nformals: int
+) -> None:
     """Send a traced recording to each of its ranks, in chunks (never captured)."""
     with session.lock:
         for rank in ranks:
             commands = [msg for msg_ranks, msg in messages if rank in msg_ranks]
-            chunks = [commands[i:i + CHUNK] for i in range(0, len(commands), CHUNK)] or [[]]
+            chunks = [commands[i : i + CHUNK] for i in range(0, len(commands), CHUNK)] or [[]]
             for index, chunk in enumerate(chunks):
-                session.send_setup((rank,), m.DefineRecording(ref, nresults, nformals, chunk,
-                                                              len(chunks), index))
+                session.send_setup(
+                    (rank,), m.DefineRecording(ref, nresults, nformals, chunk, len(chunks), index)
+                )
 
 
 def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> Any:
@@ -213,8 +262,9 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
     session = mesh._session
     with session.lock:
         if session.capture is not None:
-            raise RuntimeError("a compiled function cannot be called while messages are "
-                               "being captured")
+            raise RuntimeError(
+                "a compiled function cannot be called while messages are being captured"
+            )
         for t in actuals:
             check_usable(t)
         first_use(session, actuals)
@@ -222,19 +272,24 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
         for shape, stride, offset, dtype, device, stream, is_formal in trace.outputs:
             ref = session.new_ref()
             storage = actuals[is_formal]._storage if is_formal is not None else None
-            handles.append(Tensor(shape, stride, offset, dtype, device, session, mesh, stream,
-                                  ref, storage))
+            handles.append(
+                Tensor(shape, stride, offset, dtype, device, session, mesh, stream, ref, storage)
+            )
             results.append(ref)
         captured = [ref() for ref in trace.captured]
-        changed = [actuals[i] if i is not None else next(
-            (h for h in captured if h is not None and h._ref.id == ref), None)
-            for i, ref in trace.mutated]
+        changed = [
+            actuals[i]
+            if i is not None
+            else next((h for h in captured if h is not None and h._ref.id == ref), None)
+            for i, ref in trace.mutated
+        ]
         mutates = mutated_refs([h for h in changed if h is not None])
         seq = session.new_seq()
         uses = [a._ref.id for a in actuals] + [h._ref.id for h in captured if h is not None]
         session.invoke(seq, uses, [r.id for r in results] + mutates)
-        session.send(tuple(trace.ranks), m.CallRecording(seq, trace.ref, results,
-                                                         [a._ref for a in actuals]))
+        session.send(
+            tuple(trace.ranks), m.CallRecording(seq, trace.ref, results, [a._ref for a in actuals])
+        )
     it = iter(handles)
     leaves = [next(it) if x is TENSOR_SLOT else x for x in trace.template]
     return tree_unflatten(leaves, trace.out_spec)
@@ -258,14 +313,21 @@ def _normalize(messages: list[tuple[tuple[int, ...], Any]]) -> list:
     return [(ranks, norm(msg)) for ranks, msg in messages]
 
 
-def _compare(fn: Callable, first: list[tuple[tuple[int, ...], Any]],
-             second: list[tuple[tuple[int, ...], Any]]) -> None:
+def _compare(
+    fn: Callable,
+    first: list[tuple[tuple[int, ...], Any]],
+    second: list[tuple[tuple[int, ...], Any]],
+) -> None:
     a, b = _normalize(first), _normalize(second)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            raise RuntimeError(f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
-                               f"operation {i}: traced {x!r}, now {y!r}")
+            raise RuntimeError(
+                f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
+                f"operation {i}: traced {x!r}, now {y!r}"
+            )
     if len(a) != len(b):
-        raise RuntimeError(f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
-                           f"operation {min(len(a), len(b))}: traced {len(a)} operations, now "
-                           f"{len(b)}")
+        raise RuntimeError(
+            f"compiled function {getattr(fn, '__qualname__', fn)} diverges at "
+            f"operation {min(len(a), len(b))}: traced {len(a)} operations, now "
+            f"{len(b)}"
+        )

@@ -11,8 +11,15 @@ class RemoteException(Exception):
     when known, is where the failing call was issued on the client.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, seq: int | None = None,
-                 traceback: str = "", controller_traceback: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        seq: int | None = None,
+        traceback: str = "",
+        controller_traceback: str = "",
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.seq = seq
@@ -34,14 +41,18 @@ class RemoteException(Exception):
         return text
 
     def __reduce__(self) -> tuple:
-        return (_rebuild_remote, (self.args[0], self.rank, self.seq, self.traceback,
-                                  self.controller_traceback))
+        return (
+            _rebuild_remote,
+            (self.args[0], self.rank, self.seq, self.traceback, self.controller_traceback),
+        )
 
 
-def _rebuild_remote(message: str, rank: int | None, seq: int | None, traceback: str,
-                    controller_traceback: str) -> RemoteException:
-    return RemoteException(message, rank=rank, seq=seq, traceback=traceback,
-                           controller_traceback=controller_traceback)
+def _rebuild_remote(
+    message: str, rank: int | None, seq: int | None, traceback: str, controller_traceback: str
+) -> RemoteException:
+    return RemoteException(
+        message, rank=rank, seq=seq, traceback=traceback, controller_traceback=controller_traceback
+    )
 
 
 class DeviceException(Exception):
@@ -76,9 +87,16 @@ class LivenessWarning(UserWarning):
     with it.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, stream: object = None,
-                 seq: int | None = None, waiting_on: str = "",
-                 stalls: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        stream: object = None,
+        seq: int | None = None,
+        waiting_on: str = "",
+        stalls: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.stream = stream

@@ -60,15 +60,20 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     return fetch_value(mesh._session, rank, obj)
 
 
-def inspect(obj: Any, shard: dict[str, int] | None = None, *, timeout: float | None = None,
-            **coords: int) -> Any:
+def inspect(
+    obj: Any, shard: dict[str, int] | None = None, *, timeout: float | None = None, **coords: int
+) -> Any:
     """``fetch_shard(obj, ...).result(timeout)``: the value on one rank, tensors on the CPU."""
     return fetch_shard(obj, shard, **coords).result(timeout)
 
 
-def fetch_value(session: Session, rank: int, value: Any,
-                function: m.FunctionPath | m.Cloudpickle | None = None,
-                args_kwargs: m.ArgsKwargs | None = None) -> MeshFuture:
+def fetch_value(
+    session: Session,
+    rank: int,
+    value: Any,
+    function: m.FunctionPath | m.Cloudpickle | None = None,
+    args_kwargs: m.ArgsKwargs | None = None,
+) -> MeshFuture:
     """Send ``value`` (or ``function(*args)``) from global ``rank`` back to the client."""
     if session.capture is not None:
         raise NotImplementedError("NYI: fetching results during a coalescing block")
@@ -98,12 +103,14 @@ class _Declared:
         self.rank, self.seq = rank, seq
 
     def __call__(self, value: Any) -> None:
-        got = [(tuple(t.shape), t.dtype) for t in tree_leaves(value)
-               if isinstance(t, torch.Tensor)]
+        got = [(tuple(t.shape), t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         for (shape, dtype), (real_shape, real_dtype) in zip(self.declared, got):
             if shape != real_shape or dtype != real_dtype:
                 raise RemoteException(
                     f"the value on rank {self.rank} has shape {real_shape} dtype {real_dtype}, "
                     f"but the client believes shape {shape} dtype {dtype}: the function that "
                     "made it returned something else than its propagation said (fix its "
-                    "propagate or its result)", rank=self.rank, seq=self.seq)
+                    "propagate or its result)",
+                    rank=self.rank,
+                    seq=self.seq,
+                )

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 class DeviceMesh:
     """Named dimensions over a slice of global ranks."""
 
-    def __init__(self, session: Session, names: Sequence[str], ranks: Slice,
-                 propagator: Propagator) -> None:
+    def __init__(
+        self, session: Session, names: Sequence[str], ranks: Slice, propagator: Propagator
+    ) -> None:
         names = tuple(names)
         if len(set(names)) != len(names):
             raise ValueError(f"Duplicate dimension name in {list(names)}")
@@ -116,12 +117,15 @@ class DeviceMesh:
                 raise ValueError(f"Cannot infer size of {missing} when splitting {name!r}")
             if missing:
                 if product == 0 or size % product:
-                    raise ValueError(f"dim {name!r} of size {size} cannot be evenly divided "
-                                     f"by {product}")
+                    raise ValueError(
+                        f"dim {name!r} of size {size} cannot be evenly divided by {product}"
+                    )
                 known[missing[0]] = size // product
             if math.prod(known.values()) != size:
-                raise ValueError(f"dim {name!r} of size {size} cannot be evenly divided into "
-                                 f"{[known[p] for p in parts]}")
+                raise ValueError(
+                    f"dim {name!r} of size {size} cannot be evenly divided into "
+                    f"{[known[p] for p in parts]}"
+                )
             step = stride
             part_strides = []
             for p in reversed(parts):
@@ -134,8 +138,11 @@ class DeviceMesh:
 
     def flatten(self, name: str) -> DeviceMesh:
         """All dims as one: only when the ranks, row-major, step by one stride."""
-        dims = [(size, stride) for size, stride in zip(self._slice.sizes, self._slice.strides)
-                if size > 1]
+        dims = [
+            (size, stride)
+            for size, stride in zip(self._slice.sizes, self._slice.strides)
+            if size > 1
+        ]
         for (_, outer), (size, inner) in zip(dims, dims[1:]):
             if outer != inner * size:
                 raise ValueError(f"cannot flatten sparse mesh {self!r}")
@@ -201,8 +208,9 @@ class DeviceMesh:
             if d not in self._names:
                 raise KeyError(f"{d!r} is not a dimension of {self!r}")
         with self.activate():
-            return remote("dask_monarch.mesh._coordinate",
-                          propagate=_coordinate_propagate)(self, names)
+            return remote("dask_monarch.mesh._coordinate", propagate=_coordinate_propagate)(
+                self, names
+            )
 
     def process_group(self, dims: str | Sequence[str]) -> RemoteProcessGroup:
         """A torch.distributed group over ``dims``, usable as an argument of remote functions."""
@@ -213,8 +221,12 @@ class DeviceMesh:
         session = self._session
         with session.lock:
             ref = session.new_ref()
-            session.send_setup(self._ranks, m.CreateRemoteProcessGroup(
-                ref, session.mesh_ref(self._names, self._slice), list(names)))
+            session.send_setup(
+                self._ranks,
+                m.CreateRemoteProcessGroup(
+                    ref, session.mesh_ref(self._names, self._slice), list(names)
+                ),
+            )
         return RemoteProcessGroup(self, names, ref)
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
@@ -250,13 +262,16 @@ class DeviceMesh:
         workers = self._session.controller.workers
         head = "".join(f"<th>{html.escape(n)}</th>" for n in (*self._names, "rank", "worker"))
         body = "".join(
-            "<tr>" + "".join(f"<td>{c}</td>" for c in self._slice.coordinates(r))
+            "<tr>"
+            + "".join(f"<td>{c}</td>" for c in self._slice.coordinates(r))
             + f"<td>{r}</td><td>{html.escape(workers[r])}</td></tr>"
             for r in self._ranks
         )
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
-        return (f"<div><strong>DeviceMesh</strong>({html.escape(dims)}) on "
-                f"{len(self._ranks)} ranks<table><tr>{head}</tr>{body}</table></div>")
+        return (
+            f"<div><strong>DeviceMesh</strong>({html.escape(dims)}) on "
+            f"{len(self._ranks)} ranks<table><tr>{head}</tr>{body}</table></div>"
+        )
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
@@ -266,8 +281,12 @@ class DeviceMesh:
         return f"DeviceMesh({dims})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, DeviceMesh) and other._session is self._session
-                and other._names == self._names and other._slice == self._slice)
+        return (
+            isinstance(other, DeviceMesh)
+            and other._session is self._session
+            and other._names == self._names
+            and other._slice == self._slice
+        )
 
     def __hash__(self) -> int:
         return hash((id(self._session), self._names, self._slice))

@@ -30,8 +30,15 @@ if TYPE_CHECKING:
 class Pipe:
     """Both ends of a pipe on the client: values to the producers, batches from them."""
 
-    def __init__(self, mesh: DeviceMesh, fn: Callable | str, args: tuple, kwargs: dict,
-                 max_messages: int, propagate: Callable | None) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        fn: Callable | str,
+        args: tuple,
+        kwargs: dict,
+        max_messages: int,
+        propagate: Callable | None,
+    ) -> None:
         if type(max_messages) is not int or max_messages < 1:
             raise ValueError(f"max_messages must be a positive int, got {max_messages!r}")
         self.mesh = mesh
@@ -40,9 +47,17 @@ class Pipe:
         name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", "pipe")
         with session.lock:
             self.ref = session.new_ref()
-            session.send_setup(mesh._ranks, m.CreatePipe(
-                self.ref, str(name), resolvable(fn), max_messages,
-                session.mesh_ref(mesh.dims, mesh.slice_), m.ArgsKwargs.from_python(args, kwargs)))
+            session.send_setup(
+                mesh._ranks,
+                m.CreatePipe(
+                    self.ref,
+                    str(name),
+                    resolvable(fn),
+                    max_messages,
+                    session.mesh_ref(mesh.dims, mesh.slice_),
+                    m.ArgsKwargs.from_python(args, kwargs),
+                ),
+            )
 
     def __monarch_ref__(self) -> m.Ref:
         return self.ref
@@ -55,13 +70,19 @@ class Pipe:
         """
         if self._spec is None:
             peek = m.FunctionPath("dask_monarch.worker.pipe.peek")
-            future = fetch_value(self._session, self.mesh._ranks[0], None, function=peek,
-                                 args_kwargs=m.ArgsKwargs.from_python((self,)))
+            future = fetch_value(
+                self._session,
+                self.mesh._ranks[0],
+                None,
+                function=peek,
+                args_kwargs=m.ArgsKwargs.from_python((self,)),
+            )
             packed, treespec = future.result(timeout)
             treespec = treespec_loads(treespec)
             self._spec = tree_unflatten(
-                [None if (t := described_tensor(p)) is None else Spec((*t, None))
-                 for p in packed], treespec)
+                [None if (t := described_tensor(p)) is None else Spec((*t, None)) for p in packed],
+                treespec,
+            )
         self._session.flush_pending()
 
         def message(seq: int, results: list, _: list, stream_ref: m.StreamRef) -> m.PipeRecv:
@@ -79,15 +100,24 @@ class Pipe:
             first_use(session, handles)
             seq = session.new_seq()
             session.invoke(seq, [h._ref.id for h in handles], [])
-            session.send(mesh._ranks, m.SendValue(seq, self.ref, [], None,
-                                                  m.ArgsKwargs.from_python((value,)), stream_ref))
+            session.send(
+                mesh._ranks,
+                m.SendValue(
+                    seq, self.ref, [], None, m.ArgsKwargs.from_python((value,)), stream_ref
+                ),
+            )
 
     def __repr__(self) -> str:
         return f"<Pipe {self.ref} on {self.mesh!r}>"
 
 
-def create_pipe(fn: Callable | str, *args: Any, max_messages: int = 2,
-                propagate: Callable | None = None, **kwargs: Any) -> Pipe:
+def create_pipe(
+    fn: Callable | str,
+    *args: Any,
+    max_messages: int = 2,
+    propagate: Callable | None = None,
+    **kwargs: Any,
+) -> Pipe:
     """Start ``fn(pipe, *args, **kwargs)`` for every rank of the active mesh."""
     mesh = active_mesh()
     if mesh is None:

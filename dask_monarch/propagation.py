@@ -26,8 +26,20 @@ if TYPE_CHECKING:
 
     from .tensor import Tensor
 
-_SCALARS = frozenset({int, float, bool, str, type(None), complex, torch.dtype, torch.device,
-                      torch.layout, torch.memory_format})
+_SCALARS = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        complex,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
 CACHE_SIZE = 8192
 
 
@@ -93,8 +105,9 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         aliases.append(target)
         written.append(bool(info is not None and info.is_write and target is not None))
     makes_tensors = any("Tensor" in str(ret.type) for ret in schema.returns)
-    return OpInfo(m.FunctionPath(path), names, tuple(writes), tuple(aliases), tuple(written),
-                  makes_tensors)
+    return OpInfo(
+        m.FunctionPath(path), names, tuple(writes), tuple(aliases), tuple(written), makes_tensors
+    )
 
 
 # -- output plans ----------------------------------------------------------------------------
@@ -148,8 +161,9 @@ class Propagator:
         self._cache: dict[tuple, Plan] = {}
         self._mode = FakeTensorMode(allow_non_fake_inputs=False)
 
-    def plan(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict,
-             handles: list[Tensor]) -> Plan:
+    def plan(
+        self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor]
+    ) -> Plan:
         """The outputs of ``func(*args, **kwargs)``; ``handles`` are the mesh tensors in it."""
         try:
             key = (func, _key(args, handles), _key_kwargs(kwargs, handles))
@@ -215,18 +229,23 @@ def _plan_of(result: Any, info: OpInfo) -> Plan:
             elif isinstance(r, torch.Tensor):
                 outputs.append(_output(r, info, i if len(info.returns_alias) > 1 else 0))
             else:
-                raise ValueError(f"{info.function.path} returns a {type(r).__name__}: a value "
-                                 "on the ranks, to be fetched with dask_monarch.inspect")
+                raise ValueError(
+                    f"{info.function.path} returns a {type(r).__name__}: a value "
+                    "on the ranks, to be fetched with dask_monarch.inspect"
+                )
         return Plan("list" if isinstance(result, list) else "tuple", tuple(outputs))
-    raise ValueError(f"{info.function.path} returns a {type(result).__name__}, which lives on "
-                     "the ranks: fetch it with dask_monarch.inspect or fetch_shard")
+    raise ValueError(
+        f"{info.function.path} returns a {type(result).__name__}, which lives on "
+        "the ranks: fetch it with dask_monarch.inspect or fetch_shard"
+    )
 
 
 def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
     alias = info.returns_alias[index] if index < len(info.returns_alias) else None
     is_arg = info.returns_write[index] if index < len(info.returns_write) else False
-    return Output(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
-                  alias, is_arg)
+    return Output(
+        tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, alias, is_arg
+    )
 
 
 # -- cache keys ------------------------------------------------------------------------------

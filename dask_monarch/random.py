@@ -36,8 +36,10 @@ def _states() -> torch.Tensor:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state = torch.cuda.get_rng_state()
         if state.numel() != CUDA_STATE_BYTES:
-            raise RuntimeError(f"dask_monarch.random expects a {CUDA_STATE_BYTES}-byte CUDA "
-                               f"generator state, this torch has {state.numel()}")
+            raise RuntimeError(
+                f"dask_monarch.random expects a {CUDA_STATE_BYTES}-byte CUDA "
+                f"generator state, this torch has {state.numel()}"
+            )
         cuda[0], cuda[1:] = 1, state
     return torch.cat([torch.get_rng_state(), cuda])
 
@@ -47,14 +49,16 @@ def _set_states(states: torch.Tensor) -> None:
     split = states.numel() - 1 - CUDA_STATE_BYTES
     torch.set_rng_state(states[:split].clone())
     if states[split].item():
-        torch.cuda.set_rng_state(states[split + 1:].clone())
+        torch.cuda.set_rng_state(states[split + 1 :].clone())
 
 
 _seed = remote("torch.manual_seed", propagate="inspect")
 _get_state = remote(
     "dask_monarch.random._states",
-    propagate=lambda: torch.empty(torch.get_rng_state().numel() + 1 + CUDA_STATE_BYTES,
-                                  dtype=torch.uint8))
+    propagate=lambda: torch.empty(
+        torch.get_rng_state().numel() + 1 + CUDA_STATE_BYTES, dtype=torch.uint8
+    ),
+)
 _set_state = remote("dask_monarch.random._set_states", propagate=lambda states: None)
 
 

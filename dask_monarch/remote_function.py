@@ -41,6 +41,7 @@ from .tensor import Tensor, issue, mutated_refs, placement
 
 logger = logging.getLogger("dask_monarch.remote_function")
 
+
 def resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
     """An import path when the function can be found by one, else its cloudpickle."""
     if isinstance(fn, str):
@@ -90,16 +91,24 @@ class Remote:
         else:
             spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
 
-        def message(seq: int, results: list, mutates: list[int],
-                    stream_ref: m.StreamRef) -> m.CallFunction:
-            return m.CallFunction(seq, results, [m.Ref(r) for r in mutates], self._function,
-                                  m.ArgsKwargs.from_python(args, kwargs), stream_ref,
-                                  [g.ref for g in groups])
+        def message(
+            seq: int, results: list, mutates: list[int], stream_ref: m.StreamRef
+        ) -> m.CallFunction:
+            return m.CallFunction(
+                seq,
+                results,
+                [m.Ref(r) for r in mutates],
+                self._function,
+                m.ArgsKwargs.from_python(args, kwargs),
+                stream_ref,
+                [g.ref for g in groups],
+            )
 
         return bind_outputs(spec, mesh, stream, handles, message, mutated, groups)
 
-    def _propagate_remotely(self, mesh: DeviceMesh, args: tuple, kwargs: dict,
-                            handles: list[Tensor]) -> tuple[Any, list]:
+    def _propagate_remotely(
+        self, mesh: DeviceMesh, args: tuple, kwargs: dict, handles: list[Tensor]
+    ) -> tuple[Any, list]:
         key = tuple((h._mkey, id(h._storage)) for h in handles)
         try:
             key = (key, _static_key((args, kwargs)))
@@ -108,9 +117,13 @@ class Remote:
         cached = self._cache.get(key) if key is not None else None
         if cached is None:
             rank = mesh._ranks[0]
-            future = fetch_value(mesh._session, rank, None, function=m.FunctionPath(
-                "dask_monarch.remote_function._propagate_on_rank"),
-                args_kwargs=m.ArgsKwargs.from_python((self._function, args, kwargs)))
+            future = fetch_value(
+                mesh._session,
+                rank,
+                None,
+                function=m.FunctionPath("dask_monarch.remote_function._propagate_on_rank"),
+                args_kwargs=m.ArgsKwargs.from_python((self._function, args, kwargs)),
+            )
             cached = _unpack_spec(future.result())
             if key is not None:
                 self._cache[key] = cached
@@ -122,16 +135,22 @@ class Remote:
         handles = [x for x in leaves if isinstance(x, Tensor)]
         mesh, _ = placement(handles, repr(self), "borrow it first")
         rank = shard_rank(mesh, shard or {})
-        return fetch_value(mesh._session, rank, None, function=self._function,
-                           args_kwargs=m.ArgsKwargs.from_python(args, kwargs)).result()
+        return fetch_value(
+            mesh._session,
+            rank,
+            None,
+            function=self._function,
+            args_kwargs=m.ArgsKwargs.from_python(args, kwargs),
+        ).result()
 
     def __repr__(self) -> str:
         name = self._fn if isinstance(self._fn, str) else getattr(self._fn, "__qualname__", "?")
         return f"<remote {name}>"
 
 
-def remote(fn: Callable | str | None = None, *,
-           propagate: Callable | str | None = None) -> Remote | Callable[[Callable], Remote]:
+def remote(
+    fn: Callable | str | None = None, *, propagate: Callable | str | None = None
+) -> Remote | Callable[[Callable], Remote]:
     """Make ``fn`` (a callable or an import path) run on every rank of a mesh.
 
     Usable as ``@remote``, ``@remote(propagate=...)`` and ``remote("pkg.mod.fn", ...)``.
@@ -141,9 +160,15 @@ def remote(fn: Callable | str | None = None, *,
     return Remote(fn, propagate)
 
 
-def bind_outputs(spec: Any, mesh: DeviceMesh, stream: Stream, handles: list[Tensor],
-                 make: Callable, mutated: Sequence[Tensor] = (),
-                 groups: Sequence[RemoteProcessGroup] = ()) -> Any:
+def bind_outputs(
+    spec: Any,
+    mesh: DeviceMesh,
+    stream: Stream,
+    handles: list[Tensor],
+    make: Callable,
+    mutated: Sequence[Tensor] = (),
+    groups: Sequence[RemoteProcessGroup] = (),
+) -> Any:
     """Send ``make(seq, results, mutates, stream_ref)``, a call whose outputs are ``spec``'s
     tensors (or nothing when ``spec`` is None); returns handles in ``spec``'s shape.
 
@@ -162,8 +187,20 @@ def bind_outputs(spec: Any, mesh: DeviceMesh, stream: Stream, handles: list[Tens
             if isinstance(leaf, Spec):
                 shape, stride, offset, dtype, device, alias = leaf
                 ref = session.new_ref()
-                out.append(Tensor(shape, stride, offset, dtype, device, session, mesh, stream,
-                                  ref, alias._storage if alias is not None else None))
+                out.append(
+                    Tensor(
+                        shape,
+                        stride,
+                        offset,
+                        dtype,
+                        device,
+                        session,
+                        mesh,
+                        stream,
+                        ref,
+                        alias._storage if alias is not None else None,
+                    )
+                )
                 results.append(ref)
             else:
                 out.append(leaf)
@@ -196,8 +233,9 @@ def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[A
             if f is None:
                 shape, stride, offset, dtype, device = x._mkey
                 with mode:
-                    f = fakes[id(x)] = torch.empty_strided(shape, stride, dtype=dtype,
-                                                           device=device)
+                    f = fakes[id(x)] = torch.empty_strided(
+                        shape, stride, dtype=dtype, device=device
+                    )
             return f
         return x
 
@@ -221,8 +259,7 @@ class Spec(tuple):
 
 def _spec(t: torch.Tensor, storages: dict) -> Spec:
     alias = storages.get(StorageWeakRef(t.untyped_storage())) if storages else None
-    return Spec((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device,
-                  alias))
+    return Spec((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, alias))
 
 
 def _static_key(tree: Any) -> tuple:
@@ -231,15 +268,17 @@ def _static_key(tree: Any) -> tuple:
     return (str(spec), tuple(parts))
 
 
-def _propagate_on_rank(function: m.FunctionPath | m.Cloudpickle, args: tuple,
-                       kwargs: dict) -> tuple[list[tuple], str]:
+def _propagate_on_rank(
+    function: m.FunctionPath | m.Cloudpickle, args: tuple, kwargs: dict
+) -> tuple[list[tuple], str]:
     """On rank 0: run the function on fake copies of its real inputs; return output metadata."""
     from .worker.calls import resolve_function
 
     fn = resolve_function(function)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args, fake_kwargs = tree_map(
-        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+    )
     with mode:
         out = fn(*fake_args, **fake_kwargs)
     leaves, spec = tree_flatten(out)

@@ -38,8 +38,11 @@ class Stream:
 
     @property
     def creation_mode(self) -> m.StreamCreationMode:
-        return (m.StreamCreationMode.UseDefaultStream if self.default
-                else m.StreamCreationMode.CreateNewStream)
+        return (
+            m.StreamCreationMode.UseDefaultStream
+            if self.default
+            else m.StreamCreationMode.CreateNewStream
+        )
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
@@ -69,14 +72,12 @@ class Stream:
             if t._storage.borrow is not None:
                 raise RuntimeError(f"{t!r} is itself borrowed; borrow the original tensor")
             if mutable and t._storage._lent:
-                raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed "
-                                   "immutably")
+                raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed immutably")
             src, dst = session.stream_ref(t._stream), session.stream_ref(self)
             borrow_id, result = session.new_id(), session.new_ref()
             first_use(session, [t])
             shape, stride, offset, dtype, device = t._mkey
-            borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self,
-                              result)
+            borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self, result)
             issue(session, [t], [result.id], [borrowed])
             session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             handle = Borrow(session, borrow_id, t, borrowed, mutable)

@@ -55,13 +55,23 @@ class Tensor(torch.Tensor):
     _stream: Stream
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
-                dtype: torch.dtype, device: torch.device, session: Session, mesh: DeviceMesh,
-                stream: Stream, ref: m.Ref, storage: StorageInfo | None = None,
-                owns_ref: bool = True) -> Tensor:
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride,
-                                                storage_offset=offset, dtype=dtype,
-                                                device=device)
+    def __new__(
+        cls,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        offset: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        session: Session,
+        mesh: DeviceMesh,
+        stream: Stream,
+        ref: m.Ref,
+        storage: StorageInfo | None = None,
+        owns_ref: bool = True,
+    ) -> Tensor:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=device
+        )
         t._mkey = (shape, stride, offset, dtype, device)
         t._session = session
         t._mesh = mesh
@@ -78,8 +88,9 @@ class Tensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func: OpOverload, types: tuple[type, ...], args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        cls, func: OpOverload, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return dispatch(func, args, kwargs or {})
 
     # -- the mesh side ------------------------------------------------------------------------
@@ -108,15 +119,26 @@ class Tensor(torch.Tensor):
     def dropped(self) -> bool:
         return self._dropped is not None
 
-    def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
-               mesh: DeviceMesh | None = None, out: Tensor | None = None) -> Tensor:
+    def reduce(
+        self,
+        dims: str | Sequence[str],
+        reduction: str = "sum",
+        scatter: bool = False,
+        mesh: DeviceMesh | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
         """A collective over mesh ``dims`` (see :func:`dask_monarch.reduce`)."""
         from .collectives import reduce
 
         return reduce(self, dims, reduction, scatter=scatter, mesh=mesh, out=out)
 
-    def reduce_(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
-                mesh: DeviceMesh | None = None) -> Tensor:
+    def reduce_(
+        self,
+        dims: str | Sequence[str],
+        reduction: str = "sum",
+        scatter: bool = False,
+        mesh: DeviceMesh | None = None,
+    ) -> Tensor:
         """In-place :meth:`reduce`."""
         from .collectives import reduce_
 
@@ -138,9 +160,11 @@ class Tensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = " dropped" if self._dropped is not None else ""
-        return (f"dask_monarch.Tensor(shape={list(self.shape)}, dtype={self.dtype}, "
-                f"device={self.device}, mesh={self._mesh!r}, stream={self._stream.name!r}, "
-                f"ref={self._ref}{state})")
+        return (
+            f"dask_monarch.Tensor(shape={list(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, mesh={self._mesh!r}, stream={self._stream.name!r}, "
+            f"ref={self._ref}{state})"
+        )
 
     def __format__(self, spec: str) -> str:
         return repr(self)
@@ -182,10 +206,30 @@ def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     return operator
 
 
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__",
-              "__rmatmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
-              "__mod__", "__pow__", "__rpow__", "__and__", "__or__", "__xor__", "__iadd__",
-              "__isub__", "__imul__", "__itruediv__"):
+for _name in (
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__matmul__",
+    "__rmatmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__pow__",
+    "__rpow__",
+    "__and__",
+    "__or__",
+    "__xor__",
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+):
     if hasattr(torch.Tensor, _name):
         setattr(Tensor, _name, _operator(_name))
 
@@ -195,24 +239,31 @@ def check_usable(t: Tensor) -> None:
     if t._session.closed:
         raise exited(t._mesh)
     if t._dropped is not None:
-        raise misuse(f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n"
-                     f"{t._dropped}")
+        raise misuse(
+            f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n{t._dropped}"
+        )
     if t._storage.lent_mutably is not None:
-        raise misuse(f"BORROWED: {t!r} is borrowed by stream "
-                     f"{t._storage.lent_mutably.borrowed._stream.name!r}; use the borrowed "
-                     "tensor until the borrow is dropped")
+        raise misuse(
+            f"BORROWED: {t!r} is borrowed by stream "
+            f"{t._storage.lent_mutably.borrowed._stream.name!r}; use the borrowed "
+            "tensor until the borrow is dropped"
+        )
 
 
 def exited(mesh: DeviceMesh) -> RuntimeError:
-    return RuntimeError(f"{mesh!r} has exited (mesh.exit()): its tensors are gone and it runs "
-                        "nothing more; create a new mesh with dask_monarch.device_mesh")
+    return RuntimeError(
+        f"{mesh!r} has exited (mesh.exit()): its tensors are gone and it runs "
+        "nothing more; create a new mesh with dask_monarch.device_mesh"
+    )
 
 
 def check_mutable(t: Tensor) -> None:
     """A tensor lent immutably, or borrowed immutably, may not change."""
     if t._storage._lent:
-        raise misuse(f"MUTATING_BORROW: {t!r} is borrowed immutably by another stream and "
-                     "cannot be changed until the borrow is dropped")
+        raise misuse(
+            f"MUTATING_BORROW: {t!r} is borrowed immutably by another stream and "
+            "cannot be changed until the borrow is dropped"
+        )
     borrow = t._storage.borrow
     if borrow is not None and not borrow.mutable:
         raise misuse(f"MUTATING_BORROW: {t!r} is an immutable borrow and cannot be changed")
@@ -221,8 +272,7 @@ def check_mutable(t: Tensor) -> None:
 # -- activation ------------------------------------------------------------------------------
 
 # Per thread and per asyncio task: two threads (or tasks) may drive two meshes at once.
-_active_mesh: ContextVar[DeviceMesh | None] = ContextVar("dask_monarch_active_mesh",
-                                                         default=None)
+_active_mesh: ContextVar[DeviceMesh | None] = ContextVar("dask_monarch_active_mesh", default=None)
 active_mesh: Callable[[], DeviceMesh | None] = _active_mesh.get
 
 
@@ -242,11 +292,15 @@ def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, 
     for h in handles:
         check_usable(h)
         if h._mesh is not mesh and h._mesh != mesh:
-            raise misuse(f"WRONG_MESH: {h!r} is on {h._mesh!r}, but {what} also uses "
-                         f"tensors on {mesh!r}; move it with .to_mesh()")
+            raise misuse(
+                f"WRONG_MESH: {h!r} is on {h._mesh!r}, but {what} also uses "
+                f"tensors on {mesh!r}; move it with .to_mesh()"
+            )
         if h._stream is not stream:
-            raise misuse(f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
-                         f"stream {stream.name!r} is active; {hint}")
+            raise misuse(
+                f"WRONG_STREAM: {h!r} belongs to stream {h._stream.name!r}, but "
+                f"stream {stream.name!r} is active; {hint}"
+            )
     return mesh, stream
 
 
@@ -257,11 +311,17 @@ class _MeshMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # no torch.compile inside: skip the wrapper that costs ~10 us per op
 
-    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: tuple[type, ...],
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if not _has_mesh_tensor(args, kwargs) and (
-                active_mesh() is None or not op_info(func).makes_tensors):
+            active_mesh() is None or not op_info(func).makes_tensors
+        ):
             return func(*args, **kwargs)  # no_mesh.activate(), or an op that makes no tensor
         return dispatch(func, args, kwargs)
 
@@ -322,15 +382,18 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
         raise misuse(
             f"LOCAL_TENSOR: a local tensor of shape {list(value.shape)} was used with mesh "
             "tensors (or under an active mesh); create it under mesh.activate(), or run local "
-            "code inside dask_monarch.no_mesh.activate()")
+            "code inside dask_monarch.no_mesh.activate()"
+        )
     return value
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
     if func in _NEEDS_FETCH:
-        raise RuntimeError(f"{func} needs the value of a mesh tensor on the client: fetch it "
-                           "with dask_monarch.inspect(t) or fetch_shard(t)")
+        raise RuntimeError(
+            f"{func} needs the value of a mesh tensor on the client: fetch it "
+            "with dask_monarch.inspect(t) or fetch_shard(t)"
+        )
     handles: list[Tensor] = []
     ref_args = tuple(_scan(a, handles) for a in args)
     ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
@@ -367,20 +430,42 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
                     base = base[0] if base else None
                 storage = base._storage if isinstance(base, Tensor) else None
             ref = session.new_ref()
-            outputs.append(Tensor(out.shape, out.stride, out.offset, out.dtype, out.device,
-                                  session, mesh, stream, ref, storage))
+            outputs.append(
+                Tensor(
+                    out.shape,
+                    out.stride,
+                    out.offset,
+                    out.dtype,
+                    out.device,
+                    session,
+                    mesh,
+                    stream,
+                    ref,
+                    storage,
+                )
+            )
             results.append(ref)
         if not results:
             results = [None]
-        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates,
-                    outputs)
+        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates, outputs)
         flat = not any(type(a) in (list, tuple) for a in ref_args)
         if ref_kwargs:
             flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
         # built without the field checks: every field is known to be well formed here
-        session.send(mesh._ranks, m.CallFunction._make((
-            seq, results, [m.Ref(r) for r in mutates], info.function,
-            _tuple_new(m.ArgsKwargs, (ref_args, ref_kwargs, None, flat)), stream_ref, [])))
+        session.send(
+            mesh._ranks,
+            m.CallFunction._make(
+                (
+                    seq,
+                    results,
+                    [m.Ref(r) for r in mutates],
+                    info.function,
+                    _tuple_new(m.ArgsKwargs, (ref_args, ref_kwargs, None, flat)),
+                    stream_ref,
+                    [],
+                )
+            ),
+        )
     if plan.kind == "tensor":
         return outputs[0]
     if plan.kind == "none":
@@ -395,8 +480,9 @@ def issue(session: Session, inputs: list[Tensor], defs: list[int], outputs: list
     session.invoke(seq, [h._ref.id for h in inputs], defs)
     capture = session.capture
     if capture is not None and capture.tracing:
-        capture.note([(h._ref.id, h) for h in inputs],
-                     [o for o in outputs if isinstance(o, Tensor)])
+        capture.note(
+            [(h._ref.id, h) for h in inputs], [o for o in outputs if isinstance(o, Tensor)]
+        )
     return seq
 
 

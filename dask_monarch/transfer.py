@@ -43,12 +43,15 @@ class MeshSliceTensor:
 
 def slice_mesh(tensors: Any, **selection: int | slice) -> Any:
     """The shards of every mesh tensor in ``tensors`` on ``mesh.slice(**selection)``."""
-    return tree_map(lambda t: MeshSliceTensor(t, t._mesh.slice(**selection))
-                    if isinstance(t, Tensor) else t, tensors)
+    return tree_map(
+        lambda t: MeshSliceTensor(t, t._mesh.slice(**selection)) if isinstance(t, Tensor) else t,
+        tensors,
+    )
 
 
 def to_mesh(tensors: Any, mesh: DeviceMesh, stream: Stream | None = None) -> Any:
     """Copy every mesh tensor (or mesh slice) in ``tensors`` onto ``mesh``."""
+
     def move(t: Any) -> Any:
         if isinstance(t, MeshSliceTensor):
             return t.to_mesh(mesh, stream)
@@ -69,21 +72,29 @@ def _reorder(mesh: DeviceMesh, names: list[str]) -> Slice:
 def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None) -> Tensor:
     check_usable(t)
     if source._session is not dest._session:
-        raise ValueError("to_mesh moves tensors between meshes of one device_mesh (one "
-                         "controller); fetch and re-create them to cross controllers")
+        raise ValueError(
+            "to_mesh moves tensors between meshes of one device_mesh (one "
+            "controller); fetch and re-create them to cross controllers"
+        )
     missing = [d for d in source.dims if d not in dest.dims]
     if missing:
-        raise ValueError(f"destination mesh does not have dimensions {missing} of the source "
-                         f"{source!r}; slice them away with slice_mesh first")
+        raise ValueError(
+            f"destination mesh does not have dimensions {missing} of the source "
+            f"{source!r}; slice them away with slice_mesh first"
+        )
     for d in source.dims:
         if source.sizes[d] != dest.sizes[d]:
-            raise ValueError(f"dimension {d!r} has size {source.sizes[d]} on the source and "
-                             f"{dest.sizes[d]} on the destination")
+            raise ValueError(
+                f"dimension {d!r} has size {source.sizes[d]} on the source and "
+                f"{dest.sizes[d]} on the destination"
+            )
     common = [d for d in dest.dims if d in source.dims]
     broadcast = [d for d in dest.dims if d not in source.dims]
     if broadcast:
-        warnings.warn(f"to_mesh broadcasts over {broadcast}: every slice of the destination "
-                      "gets a copy", stacklevel=3)
+        warnings.warn(
+            f"to_mesh broadcasts over {broadcast}: every slice of the destination gets a copy",
+            stacklevel=3,
+        )
     from_ranks = _reorder(source, common)
     pairs = []
     for coords in product(*(range(dest.sizes[b]) for b in broadcast)):
@@ -99,11 +110,13 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
         result = session.new_ref()
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         shape = tuple(t.shape)
-        handle = Tensor(shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream,
-                        result)
+        handle = Tensor(
+            shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream, result
+        )
         issue(session, [t], [result.id], [handle])
         for from_ranks, to_ranks in pairs:
             ranks = tuple(sorted(set(from_ranks) | set(to_ranks)))
-            session.send(ranks, m.SendTensor(result, from_ranks, to_ranks, t._ref, factory,
-                                             src_ref, dst_ref))
+            session.send(
+                ranks, m.SendTensor(result, from_ranks, to_ranks, t._ref, factory, src_ref, dst_ref)
+            )
         return handle

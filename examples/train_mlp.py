@@ -37,8 +37,15 @@ def batch(seed, step: int, batch_size: int, features: int):
     return x, y
 
 
-def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 30, batch_size: int = 64,
-                  features: int = 16, hidden: int = 32, lr: float = 0.2, fetch_every: int = 5):
+def train_on_mesh(
+    mesh: dm.DeviceMesh,
+    steps: int = 30,
+    batch_size: int = 64,
+    features: int = 16,
+    hidden: int = 32,
+    lr: float = 0.2,
+    fetch_every: int = 5,
+):
     """Train data-parallel on ``mesh``; returns (step, mean loss) pairs and the final weights."""
     n = mesh.size(DIMS)
     comms = dm.Stream("comms")  # once: a stream is a lane (a thread) on every rank
@@ -68,8 +75,14 @@ def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 30, batch_size: int = 64,
     return losses, weights
 
 
-def train_locally(steps: int = 30, batch_size: int = 64, features: int = 16, hidden: int = 32,
-                  lr: float = 0.2, fetch_every: int = 5):
+def train_locally(
+    steps: int = 30,
+    batch_size: int = 64,
+    features: int = 16,
+    hidden: int = 32,
+    lr: float = 0.2,
+    fetch_every: int = 5,
+):
     """The same training in this process, on the full batch."""
     model = make_model(torch.manual_seed, features, hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -109,8 +122,10 @@ def main() -> None:
         local_losses, local_weights = train_locally(steps=args.steps)
         same = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(weights, local_weights))
         close = all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(losses, local_losses))
-        print(f"{args.steps} steps in {elapsed:.2f}s; matches single-process training: "
-              f"losses {close}, weights {same}")
+        print(
+            f"{args.steps} steps in {elapsed:.2f}s; matches single-process training: "
+            f"losses {close}, weights {same}"
+        )
         if not (same and close):
             raise SystemExit("the mesh and the local run disagree")
     finally:

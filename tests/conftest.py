@@ -76,8 +76,7 @@ def mesh2(client2):
     yield from _user_mesh(client2, gpu=2)
 
 
-
-
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "exercises(*messages): worker messages whose effect the test checks")
+        "markers", "exercises(*messages): worker messages whose effect the test checks"
+    )

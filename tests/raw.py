@@ -12,8 +12,15 @@ def call(seq, results, fn, *args, mutates=(), stream=S0, groups=(), **kwargs):
     """CallFunction of ``fn`` (a path or callable); ``results`` a Ref, None or a list."""
     if results is None or isinstance(results, Ref):
         results = [results]
-    return m.CallFunction(seq, list(results), list(mutates), fn,
-                          ArgsKwargs.from_python(args, kwargs), stream, list(groups))
+    return m.CallFunction(
+        seq,
+        list(results),
+        list(mutates),
+        fn,
+        ArgsKwargs.from_python(args, kwargs),
+        stream,
+        list(groups),
+    )
 
 
 def fetch(seq, value, stream=S0, fn=None, mutates=(), **kwargs):

@@ -210,6 +210,8 @@ def interrupt_main_then(x, seconds=1.0):
 
 def raise_keyboard_interrupt(x):
     raise KeyboardInterrupt("interrupted inside a remote function")
+
+
 def exit_process(x, code=1):
     """Kill this worker process at once (no cleanup, no exception): a lost worker."""
     import os

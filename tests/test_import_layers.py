@@ -65,6 +65,7 @@ def _graph() -> dict[str, dict[str, bool]]:
 
 def _located_imports(tree: ast.Module):
     """(import node, at module level?) pairs; module level means outside any function."""
+
     def walk(node, top):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
@@ -76,8 +77,7 @@ def _located_imports(tree: ast.Module):
     def walk_one(node, top):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node, top
-        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                              ast.Lambda))
+        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         yield from walk(node, inner)
 
     yield from walk(tree, True)
@@ -138,8 +138,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _user_api() -> set[str]:
     """The top-level modules (not the layers' packages) that are not shared."""
-    return {name for name, path in _modules().items()
-            if "." not in name and path.name != "__init__.py" and name not in SHARED}
+    return {
+        name
+        for name, path in _modules().items()
+        if "." not in name and path.name != "__init__.py" and name not in SHARED
+    }
 
 
 def test_the_graph_sees_imports_inside_functions_and_skips_type_checking():
@@ -157,7 +160,8 @@ def test_no_import_cycle_but_the_named_back_references():
         assert imported in graph[module], f"stale back-reference {module} -> {imported} ({why})"
         assert graph[module][imported] is False, (
             f"{module} imports {imported} at module level: a back-reference is imported inside "
-            f"the convenience method that needs it ({why})")
+            f"the convenience method that needs it ({why})"
+        )
     acyclic = {m: {t for t in edges if (m, t) not in BACK_REFERENCES} for m, edges in graph.items()}
     assert _cycles(acyclic) == []
 
@@ -180,6 +184,7 @@ def test_other_layers_reach_the_worker_through_its_package():
     for module, edges in graph.items():
         if module.split(".")[0] == "worker":
             continue
-        inner = sorted(t for t in edges if t.startswith("worker.")
-                       and (module, t) not in WORKER_MODULES_SHARED)
+        inner = sorted(
+            t for t in edges if t.startswith("worker.") and (module, t) not in WORKER_MODULES_SHARED
+        )
         assert not inner, f"{module} imports worker internals {inner}: use dask_monarch.worker"

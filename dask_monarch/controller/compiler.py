@@ -56,13 +56,22 @@ from ..worker import run_segment
 from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
 
-__all__ = ["Compiler", "InternalStep", "PayloadError", "Plan", "ProtocolError", "Segment",
-           "segment_name"]
+__all__ = [
+    "Compiler",
+    "InternalStep",
+    "PayloadError",
+    "Plan",
+    "ProtocolError",
+    "Segment",
+    "segment_name",
+]
 
 # Messages that carry the seq failures are reported under: (seq, stream) (RequestStatus
 # repeats the last seq; recordings run on several streams and are checked among themselves).
-_SEQ_OF = {t: attrgetter("seq", "stream") for t in (m.CallFunction, m.SendValue, m.PipeRecv,
-                                                    m.SendResultOfActorCall)}
+_SEQ_OF = {
+    t: attrgetter("seq", "stream")
+    for t in (m.CallFunction, m.SendValue, m.PipeRecv, m.SendResultOfActorCall)
+}
 _SEQ_OF[m.CallActorMethod] = attrgetter("call.seq", "call.stream")
 _SEQ_OF[m.CallRecording] = lambda msg: (msg.seq, None)
 
@@ -132,8 +141,9 @@ class Compiler:
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
 
-    def compile(self, buffer: list[tuple[tuple[int, ...], Any]],
-                final: bool | tuple[int, int] = False) -> Plan:
+    def compile(
+        self, buffer: list[tuple[tuple[int, ...], Any]], final: bool | tuple[int, int] = False
+    ) -> Plan:
         """The plan of one flush; ``final``: nothing more will be sent before a wait on every
         lane (``True``) or on one ``(rank, stream)``, so what waits for more is refused."""
         segments: list[Segment] = []
@@ -164,8 +174,9 @@ class Compiler:
                             router = routers[rank]
                             if router.exited or stream not in router.streams:
                                 list(router.route(msg))  # raises the ProtocolError
-                            seg = self._lane(rank, stream, open_lanes, open_control, segments,
-                                             new_lanes)
+                            seg = self._lane(
+                                rank, stream, open_lanes, open_control, segments, new_lanes
+                            )
                         seg.steps.append(msg)
                 elif type(msg) is m.Reduce:  # one lane per rank, as above, and checked
                     stream = int(msg.stream)
@@ -176,8 +187,9 @@ class Compiler:
                             router = routers[rank]
                             if router.exited or stream not in router.streams:
                                 list(router.route(msg))  # raises the ProtocolError
-                            seg = self._lane(rank, stream, open_lanes, open_control, segments,
-                                             new_lanes)
+                            seg = self._lane(
+                                rank, stream, open_lanes, open_control, segments, new_lanes
+                            )
                         check.reduce(rank, stream, msg)
                         seg.steps.append(msg)
                 else:
@@ -185,14 +197,16 @@ class Compiler:
                     for rank in ranks:
                         for lane, step, drains in routers[rank].route(msg):
                             if lane == CONTROL:
-                                seg = self._control(rank, open_control, open_lanes, segments,
-                                                    drains)
+                                seg = self._control(
+                                    rank, open_control, open_lanes, segments, drains
+                                )
                                 check.control(rank, step)
                                 if type(step) is m.BackendNetworkInit:
                                     rendezvous = True
                             else:
-                                seg = self._lane(rank, lane, open_lanes, open_control, segments,
-                                                 new_lanes)
+                                seg = self._lane(
+                                    rank, lane, open_lanes, open_control, segments, new_lanes
+                                )
                                 if checked:
                                     check.lane(rank, lane, step, seg.index)
                             seg.steps.append(step)
@@ -230,12 +244,14 @@ class Compiler:
         """The last segment of dropped ``lane`` ran: Exit need not follow it any more."""
         self.dropped.pop(lane, None)
 
-
     def _bad_seq(self, rank: int, stream: Any, seq: int, msg: Any) -> None:
         where = "recordings" if stream is None else f"stream {int(stream)}"
-        raise ProtocolError(rank, f"{type(msg).__name__}.seq={seq} does not increase: {where} "
-                                  f"of this rank was already sent seq {self.seqs[(rank, stream)]}; "
-                                  "give every message a new, larger seq")
+        raise ProtocolError(
+            rank,
+            f"{type(msg).__name__}.seq={seq} does not increase: {where} "
+            f"of this rank was already sent seq {self.seqs[(rank, stream)]}; "
+            "give every message a new, larger seq",
+        )
 
     def _lane(self, rank, lane, open_lanes, open_control, segments, new_lanes) -> Segment:
         per_rank = open_lanes.setdefault(rank, {})
@@ -243,11 +259,14 @@ class Compiler:
         if seg is None:
             if (rank, lane) not in self.created:
                 if self.lane_counts[rank] >= self.max_lanes:
-                    raise ProtocolError(rank, f"stream {lane} would be this rank's lane number "
-                                              f"{self.lane_counts[rank] + 1}, over the limit "
-                                              f"dask_monarch.limits.lanes={self.max_lanes} "
-                                              "(a lane is a thread on the worker): use fewer "
-                                              "streams, or raise the limit")
+                    raise ProtocolError(
+                        rank,
+                        f"stream {lane} would be this rank's lane number "
+                        f"{self.lane_counts[rank] + 1}, over the limit "
+                        f"dask_monarch.limits.lanes={self.max_lanes} "
+                        "(a lane is a thread on the worker): use fewer "
+                        "streams, or raise the limit",
+                    )
                 self.lane_counts[rank] += 1
                 self.created.add((rank, lane))
                 new_lanes.setdefault(rank, []).append((lane, self.routers[rank].streams[lane]))
@@ -269,7 +288,8 @@ class Compiler:
             seg = open_control[rank] = self._new(rank, CONTROL, tail, after, segments)
         if drains:
             seg.after.extend(
-                t.key for (r, lane), t in [*self.lanes.items(), *self.dropped.items()]
+                t.key
+                for (r, lane), t in [*self.lanes.items(), *self.dropped.items()]
                 if r == rank and lane != CONTROL and t.key is not None and t.key not in seg.after
             )
         open_lanes.pop(rank, None)  # later lane work must follow this control step
@@ -293,14 +313,26 @@ class Compiler:
             key = final[id(seg)]
             tails[(seg.rank, seg.lane)] = key
             counts[(seg.rank, seg.lane)] = seg.index
-            after = [TaskRef(final[id(k.segment)] if isinstance(k, _PendingKey) else k)
-                     for k in seg.after]
-            task = Task(key, run_segment, self.token, seg.rank, seg.lane, seg.index,
-                        payloads.get(seg), *after)
+            after = [
+                TaskRef(final[id(k.segment)] if isinstance(k, _PendingKey) else k)
+                for k in seg.after
+            ]
+            task = Task(
+                key,
+                run_segment,
+                self.token,
+                seg.rank,
+                seg.lane,
+                seg.index,
+                payloads.get(seg),
+                *after,
+            )
             layers[f"{key[0]}-{self.token}-{seg.rank}-{seg.lane}-{seg.index}"] = MaterializedLayer(
                 {key: task},
-                annotations={"resources": {self.resources[seg.rank]: 1},
-                             "executor": self.executor(seg.lane)},
+                annotations={
+                    "resources": {self.resources[seg.rank]: 1},
+                    "executor": self.executor(seg.lane),
+                },
             )
         graph = HighLevelGraph(layers, {name: set() for name in layers}) if layers else None
         return Plan(graph, list(final.values()), tails, new_lanes, counts, count, error)
@@ -341,8 +373,10 @@ class PayloadError(Exception):
     """A step of a flush that cannot be serialised: the flush cannot be sent at all."""
 
     def __init__(self, rank: int, step: Any, error: BaseException):
-        cause = (f"{type(step).__name__} {_describe(step)} cannot be serialised "
-                 f"({type(error).__name__}: {error}); nothing of this flush was sent")
+        cause = (
+            f"{type(step).__name__} {_describe(step)} cannot be serialised "
+            f"({type(error).__name__}: {error}); nothing of this flush was sent"
+        )
         super().__init__(f"rank {rank}: {cause}")
         self.rank = rank
         self.cause = cause

@@ -74,14 +74,18 @@ def client_problem(client: Client) -> str | None:
     """
     status = client.status
     if status in ("closing", "closed"):
-        return ("its distributed.Client was closed; close meshes (mesh.exit(), "
-                "Controller.close()) before their client")
+        return (
+            "its distributed.Client was closed; close meshes (mesh.exit(), "
+            "Controller.close()) before their client"
+        )
     comm = client.scheduler_comm
     if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():
         address = getattr(client.scheduler, "address", None) or "its scheduler"
-        return (f"lost the connection to the scheduler at {address} (the scheduler died or "
-                "the network failed): the mesh's work is gone; start a new mesh once the "
-                "scheduler is back")
+        return (
+            f"lost the connection to the scheduler at {address} (the scheduler died or "
+            "the network failed): the mesh's work is gone; start a new mesh once the "
+            "scheduler is back"
+        )
     return None
 
 
@@ -95,16 +99,20 @@ def _close_at_exit() -> None:
     open_ = [c for c in live_controllers() if c._broken is None]
     if not open_:
         return
-    logger.warning("dask_monarch: %d mesh%s still open at interpreter exit (%s): released "
-                   "without waiting for %s work; call mesh.exit() to wait for it",
-                   len(open_), "es were" if len(open_) > 1 else " was",
-                   ", ".join(f"controller {c.token}, {c.world_size} ranks" for c in open_),
-                   "their" if len(open_) > 1 else "its")
+    logger.warning(
+        "dask_monarch: %d mesh%s still open at interpreter exit (%s): released "
+        "without waiting for %s work; call mesh.exit() to wait for it",
+        len(open_),
+        "es were" if len(open_) > 1 else " was",
+        ", ".join(f"controller {c.token}, {c.world_size} ranks" for c in open_),
+        "their" if len(open_) > 1 else "its",
+    )
     for controller in open_:
         try:
             controller.close(timeout=0)
         except Exception as e:  # exiting anyway
             logger.debug("closing %r at exit: %r", controller, e)
+
 
 Ranks = int | Iterable[int] | Slice
 
@@ -116,8 +124,14 @@ class Controller:
     may use the same workers, each with its own lanes and refs.
     """
 
-    def __init__(self, client: Client, world_size: int, *, device: str = "auto",
-                 workers: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        world_size: int,
+        *,
+        device: str = "auto",
+        workers: list[str] | None = None,
+    ) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"Controller needs a distributed.Client, got {client!r}")
         if client.asynchronous:
@@ -138,8 +152,13 @@ class Controller:
         self._first_send = self._last_send = 0.0
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
-        self._reports = Reports(self.token, self._progress, self._break_locked,
-                                lambda: client_problem(client), client.scheduler)
+        self._reports = Reports(
+            self.token,
+            self._progress,
+            self._break_locked,
+            lambda: client_problem(client),
+            client.scheduler,
+        )
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -152,15 +171,25 @@ class Controller:
         self.workers = choose_workers(client, world_size, device, workers)
         # 'auto': NCCL for CUDA tensors, gloo for CPU ones; 'gloo': gloo for both
         self.backend = config.get("backend", "auto")
-        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device,
-                                                   self.backend)
+        self.resources, self.devices = claim_ranks(
+            client, self.token, self.workers, device, self.backend
+        )
         self._liveness = Liveness(
-            self.token, self.workers, self._reports, self._progress, self._break_locked,
+            self.token,
+            self.workers,
+            self._reports,
+            self._progress,
+            self._break_locked,
             interval=config.seconds("timeouts.heartbeat") or 0.0,
             unresponsive=config.seconds("timeouts.unresponsive") or float("inf"),
-            liveness=config.seconds("timeouts.liveness") or float("inf"))
-        client.sync(self._reports.subscribe, self.workers, client.connection_args,
-                    callback_timeout=config.seconds("timeouts.claim"))
+            liveness=config.seconds("timeouts.liveness") or float("inf"),
+        )
+        client.sync(
+            self._reports.subscribe,
+            self.workers,
+            client.connection_args,
+            callback_timeout=config.seconds("timeouts.claim"),
+        )
         client.loop.add_callback(self._liveness.start)
         self._restore_gap = lower_client_gap(client)
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
@@ -168,8 +197,9 @@ class Controller:
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
         self._max_age = config.seconds("flush.max-age")
-        self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
-                                         name=f"dask_monarch-flush-{self.token}")
+        self._flusher = threading.Thread(
+            target=self._flush_loop, daemon=True, name=f"dask_monarch-flush-{self.token}"
+        )
         self._flusher.start()
         self.messages_sent = 0  # messages handed to Dask (each counted once)
         self.flushes = 0
@@ -207,8 +237,7 @@ class Controller:
                 self._wake.set()
             full = len(buffer) >= self._flush_size
             age = now - self._first_send
-        if full or (age >= self._min_age and (age >= self._max_age
-                                              or self._reports.ranks_idle())):
+        if full or (age >= self._min_age and (age >= self._max_age or self._reports.ranks_idle())):
             self.flush()
 
     def _ranks(self, ranks: Ranks) -> tuple[int, ...]:
@@ -242,9 +271,12 @@ class Controller:
                 except PayloadError as e:
                     self._break(DeviceException(e.cause, rank=e.rank))
                 except Exception as e:  # the flush may be partly submitted: never run on
-                    self._break(DeviceException(
-                        f"a flush of {len(buffer)} messages could not be submitted "
-                        f"({type(e).__name__}: {e}); create a new controller"))
+                    self._break(
+                        DeviceException(
+                            f"a flush of {len(buffer)} messages could not be submitted "
+                            f"({type(e).__name__}: {e}); create a new controller"
+                        )
+                    )
         if self._broken is not None:
             raise self._broken
 
@@ -256,8 +288,10 @@ class Controller:
         except BaseException as e:
             problem, log = client_problem(self._client), False  # the caller raises it
             if problem is None and isinstance(e, KeyboardInterrupt):
-                problem = ("interrupted (KeyboardInterrupt) while handing a flush to Dask: the "
-                           "ranks' state is unknown; start a new mesh")
+                problem = (
+                    "interrupted (KeyboardInterrupt) while handing a flush to Dask: the "
+                    "ranks' state is unknown; start a new mesh"
+                )
             elif problem is None:
                 problem = f"handing a flush to Dask failed: {type(e).__name__}: {e}"
                 log = True  # the background flusher keeps it for the next call: say it now
@@ -314,8 +348,7 @@ class Controller:
                     try:
                         self.flush()
                     except Exception as e:  # kept as the failure; raised on the next call
-                        logger.debug("background flush of controller %s failed: %s",
-                                     self.token, e)
+                        logger.debug("background flush of controller %s failed: %s", self.token, e)
                     break
                 time.sleep(wait)
 
@@ -372,9 +405,14 @@ class Controller:
         self._send_internal((rank,), stream, ReadRef(probe, GetRefUnitTestsOnly(ref, stream)))
         self._flush((rank, stream.id))
         replies = self._reports.replies
-        self._wait(lambda: probe in replies, timeout,
-                   lambda: f"rank {rank}, stream {stream.id} to reach the read of {ref} "
-                           f"({self._liveness.lane_status(rank, stream.id)})")
+        self._wait(
+            lambda: probe in replies,
+            timeout,
+            lambda: (
+                f"rank {rank}, stream {stream.id} to reach the read of {ref} "
+                f"({self._liveness.lane_status(rank, stream.id)})"
+            ),
+        )
         with self._progress:
             reply = replies.pop(probe)
         if reply.state == "absent":
@@ -385,8 +423,9 @@ class Controller:
 
     # -- actors -------------------------------------------------------------------------------
 
-    def spawn_actor(self, ranks: Ranks, name: str, cls: type, *args: Any,
-                    **kwargs: Any) -> tuple[str, int]:
+    def spawn_actor(
+        self, ranks: Ranks, name: str, cls: type, *args: Any, **kwargs: Any
+    ) -> tuple[str, int]:
         """An instance of ``cls(*args, **kwargs)`` on each of ``ranks``; returns its broker id.
 
         The instances are Dask actors pinned to the ranks' workers; messages
@@ -399,9 +438,13 @@ class Controller:
         payload = cloudpickle.dumps((cls, args, kwargs))
         futures = {
             rank: self._client.submit(
-                construct_actor, payload, actor=True, pure=False,
+                construct_actor,
+                payload,
+                actor=True,
+                pure=False,
                 key=f"monarch_actor-{name}-{self.token}-{broker[1]}-{rank}",
-                resources={self.resources[rank]: 1})
+                resources={self.resources[rank]: 1},
+            )
             for rank in ranks
         }
         wait(list(futures.values()), timeout=config.seconds("timeouts.claim"))
@@ -413,8 +456,16 @@ class Controller:
         self._actors.extend(futures.values())
         return broker
 
-    def call_actor(self, ranks: Ranks, broker_id: tuple[str, int], seq: int, stream: StreamRef,
-                   method: str, args: tuple = (), kwargs: dict | None = None) -> None:
+    def call_actor(
+        self,
+        ranks: Ranks,
+        broker_id: tuple[str, int],
+        seq: int,
+        stream: StreamRef,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> None:
         """Say which method the actor-call message ``seq`` on ``stream`` runs, and with what.
 
         Send it before the ``SendResultOfActorCall``/``CallActorMethod`` of
@@ -495,9 +546,14 @@ class Controller:
         """Segments submitted and finished so far, and messages sent (cheap; any thread)."""
         with self._progress:
             expected, done = self._reports.segments()
-        return {"token": self.token, "messages": self.messages_sent, "flushes": self.flushes,
-                "segments": expected, "segments_done": done,
-                "state": "broken" if self._broken else "closed" if self._closed else "running"}
+        return {
+            "token": self.token,
+            "messages": self.messages_sent,
+            "flushes": self.flushes,
+            "segments": expected,
+            "segments_done": done,
+            "state": "broken" if self._broken else "closed" if self._closed else "running",
+        }
 
     # -- failure and shutdown -----------------------------------------------------------------
 
@@ -580,8 +636,9 @@ class Controller:
         try:
             self._client.sync(self._shutdown_async, callback_timeout=2 * SHUTDOWN_TIMEOUT)
         except Exception as e:  # a closed client: its loop may be gone, hang up from here
-            logger.debug("controller %s could not shut down on the client's loop: %r",
-                         self.token, e)
+            logger.debug(
+                "controller %s could not shut down on the client's loop: %r", self.token, e
+            )
             self._reports.hang_up()
 
     def __enter__(self) -> Controller:
@@ -611,7 +668,8 @@ def _check_serialisable(message: Any) -> None:
         except Exception as e:
             raise TypeError(
                 f"SetRefUnitTestsOnly.value cannot be serialised for {message.reference}: "
-                f"{type(e).__name__}: {e}; send plain data, tensors or picklable objects") from e
+                f"{type(e).__name__}: {e}; send plain data, tensors or picklable objects"
+            ) from e
     else:  # a group or recording: check what it carries
         for inner in getattr(message, "messages", None) or getattr(message, "commands", ()):
             if type(inner) in _ANY_VALUE:

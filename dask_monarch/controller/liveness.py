@@ -47,9 +47,18 @@ logger = logging.getLogger("dask_monarch.controller")
 class Liveness:
     """The heartbeat of one controller, and its view of every lane's progress."""
 
-    def __init__(self, token: str, workers: list[str], reports: Reports,
-                 progress: threading.Condition, fail: Callable[[DeviceException], None], *,
-                 interval: float, unresponsive: float, liveness: float) -> None:
+    def __init__(
+        self,
+        token: str,
+        workers: list[str],
+        reports: Reports,
+        progress: threading.Condition,
+        fail: Callable[[DeviceException], None],
+        *,
+        interval: float,
+        unresponsive: float,
+        liveness: float,
+    ) -> None:
         self.token = token
         self.workers = workers
         self.reports = reports
@@ -125,11 +134,15 @@ class Liveness:
     def _unresponsive(self, rank: int, silent: float) -> None:
         self.stop()
         with self.progress:
-            self.fail(DeviceException(
-                f"its worker {self.workers[rank]} has not answered the controller's heartbeat "
-                f"for {silent:.1f}s (dask_monarch.timeouts.unresponsive is "
-                f"{self.unresponsive:g}s): the process is frozen (stopped, e.g. by SIGSTOP or a "
-                "debugger) or cut off from this client", rank=rank))
+            self.fail(
+                DeviceException(
+                    f"its worker {self.workers[rank]} has not answered the controller's heartbeat "
+                    f"for {silent:.1f}s (dask_monarch.timeouts.unresponsive is "
+                    f"{self.unresponsive:g}s): the process is frozen (stopped, e.g. by SIGSTOP "
+                    "or a debugger) or cut off from this client",
+                    rank=rank,
+                )
+            )
 
     # -- stalled lanes ------------------------------------------------------------------------
 
@@ -158,8 +171,9 @@ class Liveness:
                     self.warned.discard(key)
                 elif key not in self.warned and now - clock[1] >= self.liveness / 2:
                     stalled.append((key, now - clock[1]))
-            for key in [k for k in self.clocks
-                        if reports.done.get(k, -1) >= reports.expected.get(k, -1)]:
+            for key in [
+                k for k in self.clocks if reports.done.get(k, -1) >= reports.expected.get(k, -1)
+            ]:
                 del self.clocks[key]
                 self.warned.discard(key)
             if not any(age >= self.liveness for _, age in stalled):
@@ -172,23 +186,35 @@ class Liveness:
         """One warning for the lanes that stalled at once (the caller holds ``progress``)."""
         beats = self.reports.beats
         order = {"waiting": 0, "running": 1}
-        stalled = sorted(stalled, key=lambda item: (
-            order.get(getattr(_lane(beats, *item[0]), "state", ""), 2), str(item[0])))
-        lines = [f"rank {rank}, {self.reports.describe(lane)} has completed no message for "
-                 f"{age:.1f}s; "
-                 f"{self._explain(rank, lane)}" for (rank, lane), age in stalled]
+        stalled = sorted(
+            stalled,
+            key=lambda item: (
+                order.get(getattr(_lane(beats, *item[0]), "state", ""), 2),
+                str(item[0]),
+            ),
+        )
+        lines = [
+            f"rank {rank}, {self.reports.describe(lane)} has completed no message for "
+            f"{age:.1f}s; "
+            f"{self._explain(rank, lane)}"
+            for (rank, lane), age in stalled
+        ]
         text = lines[0]
         if len(lines) > 1:
             text += "\nAlso without progress:\n" + "\n".join(f"  {line}" for line in lines[1:])
-        text += (f"\n(controller {self.token}; dask_monarch.timeouts.liveness is "
-                 f"{self.liveness:g}s; the mesh keeps waiting)")
+        text += (
+            f"\n(controller {self.token}; dask_monarch.timeouts.liveness is "
+            f"{self.liveness:g}s; the mesh keeps waiting)"
+        )
         (rank, lane), _ = stalled[0]
         p = _lane(beats, rank, lane)
         seq = None if p is None else stuck_seq(p)
-        waiting_on = "" if p is None else p.doing or explain(rank, p, self._lanes_of,
-                                                            self._outstanding)
-        return LivenessWarning(text, rank=rank, stream=lane, seq=seq, waiting_on=waiting_on,
-                               stalls=tuple(lines))
+        waiting_on = (
+            "" if p is None else p.doing or explain(rank, p, self._lanes_of, self._outstanding)
+        )
+        return LivenessWarning(
+            text, rank=rank, stream=lane, seq=seq, waiting_on=waiting_on, stalls=tuple(lines)
+        )
 
     def _issue(self, warning: LivenessWarning) -> None:
         self.issued.append(warning)
@@ -216,8 +242,10 @@ class Liveness:
             return "the lane did not exist yet when its worker last answered the heartbeat"
         text = explain(rank, p, self._lanes_of, self._outstanding)
         if stale:
-            text += (f" (as its worker last answered the heartbeat, {silent:.1f}s ago: it has "
-                     "not answered since)")
+            text += (
+                f" (as its worker last answered the heartbeat, {silent:.1f}s ago: it has "
+                "not answered since)"
+            )
         return text
 
     def _lanes_of(self, rank: int) -> dict[Any, LaneProgress] | None:
@@ -258,13 +286,16 @@ class Liveness:
                 for p in reports.beats[rank].lanes:
                     key = (rank, p.lane)
                     clock = self.clocks.get(key)
-                    out.append({
-                        **p._asdict(), "rank": rank,
-                        "segments_sent": reports.expected.get(key, -1) + 1,
-                        "segments_done": reports.done.get(key, -1) + 1,
-                        "stalled_for": round(now - clock[1], 3) if clock else 0.0,
-                        "status": self._explain(rank, p.lane),
-                    })
+                    out.append(
+                        {
+                            **p._asdict(),
+                            "rank": rank,
+                            "segments_sent": reports.expected.get(key, -1) + 1,
+                            "segments_done": reports.done.get(key, -1) + 1,
+                            "stalled_for": round(now - clock[1], 3) if clock else 0.0,
+                            "status": self._explain(rank, p.lane),
+                        }
+                    )
         return out
 
 

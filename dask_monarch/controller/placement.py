@@ -38,8 +38,9 @@ def natural_key(text: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
-def choose_workers(client: Client, world_size: int, device: str,
-                   workers: list[str] | None) -> list[str]:
+def choose_workers(
+    client: Client, world_size: int, device: str, workers: list[str] | None
+) -> list[str]:
     """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order."""
     info = client.run(describe_worker, workers=workers)
     if device == "cuda":
@@ -50,6 +51,7 @@ def choose_workers(client: Client, world_size: int, device: str,
             f"Controller needs {world_size} {kind} but the cluster has {len(info)}; "
             "start more workers or ask for a smaller world_size"
         )
+
     # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
     def order(addr: str) -> tuple:
         i = info[addr]
@@ -58,8 +60,9 @@ def choose_workers(client: Client, world_size: int, device: str,
     return sorted(info, key=order)[:world_size]
 
 
-def claim_ranks(client: Client, token: str, workers: list[str], device: str,
-                backend: str) -> tuple[list[str], list[str]]:
+def claim_ranks(
+    client: Client, token: str, workers: list[str], device: str, backend: str
+) -> tuple[list[str], list[str]]:
     """Make ``workers[r]`` rank ``r`` of controller ``token``; returns their resources and devices.
 
     The resource is the one each rank's tasks are pinned with; the device is
@@ -67,8 +70,11 @@ def claim_ranks(client: Client, token: str, workers: list[str], device: str,
     """
     if backend not in ("auto", "gloo"):
         raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
-    settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
-                "backend": backend}
+    settings = {
+        "device": device,
+        "collective_timeout": config.seconds("timeouts.collective"),
+        "backend": backend,
+    }
     ranks = {address: rank for rank, address in enumerate(workers)}
     replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)
     if backend != "gloo":
@@ -79,7 +85,8 @@ def claim_ranks(client: Client, token: str, workers: list[str], device: str,
                 f"ranks {shared[0]} and {shared[1]} ({workers[shared[0]]}, "
                 f"{workers[shared[1]]}) are on the same GPU, and NCCL needs a GPU per rank: give "
                 "each worker its own GPU (dask monarch worker, --monarch-gpu, a rotated "
-                "CUDA_VISIBLE_DEVICES), or set dask_monarch.backend to 'gloo'")
+                "CUDA_VISIBLE_DEVICES), or set dask_monarch.backend to 'gloo'"
+            )
     return [replies[a]["resource"] for a in workers], [replies[a]["device"] for a in workers]
 
 
@@ -95,16 +102,23 @@ def _sharing_a_gpu(replies: list[dict]) -> tuple[int, int] | None:
     return None
 
 
-def add_lanes(client: Client, token: str, workers: list[str],
-              new_lanes: dict[int, list[tuple[int, StreamCreationMode]]],
-              names: dict[int, str]) -> None:
+def add_lanes(
+    client: Client,
+    token: str,
+    workers: list[str],
+    new_lanes: dict[int, list[tuple[int, StreamCreationMode]]],
+    names: dict[int, str],
+) -> None:
     """Create the lanes ``(stream id, creation mode)`` a flush needs for the first time, by
     rank, with the names the dashboard and errors show (``names``: stream id -> name, where
     one was given)."""
     client.run(
-        _create_lanes_by_address, token,
-        {workers[r]: [(i, mode, names.get(i)) for i, mode in lanes]
-         for r, lanes in new_lanes.items()},
+        _create_lanes_by_address,
+        token,
+        {
+            workers[r]: [(i, mode, names.get(i)) for i, mode in lanes]
+            for r, lanes in new_lanes.items()
+        },
         workers=[workers[r] for r in new_lanes],
     )
 
@@ -161,6 +175,7 @@ _gaps_lock = threading.Lock()
 _client_gaps: dict[int, list] = {}  # id(a client's scheduler comm) -> [Dask's gap, controllers]
 
 
-async def _create_lanes_by_address(token: str, by_address: dict[str, list[tuple]],
-                                   dask_worker: Worker | None = None) -> None:
+async def _create_lanes_by_address(
+    token: str, by_address: dict[str, list[tuple]], dask_worker: Worker | None = None
+) -> None:
     await create_lanes(token, by_address[dask_worker.address], dask_worker=dask_worker)

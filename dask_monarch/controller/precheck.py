@@ -137,12 +137,16 @@ class _Slot:
         comm = self.key[0]
         if comm[0] == "reduce":
             _, mesh, stream, dims, group = comm
-            return (f"Reduce over {list(dims)} of mesh r{mesh} on stream {stream} (result "
-                    f"r{self.sig[1]}, ranks {list(group)})")
+            return (
+                f"Reduce over {list(dims)} of mesh r{mesh} on stream {stream} (result "
+                f"r{self.sig[1]}, ranks {list(group)})"
+            )
         if comm[0] == "send":
             _, src_stream, dst_stream, src, dst = comm
-            return (f"SendTensor r{self.sig[1]} from rank {src} stream {src_stream} to rank {dst} "
-                    f"stream {dst_stream}")
+            return (
+                f"SendTensor r{self.sig[1]} from rank {src} stream {src_stream} to rank {dst} "
+                f"stream {dst_stream}"
+            )
         return self.text
 
 
@@ -207,33 +211,44 @@ class Precheck:
         if t is m.BackendNetworkInit:
             if rank not in self.networked:
                 self.networked.add(rank)
-                self._meet_control(rank, ("world",), self.world, "BackendNetworkInit (every "
-                                   "rank joins the world group)")
+                self._meet_control(
+                    rank,
+                    ("world",),
+                    self.world,
+                    "BackendNetworkInit (every rank joins the world group)",
+                )
         elif t is m.BackendNetworkPointToPointInit:
             key = (step.from_stream.id, step.to_stream.id)
             if rank in self.networked and key not in self.p2p[rank]:
                 self.p2p[rank].add(key)
-                self._meet_control(rank, ("p2p-init", *key), self.world,
-                                   f"BackendNetworkPointToPointInit from stream {key[0]} to "
-                                   f"{key[1]} (every rank joins)")
+                self._meet_control(
+                    rank,
+                    ("p2p-init", *key),
+                    self.world,
+                    f"BackendNetworkPointToPointInit from stream {key[0]} to "
+                    f"{key[1]} (every rank joins)",
+                )
         elif t is m.SplitComm:
             self._split(rank, step)
         elif t is m.CreateDeviceMesh:
             self._mesh(rank, step)
         elif t is m.CreateRemoteProcessGroup:
             if step.device_mesh.id in self.meshes[rank]:
-                self.groups[rank][step.result.id] = (step.device_mesh.id,
-                                                     tuple(sorted(step.dims)))
+                self.groups[rank][step.result.id] = (step.device_mesh.id, tuple(sorted(step.dims)))
         elif t is m.SplitCommForProcessGroup:
             self._group_split(rank, step)
         elif t is m.DefineRecording:
             self._define(rank, step)
         elif t is m.Exit:
-            snapshot = {lane: lane.enqueued for (r, label), lane in self.lanes.items()
-                        if r == rank and label != CONTROL}
+            snapshot = {
+                lane: lane.enqueued
+                for (r, label), lane in self.lanes.items()
+                if r == rank and label != CONTROL
+            }
             self.exited.add(rank)
-            self._queue(rank, CONTROL, _Event(_DRAIN, snapshot,
-                                              "Exit (waits for every stream of the rank)"))
+            self._queue(
+                rank, CONTROL, _Event(_DRAIN, snapshot, "Exit (waits for every stream of the rank)")
+            )
         self.control_steps[rank] += 1
         control = self.lanes.get((rank, CONTROL))
         if control is None or not control.queue:
@@ -246,16 +261,27 @@ class Precheck:
         generator for the commonest checked message)."""
         if msg is not self._msg:
             factory = msg.factory
-            self._facts = (tuple(sorted(msg.dims)), ("Reduce", msg.result.id, msg.reduction,
-                                                     bool(msg.scatter), factory.size,
-                                                     factory.dtype))
+            self._facts = (
+                tuple(sorted(msg.dims)),
+                (
+                    "Reduce",
+                    msg.result.id,
+                    msg.reduction,
+                    bool(msg.scatter),
+                    factory.size,
+                    factory.dtype,
+                ),
+            )
             self._msg = msg
         dims, sig = self._facts
         group = self.splits[rank].get((msg.mesh.id, label, dims))
         if group is None:
-            raise ProtocolError(rank, f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream "
-                                      f"{label} has no communicator for them (SplitComm was not "
-                                      "sent)")
+            raise ProtocolError(
+                rank,
+                f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream "
+                f"{label} has no communicator for them (SplitComm was not "
+                "sent)",
+            )
         event = _Event(_MEET)
         self._part(rank, event, ("reduce", msg.mesh.id, label, dims, group), group, sig)
         self._queue(rank, label, event)
@@ -268,10 +294,13 @@ class Precheck:
         if not (sending or receiving):
             return
         if len(msg.from_ranks) != len(msg.to_ranks):  # as the rank would say it
-            raise ProtocolError(rank, f"SendTensor of r{msg.tensor.id}: from_ranks has "
-                                      f"{len(msg.from_ranks)} ranks but to_ranks has "
-                                      f"{len(msg.to_ranks)}; ranks pair one to one, so both "
-                                      "slices must have the same size")
+            raise ProtocolError(
+                rank,
+                f"SendTensor of r{msg.tensor.id}: from_ranks has "
+                f"{len(msg.from_ranks)} ranks but to_ranks has "
+                f"{len(msg.to_ranks)}; ranks pair one to one, so both "
+                "slices must have the same size",
+            )
         to_rank = msg.to_ranks.get(msg.from_ranks.index(rank)) if sending else None
         from_rank = msg.from_ranks.get(msg.to_ranks.index(rank)) if receiving else None
         ref = msg.result.id
@@ -290,20 +319,36 @@ class Precheck:
                 self._queue(rank, label, _Event(_WAIT, key, (_copy, ref, src_stream)))
             return
         if (src_stream, dst_stream) not in self.p2p[rank]:
-            raise ProtocolError(rank, f"SendTensor from stream {src_stream} to {dst_stream}: no "
-                                      "communicator (BackendNetworkPointToPointInit was not sent)")
+            raise ProtocolError(
+                rank,
+                f"SendTensor from stream {src_stream} to {dst_stream}: no "
+                "communicator (BackendNetworkPointToPointInit was not sent)",
+            )
         sig = ("SendTensor", ref, msg.factory.size, msg.factory.dtype)
         event = _Event(_MEET)
         if sending:
-            self._part(rank, event, ("send", src_stream, dst_stream, rank, to_rank),
-                       (rank, to_rank), sig)
+            self._part(
+                rank, event, ("send", src_stream, dst_stream, rank, to_rank), (rank, to_rank), sig
+            )
         if receiving:
-            self._part(rank, event, ("send", src_stream, dst_stream, from_rank, rank),
-                       (from_rank, rank), sig)
+            self._part(
+                rank,
+                event,
+                ("send", src_stream, dst_stream, from_rank, rank),
+                (from_rank, rank),
+                sig,
+            )
         self._queue(rank, label, event)
 
-    def _part(self, rank: int, event: _Event, comm: tuple, need: tuple[int, ...], sig: Any,
-              text: str | None = None) -> None:
+    def _part(
+        self,
+        rank: int,
+        event: _Event,
+        comm: tuple,
+        need: tuple[int, ...],
+        sig: Any,
+        text: str | None = None,
+    ) -> None:
         """``event`` is ``rank``'s next operation on ``comm``; its members must agree on it."""
         counted = (rank, comm)
         index = self.counts.get(counted, 0)
@@ -315,8 +360,9 @@ class Precheck:
         elif slot.sig != sig:
             other = next(iter(slot.events))
             mine = _Slot(key, sig, need, text)
-            raise ProtocolError(rank, _mismatch(rank, other, index, mine.what, slot.what, sig,
-                                                slot.sig))
+            raise ProtocolError(
+                rank, _mismatch(rank, other, index, mine.what, slot.what, sig, slot.sig)
+            )
         slot.events[rank] = event
         event.slots += (slot,)
         event.left += 1
@@ -330,9 +376,12 @@ class Precheck:
 
     def _mesh(self, rank: int, msg: m.CreateDeviceMesh) -> None:
         if rank not in msg.ranks or len(msg.names) != msg.ranks.ndim:
-            raise ProtocolError(rank, f"CreateDeviceMesh r{msg.result.id}: rank {rank} is not in "
-                                      f"{msg.ranks!r} or the names {msg.names} do not match its "
-                                      "dims")
+            raise ProtocolError(
+                rank,
+                f"CreateDeviceMesh r{msg.result.id}: rank {rank} is not in "
+                f"{msg.ranks!r} or the names {msg.names} do not match its "
+                "dims",
+            )
         self.meshes[rank][msg.result.id] = (list(msg.names), msg.ranks)
 
     def _split(self, rank: int, msg: m.SplitComm) -> None:
@@ -342,28 +391,39 @@ class Precheck:
         dims = tuple(sorted(msg.dims))
         key = (msg.device_mesh.id, msg.stream.id, dims)
         if key in self.splits[rank]:
-            raise ProtocolError(rank, f"SplitComm: stream {msg.stream.id} already has a "
-                                      f"communicator for dims {list(dims)} of mesh "
-                                      f"r{msg.device_mesh.id}")
+            raise ProtocolError(
+                rank,
+                f"SplitComm: stream {msg.stream.id} already has a "
+                f"communicator for dims {list(dims)} of mesh "
+                f"r{msg.device_mesh.id}",
+            )
         unknown = [d for d in dims if d not in mesh[0]]
         if unknown:
-            raise ProtocolError(rank, f"SplitComm: mesh r{msg.device_mesh.id} has no dims "
-                                      f"{unknown}")
+            raise ProtocolError(
+                rank, f"SplitComm: mesh r{msg.device_mesh.id} has no dims {unknown}"
+            )
         group = _group(mesh, rank, dims)
         members = self.split_groups.setdefault(key, {})
         for peer in group:
             theirs = members.get(peer)
             if theirs is not None and theirs != group:
-                raise ProtocolError(rank, f"SplitComm for dims {list(dims)} of mesh "
-                                          f"r{msg.device_mesh.id}: rank {rank} builds it over "
-                                          f"ranks {list(group)}, rank {peer} over {list(theirs)} "
-                                          "(the ranks were sent different CreateDeviceMesh "
-                                          f"r{msg.device_mesh.id})")
+                raise ProtocolError(
+                    rank,
+                    f"SplitComm for dims {list(dims)} of mesh "
+                    f"r{msg.device_mesh.id}: rank {rank} builds it over "
+                    f"ranks {list(group)}, rank {peer} over {list(theirs)} "
+                    "(the ranks were sent different CreateDeviceMesh "
+                    f"r{msg.device_mesh.id})",
+                )
         members[rank] = group
         self.splits[rank][key] = group
-        self._meet_control(rank, ("split", *key, group), group,
-                           f"SplitComm for dims {list(dims)} of mesh r{msg.device_mesh.id} on "
-                           f"stream {msg.stream.id} (ranks {list(group)} build it together)")
+        self._meet_control(
+            rank,
+            ("split", *key, group),
+            group,
+            f"SplitComm for dims {list(dims)} of mesh r{msg.device_mesh.id} on "
+            f"stream {msg.stream.id} (ranks {list(group)} build it together)",
+        )
 
     def _group_split(self, rank: int, msg: m.SplitCommForProcessGroup) -> None:
         definition = self.groups[rank].get(msg.remote_process_group.id)
@@ -375,9 +435,13 @@ class Precheck:
             return
         self.group_comms[rank].add(key)
         group = _group(mesh, rank, definition[1])
-        self._meet_control(rank, ("group", *key, group), group,
-                           f"SplitCommForProcessGroup r{key[0]} on stream {key[1]} (ranks "
-                           f"{list(group)} build it together)")
+        self._meet_control(
+            rank,
+            ("group", *key, group),
+            group,
+            f"SplitCommForProcessGroup r{key[0]} on stream {key[1]} (ranks "
+            f"{list(group)} build it together)",
+        )
 
     # -- borrows and recordings ---------------------------------------------------------------
 
@@ -406,10 +470,13 @@ class Precheck:
         if drop is None:
             return
         if self.done.get((rank, drop[0]), -1) < drop[1]:
-            raise ProtocolError(rank, f"BorrowCreate of borrow {borrow}, whose earlier BorrowDrop "
-                                      f"on stream {drop[0]} may not have run yet: the rank would "
-                                      "mix the two borrows and wait forever; use a new borrow "
-                                      "id (or reuse it after a sync)")
+            raise ProtocolError(
+                rank,
+                f"BorrowCreate of borrow {borrow}, whose earlier BorrowDrop "
+                f"on stream {drop[0]} may not have run yet: the rank would "
+                "mix the two borrows and wait forever; use a new borrow "
+                "id (or reuse it after a sync)",
+            )
         del self.dropped[rank][borrow]
 
     def _borrow_step(self, rank: int, label: int, t: type, borrow: int, instance: Any) -> None:
@@ -471,8 +538,7 @@ class Precheck:
             elif t is m.SendTensor:
                 self._send(rank, label, cmd, msg.seq)
             else:
-                self._borrow_step(rank, label, t, cmd.borrow, (rank, "replay", msg.seq,
-                                                              cmd.borrow))
+                self._borrow_step(rank, label, t, cmd.borrow, (rank, "replay", msg.seq, cmd.borrow))
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -554,8 +620,9 @@ class Precheck:
     def _passed(self, lane: _Lane, event: _Event) -> None:
         rank = lane.rank
         if lane.label == CONTROL:
-            self.passed_control[rank] = (lane.queue[0].pos if lane.queue
-                                         else self.control_steps[rank])
+            self.passed_control[rank] = (
+                lane.queue[0].pos if lane.queue else self.control_steps[rank]
+            )
             waiting = self.after_control[rank]
             if waiting:
                 self.work.extend(waiting)
@@ -577,14 +644,16 @@ class Precheck:
         rank = lane.rank
         if lane.label != CONTROL and self._control_done(rank) < event.after:
             control = self.lanes[(rank, CONTROL)]
-            return [control], ([f"the control step before it ({control.queue[0].what})"]
-                               if explain else [])
+            return [control], (
+                [f"the control step before it ({control.queue[0].what})"] if explain else []
+            )
         if event.kind is _WAIT:
             other = self.signal_at.get(event.key)
             if other is None:
                 return [_NEVER], ["a signal that was never sent"]
-            return [other], ([f"{other.name()} to reach {_queued(other, event.key)}"]
-                             if explain else [])
+            return [other], (
+                [f"{other.name()} to reach {_queued(other, event.key)}"] if explain else []
+            )
         if event.kind is _DRAIN:
             behind = [other for other, needed in event.key.items() if other.done() < needed]
             return behind, [f"{other.name()} to finish" for other in behind] if explain else []
@@ -599,8 +668,10 @@ class Precheck:
                     if not theirs.started:
                         needs.append(theirs.lane)
                         if explain:
-                            why.append(f"{theirs.lane.name()} to reach it (it waits at "
-                                       f"{theirs.lane.queue[0].what} first)")
+                            why.append(
+                                f"{theirs.lane.name()} to reach it (it waits at "
+                                f"{theirs.lane.queue[0].what} first)"
+                            )
                 elif peer in self.exited:
                     needs.append(_NEVER)
                     if explain:
@@ -631,9 +702,11 @@ class Precheck:
         for lane in stuck[:6]:
             lines.append(self._describe(lane))
         more = f" (and {len(stuck) - 6} more lanes)" if len(stuck) > 6 else ""
-        return ("these messages would wait on each other forever, so nothing of this flush "
-                "was sent: " + "; ".join(lines) + more + ". Send every member of a collective "
-                "or send its part in the same order, and borrows in their order")
+        return (
+            "these messages would wait on each other forever, so nothing of this flush "
+            "was sent: " + "; ".join(lines) + more + ". Send every member of a collective "
+            "or send its part in the same order, and borrows in their order"
+        )
 
     def _describe(self, lane: _Lane) -> str:
         _, why = self._needs(lane, explain=True)
@@ -645,15 +718,23 @@ class Precheck:
         All lanes, or only what a read on ``rank``'s ``stream`` waits for (the
         stream and the rank's control steps).
         """
-        lanes = sorted((lane for lane in self.busy
-                        if rank is None or (lane.rank == rank and lane.label in (stream, CONTROL))),
-                       key=lambda lane: (lane.rank, str(lane.label)))
+        lanes = sorted(
+            (
+                lane
+                for lane in self.busy
+                if rank is None or (lane.rank == rank and lane.label in (stream, CONTROL))
+            ),
+            key=lambda lane: (lane.rank, str(lane.label)),
+        )
         if not lanes:
             return None
         text = "; ".join(self._describe(lane) for lane in lanes[:6])
         more = f" (and {len(lanes) - 6} more lanes)" if len(lanes) > 6 else ""
-        return ProtocolError(lanes[0].rank, f"waiting would never end: {text}{more}. Send "
-                             "every member of a collective or send its part before waiting")
+        return ProtocolError(
+            lanes[0].rank,
+            f"waiting would never end: {text}{more}. Send "
+            "every member of a collective or send its part before waiting",
+        )
 
 
 def _queued(lane: _Lane, key: Any) -> str:
@@ -671,8 +752,10 @@ def _group(mesh: tuple[list[str], Slice], rank: int, dims: tuple[str, ...]) -> t
     coords = s.coordinates(rank)
     axes = [names.index(d) for d in dims]
     base = rank - sum(coords[a] * s.strides[a] for a in axes)
-    return tuple(base + sum(c * s.strides[a] for c, a in zip(cs, axes))
-                 for cs in product(*(range(s.sizes[a]) for a in axes)))
+    return tuple(
+        base + sum(c * s.strides[a] for c, a in zip(cs, axes))
+        for cs in product(*(range(s.sizes[a]) for a in axes))
+    )
 
 
 def _reduction(reduction: Any) -> str:
@@ -686,24 +769,33 @@ def _copy(ref: int, src_stream: int | None) -> str:
 
 
 def _borrow_step(t: type, borrow: int) -> str:
-    waits = {m.BorrowFirstUse: " (waits for the lender's BorrowCreate)",
-             m.BorrowDrop: " (waits for the borrower's BorrowLastUse)"}
+    waits = {
+        m.BorrowFirstUse: " (waits for the lender's BorrowCreate)",
+        m.BorrowDrop: " (waits for the borrower's BorrowLastUse)",
+    }
     return f"{t.__name__} {borrow}{waits.get(t, '')}"
 
 
-def _mismatch(rank: int, other: int, index: int, what: str, other_what: str, sig: tuple,
-              other_sig: tuple) -> str:
+def _mismatch(
+    rank: int, other: int, index: int, what: str, other_what: str, sig: tuple, other_sig: tuple
+) -> str:
     where = f"operation #{index} of its communicator"
     if sig[1] != other_sig[1] or sig[0] != other_sig[0]:
-        return (f"{where} is {what} on rank {rank} but {other_what} on rank {other}: every member "
-                "of a collective or send must be sent the same ones in the same order (one of "
-                "them was not sent to every member, or they were sent in another order)")
+        return (
+            f"{where} is {what} on rank {rank} but {other_what} on rank {other}: every member "
+            "of a collective or send must be sent the same ones in the same order (one of "
+            "them was not sent to every member, or they were sent in another order)"
+        )
     if sig[0] == "Reduce" and sig[2:4] != other_sig[2:4]:
-        return (f"{what}: rank {rank} does {_describe_op(sig)} but rank {other} "
-                f"{_describe_op(other_sig)}: members of a collective must do the same one")
-    return (f"{what}: rank {rank} has shape {tuple(sig[-2])} {sig[-1]} but rank {other} "
-            f"{tuple(other_sig[-2])} {other_sig[-1]} (the factory of its members must agree "
-            "on shape and dtype)")
+        return (
+            f"{what}: rank {rank} does {_describe_op(sig)} but rank {other} "
+            f"{_describe_op(other_sig)}: members of a collective must do the same one"
+        )
+    return (
+        f"{what}: rank {rank} has shape {tuple(sig[-2])} {sig[-1]} but rank {other} "
+        f"{tuple(other_sig[-2])} {other_sig[-1]} (the factory of its members must agree "
+        "on shape and dtype)"
+    )
 
 
 def _describe_op(sig: tuple) -> str:

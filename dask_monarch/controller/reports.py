@@ -45,10 +45,14 @@ class Reports:
     goes to ``fail`` with ``progress`` held.
     """
 
-    def __init__(self, token: str, progress: threading.Condition,
-                 fail: Callable[[DeviceException], None],
-                 client_problem: Callable[[], str | None] = lambda: None,
-                 scheduler: Any = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        progress: threading.Condition,
+        fail: Callable[[DeviceException], None],
+        client_problem: Callable[[], str | None] = lambda: None,
+        scheduler: Any = None,
+    ) -> None:
         self.token = token
         self.scheduler = scheduler  # the client's scheduler rpc: why a worker was lost
         self.progress = progress
@@ -105,10 +109,15 @@ class Reports:
             problem = self.client_problem()
         why = await self._memory_kill(address) if problem is None else ""
         with self.progress:  # a no-op once the controller is closed
-            self.fail(DeviceException(problem) if problem is not None else DeviceException(
-                f"lost connection to its worker {address} "
-                f"({why or 'the worker died, restarted or was removed'}){self.running(rank)}",
-                rank=rank))
+            self.fail(
+                DeviceException(problem)
+                if problem is not None
+                else DeviceException(
+                    f"lost connection to its worker {address} "
+                    f"({why or 'the worker died, restarted or was removed'}){self.running(rank)}",
+                    rank=rank,
+                )
+            )
 
     async def _memory_kill(self, address: str) -> str:
         """Why the worker at ``address`` went, if its nanny killed it for its memory."""
@@ -116,15 +125,18 @@ class Reports:
             return ""
         try:  # the nanny logs this event before it terminates the worker (docs/dask.md)
             events = await asyncio.wait_for(
-                self.scheduler.events(topic="worker-restart-memory"), 2.0)
+                self.scheduler.events(topic="worker-restart-memory"), 2.0
+            )
         except Exception as e:
             logger.debug("no memory events from the scheduler: %r", e)
             return ""
         for _, event in reversed(list(events or ())):
             if isinstance(event, dict) and event.get("worker") == address:
-                return (f"its nanny killed it for exceeding its memory limit: it used "
-                        f"{event.get('rss', 0) / 2**20:.0f} MiB (see distributed.worker.memory."
-                        "terminate and the worker's memory_limit)")
+                return (
+                    f"its nanny killed it for exceeding its memory limit: it used "
+                    f"{event.get('rss', 0) / 2**20:.0f} MiB (see distributed.worker.memory."
+                    "terminate and the worker's memory_limit)"
+                )
         return ""
 
     def hang_up(self) -> None:
@@ -166,14 +178,18 @@ class Reports:
                     self.exited.add(item.rank)
                     if item.error is not None:
                         source, text = item.error
-                        self.fail(DeviceException(
-                            f"Exit with an error from {source or 'an unknown source'}: {text}",
-                            rank=item.rank))
+                        self.fail(
+                            DeviceException(
+                                f"Exit with an error from {source or 'an unknown source'}: {text}",
+                                rank=item.rank,
+                            )
+                        )
                 elif t is Heartbeat:
                     self.beats[item.rank] = item
                     self.answered[item.rank] = time.monotonic()
-            self.inbox.extend([x for x in delivered if type(x) is not ValueFailed]
-                              if seqless else delivered)
+            self.inbox.extend(
+                [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
+            )
             self.progress.notify_all()
         for msg in delivered:
             for listener in self.listeners:
@@ -201,8 +217,9 @@ class Reports:
         parts = []
         for (r, lane), queue in sorted(self.in_flight.items(), key=str):
             last = self.done.get((r, lane), -1)
-            first = next((steps for index, steps in queue if index > last), None) if r == rank \
-                else None
+            first = (
+                next((steps for index, steps in queue if index > last), None) if r == rank else None
+            )
             if first:
                 where = "control steps" if lane == "control" else f"stream {lane}"
                 parts.append(f"{where}: {describe(first)}")
@@ -225,8 +242,10 @@ class Reports:
     def segments(self) -> tuple[int, int]:
         """Segments submitted and segments finished (the caller holds ``progress``)."""
         expected = sum(index + 1 for index in self.expected.values()) + self.retired
-        done = sum(min(self.done.get(lane, -1), index) + 1
-                   for lane, index in self.expected.items()) + self.retired
+        done = (
+            sum(min(self.done.get(lane, -1), index) + 1 for lane, index in self.expected.items())
+            + self.retired
+        )
         return expected, done
 
     def retire(self, dropping: dict[tuple[int, Any], int]) -> list[tuple[int, Any]]:
@@ -266,5 +285,6 @@ def _fetch_result(item: Fetched) -> FetchResult | RemoteFunctionFailed:
     try:
         return FetchResult(item.seq, item.rank, pickle.loads(item.payload))
     except Exception as e:
-        return RemoteFunctionFailed(item.seq, item.rank,
-                                    f"the fetched value cannot be unpickled on the client: {e!r}")
+        return RemoteFunctionFailed(
+            item.seq, item.rank, f"the fetched value cannot be unpickled on the client: {e!r}"
+        )

@@ -84,8 +84,10 @@ class RankRouter:
         elif lanes is Lanes.RECORDING:
             streams = self.recordings.get(msg.recording.id)
             if streams is None:
-                raise self.error(f"CallRecording of r{msg.recording.id}, which is not a "
-                                 "completely defined recording")
+                raise self.error(
+                    f"CallRecording of r{msg.recording.id}, which is not a "
+                    "completely defined recording"
+                )
             for stream in streams:
                 yield stream, msg, False
         elif lanes is Lanes.GROUP:
@@ -93,8 +95,10 @@ class RankRouter:
                 yield from self.route(inner)
         elif lanes is Lanes.NEW_STREAM:
             if msg.id.id in self.dropped:
-                raise self.error(f"CreateStream of stream {msg.id.id}, which was dropped "
-                                 "(a new stream needs a new id)")
+                raise self.error(
+                    f"CreateStream of stream {msg.id.id}, which was dropped "
+                    "(a new stream needs a new id)"
+                )
             self.streams[msg.id.id] = msg.stream_creation
             yield msg.id.id, msg, False
         elif lanes is Lanes.CONTROL:

@@ -75,11 +75,14 @@ class MeshFuture(concurrent.futures.Future):
                 if broken is not None:
                     raise broken from None
                 if controller.closed and not self.done():
-                    raise RuntimeError(f"the mesh was exited before the fetch of seq {self.seq} "
-                                       "resolved") from None
+                    raise RuntimeError(
+                        f"the mesh was exited before the fetch of seq {self.seq} resolved"
+                    ) from None
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"the fetch of seq {self.seq} did not resolve within "
-                                       f"{timeout}s: {_waiting_for(controller)}") from None
+                    raise TimeoutError(
+                        f"the fetch of seq {self.seq} did not resolve within "
+                        f"{timeout}s: {_waiting_for(controller)}"
+                    ) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -166,8 +169,9 @@ class Session:
         if self.capture is not None:
             self.capture.add(ranks, message)
             return
-        if ((len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES)
-                and not _gc_state.collecting):  # a finalizer's message goes before the deletes
+        if (
+            len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES
+        ) and not _gc_state.collecting:  # a finalizer's message goes before the deletes
             self._flush_deletes()
         self.controller.send(ranks, message)
         if self._seq - self._status_requested_at > STATUS_EVERY:
@@ -238,7 +242,8 @@ class Session:
             ref = m.StreamRef(self.new_id())
             key = id(stream)
             self._stream_objects[ref.id] = weakref.ref(
-                stream, functools.partial(self._stream_died, key, ref))
+                stream, functools.partial(self._stream_died, key, ref)
+            )
             self._streams[key] = ref
             name = getattr(stream, "name", None)
             if isinstance(name, str):
@@ -266,8 +271,12 @@ class Session:
     def streams_named(self, messages: Iterable[tuple[tuple[int, ...], Any]]) -> list[Any]:
         """The live Stream objects ``messages`` name (a recording holds them: it replays on
         their lanes, which must outlive the user's handles)."""
-        ids = {s.id for _, msg in messages for one in m.flatten_groups([msg])
-               for s in streams_named(one)}
+        ids = {
+            s.id
+            for _, msg in messages
+            for one in m.flatten_groups([msg])
+            for s in streams_named(one)
+        }
         found = (self._stream_objects.get(i) for i in ids)
         return [stream for stream in (w() for w in found if w is not None) if stream is not None]
 
@@ -301,8 +310,7 @@ class Session:
             self._comms.add(key)
             self.send_setup(self.world, m.BackendNetworkPointToPointInit(src, dst))
 
-    def ensure_group_split(self, ranks: tuple[int, ...], group: m.Ref,
-                           stream: m.StreamRef) -> None:
+    def ensure_group_split(self, ranks: tuple[int, ...], group: m.Ref, stream: m.StreamRef) -> None:
         """The communicator of process group ``group`` (on ``ranks``) on ``stream``."""
         key = ("group", group.id, stream.id)
         if key not in self._comms:
@@ -350,8 +358,9 @@ class Session:
         lines = [line for line in msg.error.strip().splitlines() if line.strip()]
         summary = lines[-1] if lines else "remote function failed"
         where = f'  File "{origin[0]}", line {origin[1]}, in {origin[2]}' if origin else ""
-        failure = RemoteException(summary, rank=msg.rank, seq=msg.seq, traceback=msg.error,
-                                  controller_traceback=where)
+        failure = RemoteException(
+            summary, rank=msg.rank, seq=msg.seq, traceback=msg.error, controller_traceback=where
+        )
         newly = self.history.fail(msg.seq, failure)
         if not newly:
             return
@@ -382,8 +391,9 @@ class Session:
             elif values:
                 future.set_result(next(iter(values.values())))
             else:
-                future.set_exception(RemoteException(f"seq {seq} completed without a value",
-                                                     seq=seq))
+                future.set_exception(
+                    RemoteException(f"seq {seq} completed without a value", seq=seq)
+                )
         self.history.complete(done)
         self._completion.notify_all()
 
@@ -406,8 +416,10 @@ class Session:
                         raise broken
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks: "
-                                           f"{_waiting_for(self.controller)}")
+                        raise TimeoutError(
+                            f"mesh.exit() waited {timeout}s for the ranks: "
+                            f"{_waiting_for(self.controller)}"
+                        )
                     self._completion.wait(min(remaining, 0.1))
             unobserved = next(iter(self._unobserved.values()), None)
         finally:
@@ -448,8 +460,9 @@ def _user_frame() -> tuple[str, int, str] | None:
         inside = internal.get(code)
         if inside is None:
             name = code.co_filename
-            inside = internal[code] = (name.startswith(_INTERNAL) or "/torch/" in name
-                                       or name.startswith("<frozen"))
+            inside = internal[code] = (
+                name.startswith(_INTERNAL) or "/torch/" in name or name.startswith("<frozen")
+            )
         if not inside:
             return (code.co_filename, f.f_lineno, code.co_name)
         f = f.f_back

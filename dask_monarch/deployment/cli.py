@@ -49,47 +49,104 @@ def cli() -> None:
 # -- run -------------------------------------------------------------------------------------
 
 
-@cli.command(help=RUN_HELP, context_settings={"ignore_unknown_options": True,
-                                              "allow_interspersed_args": False})
-@click.option("--ranks", "-n", type=click.IntRange(min=1), default=None,
-              help="Embedded cluster: the number of ranks [default: one per visible GPU, else "
-                   "dask_monarch.cli.cpu-ranks]. Existing cluster: wait for this many workers.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True, help="Embedded cluster: GPU ranks, CPU ranks, or GPUs if "
-                                      "there are enough.")
-@click.option("--scheduler-address", default=None, metavar="ADDRESS",
-              help="Use the running Dask cluster at ADDRESS (default: the dask config "
-                   "'scheduler-address', i.e. DASK_SCHEDULER_ADDRESS, if set).")
-@click.option("--scheduler-file", default=None, type=click.Path(dir_okay=False),
-              help="Use the running Dask cluster described by this scheduler file.")
-@click.option("--dashboard-address", default="127.0.0.1:0", show_default=True,
-              help="Embedded cluster: where its dashboard listens ('' for none).")
-@click.option("--progress/--no-progress", default=None,
-              help="Show a progress line on stderr [default: when stderr is a terminal].")
-@click.option("-m", "--module", "as_module", is_flag=True,
-              help="SCRIPT is a module name, run like python -m.")
-@click.option("--log-level", default=None,
-              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-              help="Level of the dask_monarch loggers in this process (workers: the dask "
-                   "config 'logging', or dask_monarch.logs.forward_worker_logs).")
+@cli.command(
+    help=RUN_HELP,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option(
+    "--ranks",
+    "-n",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Embedded cluster: the number of ranks [default: one per visible GPU, else "
+    "dask_monarch.cli.cpu-ranks]. Existing cluster: wait for this many workers.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Embedded cluster: GPU ranks, CPU ranks, or GPUs if there are enough.",
+)
+@click.option(
+    "--scheduler-address",
+    default=None,
+    metavar="ADDRESS",
+    help="Use the running Dask cluster at ADDRESS (default: the dask config "
+    "'scheduler-address', i.e. DASK_SCHEDULER_ADDRESS, if set).",
+)
+@click.option(
+    "--scheduler-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Use the running Dask cluster described by this scheduler file.",
+)
+@click.option(
+    "--dashboard-address",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="Embedded cluster: where its dashboard listens ('' for none).",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Show a progress line on stderr [default: when stderr is a terminal].",
+)
+@click.option(
+    "-m", "--module", "as_module", is_flag=True, help="SCRIPT is a module name, run like python -m."
+)
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    help="Level of the dask_monarch loggers in this process (workers: the dask "
+    "config 'logging', or dask_monarch.logs.forward_worker_logs).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No information lines on stderr.")
-@click.option("--tls-ca-file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="TLS: the CA certificate (with --tls-cert and --tls-key): every comm of the "
-                   "embedded cluster, or to the existing one, is tls://.")
-@click.option("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="TLS: this process's certificate (the embedded cluster's too).")
-@click.option("--tls-key", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="TLS: the private key of --tls-cert.")
-@click.option("--tls-temporary", is_flag=True,
-              help="Embedded cluster: TLS with a throw-away certificate made now "
-                   "(distributed.Security.temporary(); needs the 'cryptography' package).")
+@click.option(
+    "--tls-ca-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="TLS: the CA certificate (with --tls-cert and --tls-key): every comm of the "
+    "embedded cluster, or to the existing one, is tls://.",
+)
+@click.option(
+    "--tls-cert",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="TLS: this process's certificate (the embedded cluster's too).",
+)
+@click.option(
+    "--tls-key",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="TLS: the private key of --tls-cert.",
+)
+@click.option(
+    "--tls-temporary",
+    is_flag=True,
+    help="Embedded cluster: TLS with a throw-away certificate made now "
+    "(distributed.Security.temporary(); needs the 'cryptography' package).",
+)
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(ranks: int | None, device: str, scheduler_address: str | None,
-        scheduler_file: str | None, dashboard_address: str, progress: bool | None,
-        as_module: bool, log_level: str | None, quiet: bool, tls_ca_file: str | None,
-        tls_cert: str | None, tls_key: str | None, tls_temporary: bool, script: str,
-        args: tuple[str, ...]) -> None:
+def run(
+    ranks: int | None,
+    device: str,
+    scheduler_address: str | None,
+    scheduler_file: str | None,
+    dashboard_address: str,
+    progress: bool | None,
+    as_module: bool,
+    log_level: str | None,
+    quiet: bool,
+    tls_ca_file: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_temporary: bool,
+    script: str,
+    args: tuple[str, ...],
+) -> None:
     if scheduler_address and scheduler_file:
         raise click.UsageError("give --scheduler-address or --scheduler-file, not both")
     tls_files = (tls_ca_file, tls_cert, tls_key)
@@ -98,8 +155,10 @@ def run(ranks: int | None, device: str, scheduler_address: str | None,
     if tls_temporary and any(tls_files):
         raise click.UsageError("give --tls-temporary or the --tls-* files, not both")
     if tls_temporary and (scheduler_address or scheduler_file):
-        raise click.UsageError("--tls-temporary makes a certificate that only an embedded "
-                               "cluster trusts: give the --tls-* files of the existing cluster")
+        raise click.UsageError(
+            "--tls-temporary makes a certificate that only an embedded "
+            "cluster trusts: give the --tls-* files of the existing cluster"
+        )
     if not as_module and not os.path.isfile(script):
         raise click.UsageError(f"no such script: {script}")
     if log_level:
@@ -110,16 +169,28 @@ def run(ranks: int | None, device: str, scheduler_address: str | None,
     from . import runner
 
     scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
-    say = (lambda text: None) if quiet else (lambda text: click.echo(f"dask-monarch: {text}",
-                                                                      err=True))
+    say = (
+        (lambda text: None)
+        if quiet
+        else (lambda text: click.echo(f"dask-monarch: {text}", err=True))
+    )
     if progress is None:
         progress = sys.stderr.isatty()
     try:
         security = runner.security_for(tls_ca_file, tls_cert, tls_key, tls_temporary)
-        code = runner.run(script, args, as_module=as_module, ranks=ranks, device=device,
-                          scheduler_address=scheduler_address, scheduler_file=scheduler_file,
-                          dashboard_address=dashboard_address or None, progress=progress,
-                          say=say, security=security)
+        code = runner.run(
+            script,
+            args,
+            as_module=as_module,
+            ranks=ranks,
+            device=device,
+            scheduler_address=scheduler_address,
+            scheduler_file=scheduler_file,
+            dashboard_address=dashboard_address or None,
+            progress=progress,
+            say=say,
+            security=security,
+        )
     except runner.SetupError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)
@@ -129,10 +200,18 @@ def run(ranks: int | None, device: str, scheduler_address: str | None,
 
 
 @cli.command()
-@click.option("--scheduler-address", default=None, metavar="ADDRESS",
-              help="The cluster's scheduler (default: the dask config 'scheduler-address').")
-@click.option("--scheduler-file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="The cluster's scheduler file.")
+@click.option(
+    "--scheduler-address",
+    default=None,
+    metavar="ADDRESS",
+    help="The cluster's scheduler (default: the dask config 'scheduler-address').",
+)
+@click.option(
+    "--scheduler-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The cluster's scheduler file.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def info(scheduler_address: str | None, scheduler_file: str | None, as_json: bool) -> None:
     """Print the ranks of a running cluster: workers, resources, GPUs, meshes."""
@@ -158,25 +237,59 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
 
 @cli.command()
 @click.argument("scheduler", required=False)
-@click.option("--scheduler-file", default=None, type=click.Path(dir_okay=False),
-              help="The cluster's scheduler file (instead of SCHEDULER).")
-@click.option("--gpus", default=None, metavar="LIST",
-              help="GPUs to start a rank worker for, indices or UUIDs, comma separated "
-                   "[default: every visible GPU, CUDA_VISIBLE_DEVICES if set].")
-@click.option("--first-rank", type=click.IntRange(min=0), default=None,
-              help="Advertise the rank resources monarch-rank<N>, <N+1>, ... in GPU order, so "
-                   "controllers take these workers as those ranks (node k of 8-GPU nodes: 8k).")
-@click.option("--torch-threads", type=click.IntRange(min=1), default=None,
-              help="Torch intra-op threads per worker [default: the cores divided among them].")
-@click.option("--memory-limit", default="auto", show_default=True,
-              help="Per worker: bytes, '16GB', or 'auto' (the node's memory divided among them).")
-@click.option("--host", default=None, help="The address the workers listen on (and are "
-                                           "reached at) [default: Dask's choice].")
-@click.option("--name", "name_prefix", default=None,
-              help="Worker names are NAME-gpu<ID> [default: the host name].")
-def worker(scheduler: str | None, scheduler_file: str | None, gpus: str | None,
-           first_rank: int | None, torch_threads: int | None, memory_limit: str,
-           host: str | None, name_prefix: str | None) -> None:
+@click.option(
+    "--scheduler-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The cluster's scheduler file (instead of SCHEDULER).",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    metavar="LIST",
+    help="GPUs to start a rank worker for, indices or UUIDs, comma separated "
+    "[default: every visible GPU, CUDA_VISIBLE_DEVICES if set].",
+)
+@click.option(
+    "--first-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Advertise the rank resources monarch-rank<N>, <N+1>, ... in GPU order, so "
+    "controllers take these workers as those ranks (node k of 8-GPU nodes: 8k).",
+)
+@click.option(
+    "--torch-threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch intra-op threads per worker [default: the cores divided among them].",
+)
+@click.option(
+    "--memory-limit",
+    default="auto",
+    show_default=True,
+    help="Per worker: bytes, '16GB', or 'auto' (the node's memory divided among them).",
+)
+@click.option(
+    "--host",
+    default=None,
+    help="The address the workers listen on (and are reached at) [default: Dask's choice].",
+)
+@click.option(
+    "--name",
+    "name_prefix",
+    default=None,
+    help="Worker names are NAME-gpu<ID> [default: the host name].",
+)
+def worker(
+    scheduler: str | None,
+    scheduler_file: str | None,
+    gpus: str | None,
+    first_rank: int | None,
+    torch_threads: int | None,
+    memory_limit: str,
+    host: str | None,
+    name_prefix: str | None,
+) -> None:
     """Start one rank worker per GPU of this node, as `dask cuda worker` does.
 
     Each worker sees its own GPU as device 0 (a rotated CUDA_VISIBLE_DEVICES),
@@ -192,8 +305,10 @@ def worker(scheduler: str | None, scheduler_file: str | None, gpus: str | None,
     try:
         devices = parse_gpus(gpus) if gpus is not None else visible_gpus()
         if not devices:
-            raise ValueError("no GPU is visible on this node; for CPU ranks use `dask worker "
-                             "SCHEDULER --preload dask_monarch.preload --monarch-rank=N`")
+            raise ValueError(
+                "no GPU is visible on this node; for CPU ranks use `dask worker "
+                "SCHEDULER --preload dask_monarch.preload --monarch-rank=N`"
+            )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     limit: int | str | None = memory_limit
@@ -203,9 +318,18 @@ def worker(scheduler: str | None, scheduler_file: str | None, gpus: str | None,
         limit = parse_bytes(memory_limit)
     elif memory_limit != "auto":
         limit = None
-    asyncio.run(run_node(scheduler, scheduler_file, devices, first_rank=first_rank,
-                         torch_threads=torch_threads, memory_limit=limit, host=host,
-                         name_prefix=name_prefix))
+    asyncio.run(
+        run_node(
+            scheduler,
+            scheduler_file,
+            devices,
+            first_rank=first_rank,
+            torch_threads=torch_threads,
+            memory_limit=limit,
+            host=host,
+            name_prefix=name_prefix,
+        )
+    )
 
 
 def _ensure_handler(logger: logging.Logger) -> None:

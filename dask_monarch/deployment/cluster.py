@@ -76,13 +76,26 @@ class SchedulerProcess(SubprocessScheduler):
         argv = list(options.get("preload_argv") or [[] for _ in preload])
         options["preload"] = [*preload, "dask_monarch.deployment.lifeline"]
         options["preload_argv"] = [*argv, []]
-        cmd = [sys.executable, "-m", "dask", "spec", "--spec",
-               json.dumps({"cls": "distributed.Scheduler", "opts": options})]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
-               **tls_environment(self.security)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "dask",
+            "spec",
+            "--spec",
+            json.dumps({"cls": "distributed.Scheduler", "opts": options}),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+            **tls_environment(self.security),
+        }
         self.process = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-            start_new_session=True)
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
         self._logs = asyncio.ensure_future(self._forward_logs())
         self._watch = asyncio.ensure_future(self._watch_process(self.process))
         scheduler_file = self.scheduler_kwargs["scheduler_file"]
@@ -94,8 +107,10 @@ class SchedulerProcess(SubprocessScheduler):
                 return
             except (OSError, json.JSONDecodeError):
                 await asyncio.sleep(0.05)
-        raise RuntimeError(f"the scheduler process did not start within {self.timeout}s "
-                           f"(exit code {self.process.returncode})")
+        raise RuntimeError(
+            f"the scheduler process did not start within {self.timeout}s "
+            f"(exit code {self.process.returncode})"
+        )
 
     async def close(self) -> None:
         """Stop forwarding logs, kill the process, wait for it and close its pipes.
@@ -126,8 +141,9 @@ class SchedulerProcess(SubprocessScheduler):
         """A scheduler that dies is marked failed: closing the cluster then skips it."""
         code = await process.wait()
         if self.process is process and self.status == Status.running:
-            logger.warning("the scheduler process of %s ended on its own (exit code %s)",
-                           self.address, code)
+            logger.warning(
+                "the scheduler process of %s ended on its own (exit code %s)", self.address, code
+            )
             self.status = Status.failed
 
     async def _forward_logs(self) -> None:
@@ -157,8 +173,11 @@ def tls_environment(security: Security | None) -> dict[str, str]:
     """Environment variables that give a subprocess the TLS settings of ``security``."""
     if security is None:
         return {}
-    env = {var: getattr(security, field) for field, var in _TLS_CONFIG.items()
-           if getattr(security, field, None)}
+    env = {
+        var: getattr(security, field)
+        for field, var in _TLS_CONFIG.items()
+        if getattr(security, field, None)
+    }
     env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = str(bool(security.require_encryption))
     return env
 
@@ -167,13 +186,18 @@ def uses_tls(security: Security | None) -> bool:
     """Whether ``security`` asks for TLS; refuses encryption required without certificates."""
     if security is None:
         return False
-    has_certs = bool(security.tls_ca_file and security.tls_scheduler_cert
-                     and security.tls_worker_cert and security.tls_client_cert)
+    has_certs = bool(
+        security.tls_ca_file
+        and security.tls_scheduler_cert
+        and security.tls_worker_cert
+        and security.tls_client_cert
+    )
     if security.require_encryption and not has_certs:
         raise ValueError(
             "security requires encryption but has no CA file and scheduler, worker and client "
             "certificates: give them (Security(tls_ca_file=..., tls_scheduler_cert=..., ...)) "
-            "or use Security.temporary() (security=True)")
+            "or use Security.temporary() (security=True)"
+        )
     return has_certs
 
 
@@ -187,13 +211,23 @@ class LocalMeshCluster(SpecCluster):
     ``tls://``. A context manager, like every Dask cluster.
     """
 
-    def __init__(self, n_ranks: int | None = None, device: str = "auto", *,
-                 memory_limit: int | str | None = "auto", torch_threads: int | None = None,
-                 dashboard_address: str | None = "127.0.0.1:0", scheduler_port: int = 0,
-                 silence_logs: int = logging.WARNING, asynchronous: bool = False,
-                 scheduler_process: bool = True, profile: bool = False,
-                 worker_options: dict | None = None, security: Security | bool | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        n_ranks: int | None = None,
+        device: str = "auto",
+        *,
+        memory_limit: int | str | None = "auto",
+        torch_threads: int | None = None,
+        dashboard_address: str | None = "127.0.0.1:0",
+        scheduler_port: int = 0,
+        silence_logs: int = logging.WARNING,
+        asynchronous: bool = False,
+        scheduler_process: bool = True,
+        profile: bool = False,
+        worker_options: dict | None = None,
+        security: Security | bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):
@@ -224,15 +258,28 @@ class LocalMeshCluster(SpecCluster):
         workers = {}
         for i in range(n_ranks):
             options = rank_worker_options(
-                f"rank{i}", rank=i, torch_threads=threads, memory_limit=memory_limit,
-                gpus=gpus if device == "cuda" else None, gpu_index=i, host="127.0.0.1",
-                profile=profile, silence_logs=silence_logs, batched_interval=gap)
+                f"rank{i}",
+                rank=i,
+                torch_threads=threads,
+                memory_limit=memory_limit,
+                gpus=gpus if device == "cuda" else None,
+                gpu_index=i,
+                host="127.0.0.1",
+                profile=profile,
+                silence_logs=silence_logs,
+                batched_interval=gap,
+            )
             if security is not None:
                 options["security"] = security
-            workers[f"rank{i}"] = {"cls": RankNanny, "options": {**options,
-                                                                  **(worker_options or {})}}
-        scheduler_options: dict[str, Any] = {"host": "127.0.0.1", "port": scheduler_port,
-                                             "dashboard_address": dashboard_address}
+            workers[f"rank{i}"] = {
+                "cls": RankNanny,
+                "options": {**options, **(worker_options or {})},
+            }
+        scheduler_options: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": scheduler_port,
+            "dashboard_address": dashboard_address,
+        }
         if tls:
             scheduler_options["protocol"] = "tls"
         preloads = {}  # module -> argv (a preload reaches a scheduler subprocess too)
@@ -244,15 +291,21 @@ class LocalMeshCluster(SpecCluster):
             scheduler_options["preload"] = list(preloads)
             scheduler_options["preload_argv"] = list(preloads.values())
         if scheduler_process:
-            scheduler = {"cls": SchedulerProcess,
-                         "options": {"scheduler_kwargs": scheduler_options,
-                                     "security": security}}
+            scheduler = {
+                "cls": SchedulerProcess,
+                "options": {"scheduler_kwargs": scheduler_options, "security": security},
+            }
         else:
-            scheduler = {"cls": Scheduler, "options": {**scheduler_options,
-                                                       "security": security}}
-        super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs,
-                         asynchronous=asynchronous, name="LocalMeshCluster", security=security,
-                         **kwargs)
+            scheduler = {"cls": Scheduler, "options": {**scheduler_options, "security": security}}
+        super().__init__(
+            workers=workers,
+            scheduler=scheduler,
+            silence_logs=silence_logs,
+            asynchronous=asynchronous,
+            name="LocalMeshCluster",
+            security=security,
+            **kwargs,
+        )
 
     async def _close(self) -> None:
         """Close as Dask does; whatever that leaves running after a failed start is stopped.
@@ -283,5 +336,7 @@ class LocalMeshCluster(SpecCluster):
             await scheduler.close()
 
     def __repr__(self) -> str:
-        return (f"LocalMeshCluster({self.n_ranks} {self.device} ranks, "
-                f"scheduler={self.scheduler_address!r})")
+        return (
+            f"LocalMeshCluster({self.n_ranks} {self.device} ranks, "
+            f"scheduler={self.scheduler_address!r})"
+        )

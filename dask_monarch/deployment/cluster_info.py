@@ -37,13 +37,19 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
         rows = []
         for address, w in workers.items():
             d = described.get(address, {})
-            rows.append({
-                "name": str(w.get("name")), "address": address,
-                "resource": d.get("resource"), "nthreads": w.get("nthreads"),
-                "memory_limit": w.get("memory_limit"), "gpus": d.get("gpus"),
-                "plugin": d.get("has_plugin", False), "meshes": meshes.get(address, []),
-                "resources": w.get("resources", {}),
-            })
+            rows.append(
+                {
+                    "name": str(w.get("name")),
+                    "address": address,
+                    "resource": d.get("resource"),
+                    "nthreads": w.get("nthreads"),
+                    "memory_limit": w.get("memory_limit"),
+                    "gpus": d.get("gpus"),
+                    "plugin": d.get("has_plugin", False),
+                    "meshes": meshes.get(address, []),
+                    "resources": w.get("resources", {}),
+                }
+            )
         rows.sort(key=lambda r: (r["resource"] is None, natural_key(r["resource"] or r["name"])))
         link = client.dashboard_link
         scheduler = client.scheduler.address
@@ -55,19 +61,28 @@ def table_lines(report: dict) -> list[str]:
     from dask.utils import format_bytes
 
     rows = report["workers"]
-    lines = [f"scheduler {report['scheduler']}, {len(rows)} workers"
-             + dashboard_note(report["dashboard"])]
-    header = ("worker", "address", "rank resource", "threads", "memory", "GPUs", "plugin",
-              "meshes")
+    lines = [
+        f"scheduler {report['scheduler']}, {len(rows)} workers"
+        + dashboard_note(report["dashboard"])
+    ]
+    header = ("worker", "address", "rank resource", "threads", "memory", "GPUs", "plugin", "meshes")
     table = [header] + [
-        (r["name"], r["address"], r["resource"] or "-", str(r["nthreads"]),
-         format_bytes(r["memory_limit"]) if r["memory_limit"] else "-", str(r["gpus"]),
-         "yes" if r["plugin"] else "no", ", ".join(r["meshes"]) or "-")
+        (
+            r["name"],
+            r["address"],
+            r["resource"] or "-",
+            str(r["nthreads"]),
+            format_bytes(r["memory_limit"]) if r["memory_limit"] else "-",
+            str(r["gpus"]),
+            "yes" if r["plugin"] else "no",
+            ", ".join(r["meshes"]) or "-",
+        )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-              for row in table]
+    lines += [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table
+    ]
     return lines
 
 

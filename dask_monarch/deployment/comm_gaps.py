@@ -57,8 +57,12 @@ class LowerGaps(SchedulerPlugin):
 
 
 @click.command(name="dask_setup")
-@click.option("--batched-interval", default="1ms", show_default=True,
-              help="The gap of the scheduler's streams to workers and clients.")
+@click.option(
+    "--batched-interval",
+    default="1ms",
+    show_default=True,
+    help="The gap of the scheduler's streams to workers and clients.",
+)
 def dask_setup(scheduler: Scheduler, batched_interval: str) -> None:
     """Preload hook: add :class:`LowerGaps` to the scheduler."""
     scheduler.add_plugin(LowerGaps(parse_timedelta(batched_interval, default="s")))

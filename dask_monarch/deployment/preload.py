@@ -45,8 +45,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_monarch.preload")
 
 
-async def setup_worker(worker: Worker, rank: int | None = None, gpu: str | None = None,
-                       torch_threads: int | None = None) -> None:
+async def setup_worker(
+    worker: Worker,
+    rank: int | None = None,
+    gpu: str | None = None,
+    torch_threads: int | None = None,
+) -> None:
     """Make ``worker`` a dask_monarch rank: GPU choice, rank resource, the plugin."""
     from ..worker import MonarchWorkerPlugin
 
@@ -54,8 +58,10 @@ async def setup_worker(worker: Worker, rank: int | None = None, gpu: str | None 
         import torch
 
         if torch.cuda.is_initialized():
-            raise RuntimeError("--monarch-gpu: CUDA is already initialised in this worker; "
-                               "use --preload-nanny, or set CUDA_VISIBLE_DEVICES yourself")
+            raise RuntimeError(
+                "--monarch-gpu: CUDA is already initialised in this worker; "
+                "use --preload-nanny, or set CUDA_VISIBLE_DEVICES yourself"
+            )
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     if torch_threads is not None:
         import torch
@@ -66,15 +72,20 @@ async def setup_worker(worker: Worker, rank: int | None = None, gpu: str | None 
         state = worker.state
         others = [r for r in state.total_resources if r.startswith(RESOURCE_PREFIX) and r != name]
         if others:
-            raise ValueError(f"--monarch-rank={rank}: worker {worker.name} already advertises "
-                             f"the rank resource {others[0]}")
+            raise ValueError(
+                f"--monarch-rank={rank}: worker {worker.name} already advertises "
+                f"the rank resource {others[0]}"
+            )
         # Before registration the scheduler learns the resources from the registration itself.
         state.total_resources[name] = RESOURCE_CAPACITY
         state.available_resources[name] = RESOURCE_CAPACITY
     if PLUGIN_NAME not in worker.plugins:
         await worker.plugin_add(MonarchWorkerPlugin(), name=PLUGIN_NAME)
-    logger.info("worker %s is a dask_monarch rank%s", worker.name,
-                f" ({rank_resource(rank)})" if rank is not None else "")
+    logger.info(
+        "worker %s is a dask_monarch rank%s",
+        worker.name,
+        f" ({rank_resource(rank)})" if rank is not None else "",
+    )
 
 
 def setup_nanny(nanny: Nanny, gpu: str | None = None, torch_threads: int | None = None) -> None:
@@ -87,16 +98,35 @@ def setup_nanny(nanny: Nanny, gpu: str | None = None, torch_threads: int | None 
 
 
 @click.command(name="dask_setup")
-@click.option("--monarch-rank", type=click.IntRange(min=0), default=None, envvar="MONARCH_RANK",
-              help="Advertise the rank resource monarch-rank<N>: controllers take workers in "
-                   "rank order (default: monarch-<worker name>, given when first claimed).")
-@click.option("--monarch-gpu", default=None, metavar="DEVICES", envvar="MONARCH_GPU",
-              help="Narrow CUDA_VISIBLE_DEVICES to DEVICES (indices or UUIDs, comma "
-                   "separated) before torch initialises CUDA.")
-@click.option("--monarch-torch-threads", type=click.IntRange(min=1), default=None,
-              envvar="MONARCH_TORCH_THREADS", help="Torch intra-op threads of this worker.")
-async def dask_setup(server: Server, monarch_rank: int | None, monarch_gpu: str | None,
-                     monarch_torch_threads: int | None) -> None:
+@click.option(
+    "--monarch-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    envvar="MONARCH_RANK",
+    help="Advertise the rank resource monarch-rank<N>: controllers take workers in "
+    "rank order (default: monarch-<worker name>, given when first claimed).",
+)
+@click.option(
+    "--monarch-gpu",
+    default=None,
+    metavar="DEVICES",
+    envvar="MONARCH_GPU",
+    help="Narrow CUDA_VISIBLE_DEVICES to DEVICES (indices or UUIDs, comma "
+    "separated) before torch initialises CUDA.",
+)
+@click.option(
+    "--monarch-torch-threads",
+    type=click.IntRange(min=1),
+    default=None,
+    envvar="MONARCH_TORCH_THREADS",
+    help="Torch intra-op threads of this worker.",
+)
+async def dask_setup(
+    server: Server,
+    monarch_rank: int | None,
+    monarch_gpu: str | None,
+    monarch_torch_threads: int | None,
+) -> None:
     """Preload hook for schedulers (the dashboard page), workers and nannies."""
     from distributed import Nanny, Scheduler, Worker
 

@@ -50,11 +50,20 @@ class SetupError(Exception):
     """The run could not start: its cluster is unreachable, too small or impossible."""
 
 
-def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int | None = None,
-        device: str = "auto", scheduler_address: str | None = None,
-        scheduler_file: str | None = None, dashboard_address: str | None = None,
-        progress: bool = False, say: Callable[[str], None] = lambda text: None,
-        security: Security | None = None) -> int:
+def run(
+    script: str,
+    args: Sequence[str],
+    *,
+    as_module: bool = False,
+    ranks: int | None = None,
+    device: str = "auto",
+    scheduler_address: str | None = None,
+    scheduler_file: str | None = None,
+    dashboard_address: str | None = None,
+    progress: bool = False,
+    say: Callable[[str], None] = lambda text: None,
+    security: Security | None = None,
+) -> int:
     """Run ``script`` on an existing cluster, or on an embedded one; return its exit status.
 
     With ``scheduler_address`` or ``scheduler_file`` the cluster exists (wait
@@ -70,15 +79,20 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
         if scheduler_address or scheduler_file:
             client = _connect(scheduler_address, scheduler_file, ranks, security)
             stack.enter_context(client)
-            say(f"using the cluster at {client.scheduler.address} "
+            say(
+                f"using the cluster at {client.scheduler.address} "
                 f"({len(client.scheduler_info()['workers'])} workers)"
-                + dashboard_note(client.dashboard_link))
+                + dashboard_note(client.dashboard_link)
+            )
         else:
-            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address,
-                                                          security))
+            client = stack.enter_context(
+                _embedded_client(ranks, device, dashboard_address, security)
+            )
             cluster = client.cluster
-            say(f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
-                f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link))
+            say(
+                f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
+                f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link)
+            )
         line = ProgressLine(sys.stderr) if progress else None
         if line is not None:
             line.start()
@@ -102,8 +116,9 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
     return code
 
 
-def security_for(ca_file: str | None, cert: str | None, key: str | None,
-                 temporary: bool = False) -> Security | None:
+def security_for(
+    ca_file: str | None, cert: str | None, key: str | None, temporary: bool = False
+) -> Security | None:
     """The TLS settings of ``--tls-ca-file/--tls-cert/--tls-key`` or ``--tls-temporary``.
 
     One certificate serves every role (scheduler, workers, client), as
@@ -120,13 +135,24 @@ def security_for(ca_file: str | None, cert: str | None, key: str | None,
         return None
     if not (ca_file and cert and key):
         raise SetupError("TLS needs a CA file, a certificate and its key together")
-    return Security(tls_ca_file=ca_file, tls_client_cert=cert, tls_client_key=key,
-                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
-                    tls_worker_key=key, require_encryption=True)
+    return Security(
+        tls_ca_file=ca_file,
+        tls_client_cert=cert,
+        tls_client_key=key,
+        tls_scheduler_cert=cert,
+        tls_scheduler_key=key,
+        tls_worker_cert=cert,
+        tls_worker_key=key,
+        require_encryption=True,
+    )
 
 
-def _connect(address: str | None, scheduler_file: str | None, ranks: int | None,
-             security: Security | None = None) -> Client:
+def _connect(
+    address: str | None,
+    scheduler_file: str | None,
+    ranks: int | None,
+    security: Security | None = None,
+) -> Client:
     from distributed import Client
 
     from .. import config
@@ -140,8 +166,7 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None,
             time.sleep(0.2)
     try:
         if scheduler_file is not None:
-            client = Client(scheduler_file=scheduler_file, set_as_default=True,
-                            security=security)
+            client = Client(scheduler_file=scheduler_file, set_as_default=True, security=security)
         else:
             client = Client(address, set_as_default=True, security=security)
     except OSError as e:
@@ -154,13 +179,15 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None,
             client.close()
             raise SetupError(
                 f"the cluster has {len(client.scheduler_info()['workers'])} workers, "
-                f"fewer than --ranks {ranks}, after {timeout:g}s") from None
+                f"fewer than --ranks {ranks}, after {timeout:g}s"
+            ) from None
     return client
 
 
 @contextlib.contextmanager
-def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None,
-                     security: Security | None = None) -> Iterator:
+def _embedded_client(
+    ranks: int | None, device: str, dashboard_address: str | None, security: Security | None = None
+) -> Iterator:
     from distributed import Client
 
     from .. import config
@@ -173,8 +200,9 @@ def _embedded_client(ranks: int | None, device: str, dashboard_address: str | No
         ranks = int(config.get("cli.cpu-ranks", 2))
         device = "cpu" if device == "auto" else device
     try:
-        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address,
-                                   security=security)
+        cluster = LocalMeshCluster(
+            ranks, device=device, dashboard_address=dashboard_address, security=security
+        )
     except ValueError as e:
         raise SetupError(str(e)) from None
     with cluster, Client(cluster, set_as_default=True) as client:
@@ -244,8 +272,9 @@ def _second_interrupt_exits() -> Iterator[None]:
 # -- running the script in this process ------------------------------------------------------
 
 
-def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
-               stderr: TextIO | None = None) -> int:
+def run_script(
+    script: str, args: Sequence[str], *, as_module: bool = False, stderr: TextIO | None = None
+) -> int:
     """Run ``script`` like ``python script args`` (or ``python -m``); return an exit status.
 
     Exceptions are printed like Python prints them (without this module's
@@ -272,8 +301,9 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
         return _exit_status(e.code, stderr)
     except KeyboardInterrupt as e:
         where = _script_frame(e, path)
-        stderr.write(f"dask-monarch: interrupted (Ctrl-C){where}; releasing the ranks and "
-                     "stopping\n")
+        stderr.write(
+            f"dask-monarch: interrupted (Ctrl-C){where}; releasing the ranks and stopping\n"
+        )
         stderr.flush()
         return EXIT_INTERRUPTED
     except BaseException as e:
@@ -365,10 +395,13 @@ def report_exception(exc: BaseException, stderr: TextIO) -> int:
         if remote.traceback and remote.traceback.strip() not in text:
             where = f" (rank {remote.rank})" if remote.rank is not None else ""
             stderr.write(f"\nRemote traceback{where}:\n{remote.traceback}")
-        where = ", ".join(f"{k} {v}" for k, v in (("rank", remote.rank), ("seq", remote.seq))
-                          if v is not None)
-        stderr.write(f"\ndask-monarch: a remote function failed{f' ({where})' if where else ''}"
-                     "; the remote traceback is above\n")
+        where = ", ".join(
+            f"{k} {v}" for k, v in (("rank", remote.rank), ("seq", remote.seq)) if v is not None
+        )
+        stderr.write(
+            f"\ndask-monarch: a remote function failed{f' ({where})' if where else ''}"
+            "; the remote traceback is above\n"
+        )
         return EXIT_REMOTE
     device = _in_chain(exc, DeviceException)
     if device is not None:

@@ -87,11 +87,19 @@ def rotated(gpus: list[str], index: int) -> str:
     return ",".join(gpus[index:] + gpus[:index])
 
 
-def rank_worker_options(name: str, *, rank: int | None, torch_threads: int,
-                        memory_limit: int | str | None, gpus: list[str] | None = None,
-                        gpu_index: int = 0, host: str | None = None, profile: bool = False,
-                        silence_logs: int = logging.WARNING,
-                        batched_interval: float | None = None) -> dict:
+def rank_worker_options(
+    name: str,
+    *,
+    rank: int | None,
+    torch_threads: int,
+    memory_limit: int | str | None,
+    gpus: list[str] | None = None,
+    gpu_index: int = 0,
+    host: str | None = None,
+    profile: bool = False,
+    silence_logs: int = logging.WARNING,
+    batched_interval: float | None = None,
+) -> dict:
     """The :class:`RankNanny` options of one rank worker (see the module docstring).
 
     ``batched_interval`` lowers the gap of the worker's stream to the scheduler
@@ -123,25 +131,44 @@ def rank_worker_options(name: str, *, rank: int | None, torch_threads: int,
     return options
 
 
-async def run_node(scheduler: str | None, scheduler_file: str | None, gpus: list[str], *,
-                   first_rank: int | None, torch_threads: int | None,
-                   memory_limit: int | str | None, host: str | None,
-                   name_prefix: str | None) -> None:
+async def run_node(
+    scheduler: str | None,
+    scheduler_file: str | None,
+    gpus: list[str],
+    *,
+    first_rank: int | None,
+    torch_threads: int | None,
+    memory_limit: int | str | None,
+    host: str | None,
+    name_prefix: str | None,
+) -> None:
     """Start one rank worker per GPU (``gpus``) and run until they stop or a signal arrives."""
     from distributed._signals import wait_for_signals
     from distributed.system import MEMORY_LIMIT
 
     if not gpus:
-        raise ValueError("no GPU is visible on this node (give --gpus, or use dask worker "
-                         "with --preload dask_monarch.preload for CPU ranks)")
+        raise ValueError(
+            "no GPU is visible on this node (give --gpus, or use dask worker "
+            "with --preload dask_monarch.preload for CPU ranks)"
+        )
     threads = torch_threads or max(1, (os.cpu_count() or 1) // len(gpus))
     if memory_limit == "auto":
         memory_limit = MEMORY_LIMIT // len(gpus)
     prefix = name_prefix or socket.gethostname()
     nannies = [
-        RankNanny(scheduler, scheduler_file=scheduler_file, **rank_worker_options(
-            f"{prefix}-gpu{gpu}", rank=None if first_rank is None else first_rank + i,
-            torch_threads=threads, memory_limit=memory_limit, gpus=gpus, gpu_index=i, host=host))
+        RankNanny(
+            scheduler,
+            scheduler_file=scheduler_file,
+            **rank_worker_options(
+                f"{prefix}-gpu{gpu}",
+                rank=None if first_rank is None else first_rank + i,
+                torch_threads=threads,
+                memory_limit=memory_limit,
+                gpus=gpus,
+                gpu_index=i,
+                host=host,
+            ),
+        )
         for i, gpu in enumerate(gpus)
     ]
 

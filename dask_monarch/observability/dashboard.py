@@ -104,8 +104,10 @@ def public_id(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:12]
 
 
-_TRACEBACK_LINE = re.compile(r"^(\s|Traceback \(most recent call last\):$|During handling of "
-                             r"the above exception|The above exception was the direct cause|$)")
+_TRACEBACK_LINE = re.compile(
+    r"^(\s|Traceback \(most recent call last\):$|During handling of "
+    r"the above exception|The above exception was the direct cause|$)"
+)
 _EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
 HIDDEN = "<message hidden: dask_monarch.dashboard.show-details is false>"
 
@@ -140,14 +142,18 @@ def _hide_details(rank: dict) -> None:
 
 def rank_workers(scheduler: Scheduler) -> list[str]:
     """Addresses of the workers that advertise a dask_monarch rank resource."""
-    return [address for address, ws in scheduler.workers.items()
-            if any(name.startswith(RESOURCE_PREFIX) for name in ws.resources)]
+    return [
+        address
+        for address, ws in scheduler.workers.items()
+        if any(name.startswith(RESOURCE_PREFIX) for name in ws.resources)
+    ]
 
 
 async def _ask(scheduler: Scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
     try:
         reply = await asyncio.wait_for(
-            scheduler.broadcast(msg={"op": STATE_HANDLER}, workers=[address]), timeout)
+            scheduler.broadcast(msg={"op": STATE_HANDLER}, workers=[address]), timeout
+        )
         return address, reply.get(address, []), None
     except asyncio.TimeoutError:
         return address, [], f"no answer within {timeout:g}s (its event loop is busy or blocked)"
@@ -172,21 +178,34 @@ async def collect(scheduler: Scheduler) -> dict:
     for address, ranks, error in answers:
         ws = scheduler.workers.get(address)
         name = str(ws.name) if ws is not None else address
-        workers.append({"address": address, "name": name, "error": error, "ranks": len(ranks),
-                        "resources": dict(ws.resources) if ws is not None else {},
-                        "nthreads": ws.nthreads if ws is not None else None})
+        workers.append(
+            {
+                "address": address,
+                "name": name,
+                "error": error,
+                "ranks": len(ranks),
+                "resources": dict(ws.resources) if ws is not None else {},
+                "nthreads": ws.nthreads if ws is not None else None,
+            }
+        )
         for rank in ranks:
             if not show_details:
                 _hide_details(rank)
             token = rank["token"]
             rank["worker"], rank["worker_name"] = address, name
-            rank["rate"] = _rates.rate((address, token, rank["rank"]), rank["time"],
-                                       rank["messages"], window)
+            rank["rate"] = _rates.rate(
+                (address, token, rank["rank"]), rank["time"], rank["messages"], window
+            )
             for lane in rank["lanes"]:
-                lane["rate"] = _rates.rate((address, token, rank["rank"], lane["stream"]),
-                                           rank["time"], lane["steps"], window)
-            entry = controllers.setdefault(token, {"token": token,
-                                                   "world_size": rank["world_size"], "ranks": []})
+                lane["rate"] = _rates.rate(
+                    (address, token, rank["rank"], lane["stream"]),
+                    rank["time"],
+                    lane["steps"],
+                    window,
+                )
+            entry = controllers.setdefault(
+                token, {"token": token, "world_size": rank["world_size"], "ranks": []}
+            )
             entry["ranks"].append(rank)
     _rates.forget_old()
     for entry in controllers.values():
@@ -195,8 +214,13 @@ async def collect(scheduler: Scheduler) -> dict:
         rates = [r["rate"] for r in ranks if r["rate"] is not None]
         entry.update(
             ranks=ranks,
-            state=("failed" if any(r["failed"] for r in ranks)
-                   else "released" if all(r["released"] for r in ranks) else "running"),
+            state=(
+                "failed"
+                if any(r["failed"] for r in ranks)
+                else "released"
+                if all(r["released"] for r in ranks)
+                else "running"
+            ),
             messages=sum(r["messages"] for r in ranks),
             rate=sum(rates) if rates else None,
             last_done_seq=max(r["last_done_seq"] for r in ranks),
@@ -216,8 +240,9 @@ async def collect(scheduler: Scheduler) -> dict:
 
 def _describe_lanes(ranks: list[dict]) -> None:
     """Give every busy lane of one mesh its ``status``: what a LivenessWarning would say."""
-    progress = {r["rank"]: {lane["stream"]: from_snapshot(lane) for lane in r["lanes"]}
-                for r in ranks}
+    progress = {
+        r["rank"]: {lane["stream"]: from_snapshot(lane) for lane in r["lanes"]} for r in ranks
+    }
     for r in ranks:
         for lane in r["lanes"]:
             p = progress[r["rank"]][lane["stream"]]
@@ -243,8 +268,11 @@ def page_html(root: str = "../") -> str:
         with open(_HTML, encoding="utf-8") as f:
             _page_cache["page"] = f.read()
     interval_ms = int(1000 * (config.seconds("dashboard.interval") or 1.0))
-    return (_page_cache["page"].replace("__INTERVAL_MS__", str(max(100, interval_ms)))
-            .replace("__ROOT__", root))
+    return (
+        _page_cache["page"]
+        .replace("__INTERVAL_MS__", str(max(100, interval_ms)))
+        .replace("__ROOT__", root)
+    )
 
 
 class Page(RequestHandler):
@@ -275,10 +303,13 @@ def _more_menu_page(scheduler: Scheduler, extra: dict, doc: Document) -> None:
     from bokeh.models import Div
 
     doc.title = "Dask: Monarch"
-    doc.add_root(Div(
-        text='<iframe src="monarch/" title="dask_monarch" '
-             'style="border:0;width:100%;height:calc(100vh - 16px)"></iframe>',
-        sizing_mode="stretch_both"))
+    doc.add_root(
+        Div(
+            text='<iframe src="monarch/" title="dask_monarch" '
+            'style="border:0;width:100%;height:calc(100vh - 16px)"></iframe>',
+            sizing_mode="stretch_both",
+        )
+    )
 
 
 def _register_more_menu_page() -> None:

@@ -72,8 +72,7 @@ def _level(level: int | str) -> int:
     return value
 
 
-def forward_worker_logs(client: Client, level: int | str = "INFO",
-                        logger: str = LOGGER) -> None:
+def forward_worker_logs(client: Client, level: int | str = "INFO", logger: str = LOGGER) -> None:
     """Ship ``logger``'s records of at least ``level`` from every worker to this process.
 
     Sets the level on the workers (now and on workers that join later), sets

@@ -25,8 +25,9 @@ class ProgressLine:
     It appears once the run has lasted ``dask_monarch.cli.progress-delay``.
     """
 
-    def __init__(self, stream: TextIO, interval: float | None = None,
-                 delay: float | None = None) -> None:
+    def __init__(
+        self, stream: TextIO, interval: float | None = None, delay: float | None = None
+    ) -> None:
         from .. import config
 
         self.stream = stream
@@ -34,8 +35,9 @@ class ProgressLine:
         self.interval = interval or config.seconds("cli.progress-interval") or 0.5
         self.delay = config.seconds("cli.progress-delay") if delay is None else delay
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name="dask-monarch-progress")
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name="dask-monarch-progress"
+        )
         self._start = time.monotonic()
         self._last = (self._start, 0)
         self._shown = ""
@@ -67,9 +69,11 @@ class ProgressLine:
         total = sum(s["segments"] for s in stats)
         broken = sum(1 for s in stats if s["state"] == "broken")
         elapsed = int(now - self._start)
-        text = (f"dask-monarch: {len(stats)} mesh{'es' if len(stats) != 1 else ''}, "
-                f"{messages:,} messages ({rate:,.0f}/s), {done:,}/{total:,} tasks done, "
-                f"{elapsed // 60}:{elapsed % 60:02d} elapsed")
+        text = (
+            f"dask-monarch: {len(stats)} mesh{'es' if len(stats) != 1 else ''}, "
+            f"{messages:,} messages ({rate:,.0f}/s), {done:,}/{total:,} tasks done, "
+            f"{elapsed // 60}:{elapsed % 60:02d} elapsed"
+        )
         if broken:
             text += f", {broken} broken"
         return (len(stats), messages, done, total, broken), text

@@ -62,15 +62,17 @@ def status(p: LaneProgress, outstanding: int | None = None) -> str:
         return f"{_seq(p.last_seq)}: running for {p.for_s:.1f}s{where}"
     done = f"idle after seq {p.done_seq}" if p.done_seq >= 0 else "idle"
     if outstanding:
-        return (f"{done}: the next segment sent to it has not started "
-                "(its Dask task has not run yet)")
+        return (
+            f"{done}: the next segment sent to it has not started (its Dask task has not run yet)"
+        )
     if outstanding == 0:
         return f"{done}: it has run everything sent to it"
     return done
 
 
-def missing_peers(rank: int, p: LaneProgress, lanes_of: LanesOf,
-                  outstanding_of: OutstandingOf | None = None) -> list[str]:
+def missing_peers(
+    rank: int, p: LaneProgress, lanes_of: LanesOf, outstanding_of: OutstandingOf | None = None
+) -> list[str]:
     """The peers ``p``'s wait needs that are not in it, each with what it does instead.
 
     A peer is in the wait when its lane waits too and names ``rank``'s lane
@@ -92,8 +94,9 @@ def missing_peers(rank: int, p: LaneProgress, lanes_of: LanesOf,
     return missing
 
 
-def explain(rank: int, p: LaneProgress, lanes_of: LanesOf,
-            outstanding_of: OutstandingOf | None = None) -> str:
+def explain(
+    rank: int, p: LaneProgress, lanes_of: LanesOf, outstanding_of: OutstandingOf | None = None
+) -> str:
     """:func:`status` of ``rank``'s lane ``p``, and the peers its wait needs that are not in it."""
     outstanding = outstanding_of(rank, p.lane) if outstanding_of else None
     text = status(p, outstanding)
@@ -104,8 +107,9 @@ def explain(rank: int, p: LaneProgress, lanes_of: LanesOf,
     return text
 
 
-def describe(rank: int, p: LaneProgress, lanes_of: LanesOf,
-             outstanding_of: OutstandingOf | None = None) -> str:
+def describe(
+    rank: int, p: LaneProgress, lanes_of: LanesOf, outstanding_of: OutstandingOf | None = None
+) -> str:
     """``rank r, stream s: <what explain says>``."""
     return f"rank {rank}, {lane_name(p.lane)}: {explain(rank, p, lanes_of, outstanding_of)}"
 
@@ -113,6 +117,15 @@ def describe(rank: int, p: LaneProgress, lanes_of: LanesOf,
 def from_snapshot(lane: Mapping[str, Any]) -> LaneProgress:
     """A lane of the worker's dashboard snapshot (JSON-shaped) as a LaneProgress."""
     return LaneProgress(
-        lane["stream"], lane["state"], lane["doing"], lane.get("seq"), lane.get("next_seq"),
-        lane["last_seq"], lane["done_seq"], lane["segments"], lane.get("for_s", 0.0),
-        tuple(tuple(peer) for peer in lane.get("peers", ())), lane.get("where", ""))
+        lane["stream"],
+        lane["state"],
+        lane["doing"],
+        lane.get("seq"),
+        lane.get("next_seq"),
+        lane["last_seq"],
+        lane["done_seq"],
+        lane["segments"],
+        lane.get("for_s", 0.0),
+        tuple(tuple(peer) for peer in lane.get("peers", ())),
+        lane.get("where", ""),
+    )

@@ -63,8 +63,14 @@ def describe_output(leaf: Any, keep_value: bool = True) -> tuple:
     import torch
 
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.storage_offset(),
-                leaf.dtype, str(leaf.device))
+        return (
+            "tensor",
+            tuple(leaf.shape),
+            tuple(leaf.stride()),
+            leaf.storage_offset(),
+            leaf.dtype,
+            str(leaf.device),
+        )
     return ("value", leaf if keep_value else None)
 
 

@@ -86,25 +86,41 @@ class Rule(NamedTuple):
 
 
 RULES: dict[type, Rule] = {
-    m.CallFunction: Rule(Lanes.NAMED_STREAM, "call", True, True, ("args_kwargs",),
-                         ("results",), ("mutates",)),
-    m.SendValue: Rule(Lanes.NAMED_STREAM, "fetch", True, True, ("args_kwargs",), (),
-                      ("mutates",)),
+    m.CallFunction: Rule(
+        Lanes.NAMED_STREAM, "call", True, True, ("args_kwargs",), ("results",), ("mutates",)
+    ),
+    m.SendValue: Rule(Lanes.NAMED_STREAM, "fetch", True, True, ("args_kwargs",), (), ("mutates",)),
     m.PipeRecv: Rule(Lanes.NAMED_STREAM, "pipe", True, True, (), ("results",)),
-    m.SendResultOfActorCall: Rule(Lanes.NAMED_STREAM, "actor", True, True, ("local_state",), (),
-                                  ("mutates",)),
-    m.CallActorMethod: Rule(Lanes.CALL_STREAM, "actor", True, True, ("call.local_state",),
-                            ("results",), ("call.mutates",)),
-    m.Reduce: Rule(Lanes.NAMED_STREAM, "reduce", True, False, ("tensor", "out"), ("result",),
-                   ("out",), sync=Sync.GROUP),
-    m.SendTensor: Rule(Lanes.SEND, "send", True, False, ("tensor",), ("result",),
-                       sync=Sync.PEER),
+    m.SendResultOfActorCall: Rule(
+        Lanes.NAMED_STREAM, "actor", True, True, ("local_state",), (), ("mutates",)
+    ),
+    m.CallActorMethod: Rule(
+        Lanes.CALL_STREAM,
+        "actor",
+        True,
+        True,
+        ("call.local_state",),
+        ("results",),
+        ("call.mutates",),
+    ),
+    m.Reduce: Rule(
+        Lanes.NAMED_STREAM,
+        "reduce",
+        True,
+        False,
+        ("tensor", "out"),
+        ("result",),
+        ("out",),
+        sync=Sync.GROUP,
+    ),
+    m.SendTensor: Rule(Lanes.SEND, "send", True, False, ("tensor",), ("result",), sync=Sync.PEER),
     m.SetRefUnitTestsOnly: Rule(Lanes.NAMED_STREAM, "ref", True, defines=("reference",)),
     m.GetRefUnitTestsOnly: Rule(Lanes.NAMED_STREAM, "ref", True, uses=("value",)),
     m.RecordingFormal: Rule(Lanes.NAMED_STREAM, "recording", True, defines=("result",)),
     m.RecordingResult: Rule(Lanes.NAMED_STREAM, "recording", True, uses=("result",)),
-    m.BorrowCreate: Rule(Lanes.BORROW, "borrow", True, uses=("tensor",), defines=("result",),
-                         sync=Sync.SIGNAL),
+    m.BorrowCreate: Rule(
+        Lanes.BORROW, "borrow", True, uses=("tensor",), defines=("result",), sync=Sync.SIGNAL
+    ),
     m.BorrowFirstUse: Rule(Lanes.BORROW, "borrow", True, sync=Sync.WAIT),
     m.BorrowLastUse: Rule(Lanes.BORROW, "borrow", True, sync=Sync.SIGNAL),
     m.BorrowDrop: Rule(Lanes.BORROW, "borrow", True, sync=Sync.WAIT),
@@ -113,8 +129,14 @@ RULES: dict[type, Rule] = {
     m.CommandGroup: Rule(Lanes.GROUP, "segment", True, sync=Sync.INNER),
     m.RequestStatus: Rule(Lanes.EVERY_STREAM, "status", False),  # as a StatusProbe per lane
     m.CreateStream: Rule(Lanes.NEW_STREAM, "stream", False),
-    m.CallRecording: Rule(Lanes.RECORDING, "recording", False, uses=("actuals",),
-                          defines=("results",), sync=Sync.REPLAY),
+    m.CallRecording: Rule(
+        Lanes.RECORDING,
+        "recording",
+        False,
+        uses=("actuals",),
+        defines=("results",),
+        sync=Sync.REPLAY,
+    ),
     m.DefineRecording: Rule(Lanes.CONTROL, "recording", False),
     m.CreateDeviceMesh: Rule(Lanes.CONTROL, "mesh", False),
     m.CreateRemoteProcessGroup: Rule(Lanes.CONTROL, "comm", False),
@@ -129,15 +151,21 @@ RULES: dict[type, Rule] = {
 LANES: dict[type, str] = {t: rule.lanes for t, rule in RULES.items()}
 SYNC: dict[type, str] = {t: rule.sync for t, rule in RULES.items() if rule.sync}
 # Lane messages the pre-dispatch check looks at (control steps it sees all: they are rare).
-CHECKED = frozenset(t for t, rule in RULES.items() if rule.sync and rule.lanes is not Lanes.CONTROL
-                    and rule.lanes is not Lanes.DRAIN)
+CHECKED = frozenset(
+    t
+    for t, rule in RULES.items()
+    if rule.sync and rule.lanes is not Lanes.CONTROL and rule.lanes is not Lanes.DRAIN
+)
 # The compiler's fast path: one lane per rank, the stream the message names, nothing to check.
-ON_NAMED_STREAM = frozenset(t for t, lanes in LANES.items()
-                            if lanes is Lanes.NAMED_STREAM and t not in CHECKED)
+ON_NAMED_STREAM = frozenset(
+    t for t, lanes in LANES.items() if lanes is Lanes.NAMED_STREAM and t not in CHECKED
+)
 RUNS_USER_CODE = frozenset(t for t, rule in RULES.items() if rule.user_code)
 # What a segment's work is called, also for the steps the compiler adds.
 FAMILY: dict[type, str] = {
-    **{t: rule.family for t, rule in RULES.items()}, ReadRef: "ref", StatusProbe: "status",
+    **{t: rule.family for t, rule in RULES.items()},
+    ReadRef: "ref",
+    StatusProbe: "status",
     DropLane: "stream",
 }
 
@@ -264,8 +292,9 @@ class Borrows:
         self.recording = recording
         self.borrows: dict[int, BorrowProgress] = {}
 
-    def create(self, borrow_id: int, from_stream: Any = None,
-               to_stream: Any = None) -> BorrowProgress:
+    def create(
+        self, borrow_id: int, from_stream: Any = None, to_stream: Any = None
+    ) -> BorrowProgress:
         """A new borrow (its streams may be filled in after this check)."""
         if borrow_id in self.borrows:
             if self.recording is None:
@@ -281,15 +310,21 @@ class Borrows:
         if borrow is None:
             if self.recording is None:
                 raise self.fail(f"{t.__name__} of unknown borrow {msg.borrow}")
-            raise self.fail(f"recording r{self.recording}: {t.__name__} of borrow {msg.borrow}, "
-                            "which was not created within the recording")
+            raise self.fail(
+                f"recording r{self.recording}: {t.__name__} of borrow {msg.borrow}, "
+                "which was not created within the recording"
+            )
         expected, state, on_borrower = _STEPS[t]
         if borrow.state != expected:
             if self.recording is None:
-                raise self.fail(f"{t.__name__} of borrow {msg.borrow} in state '{borrow.state}' "
-                                f"(expected '{expected}')")
-            raise self.fail(f"recording r{self.recording}: {t.__name__} of borrow {msg.borrow} "
-                            f"in state '{borrow.state}'")
+                raise self.fail(
+                    f"{t.__name__} of borrow {msg.borrow} in state '{borrow.state}' "
+                    f"(expected '{expected}')"
+                )
+            raise self.fail(
+                f"recording r{self.recording}: {t.__name__} of borrow {msg.borrow} "
+                f"in state '{borrow.state}'"
+            )
         if state == DROPPED and self.recording is None:
             del self.borrows[msg.borrow]
         else:
@@ -300,8 +335,10 @@ class Borrows:
         """A recording ends with every borrow it created dropped."""
         still_open = [b for b, borrow in self.borrows.items() if borrow.state != DROPPED]
         if still_open:
-            raise self.fail(f"recording r{self.recording}: all borrows created within recording "
-                            f"must be dropped within recording (open: {still_open})")
+            raise self.fail(
+                f"recording r{self.recording}: all borrows created within recording "
+                f"must be dropped within recording (open: {still_open})"
+            )
 
 
 # --------------------------------------------------------------------------- recordings
@@ -330,14 +367,17 @@ class RecordingChunks:
                 raise self.fail(f"DefineRecording r{msg.result.id}, which is already defined")
             self.ref, self.total, self.next_index = msg.result.id, msg.ntotal_messages, 0
         elif msg.result.id != self.ref:
-            raise self.fail(f"DefineRecording r{msg.result.id} while r{self.ref} is being "
-                            "defined")
+            raise self.fail(f"DefineRecording r{msg.result.id} while r{self.ref} is being defined")
         if msg.index != self.next_index:
-            raise self.fail(f"DefineRecording r{self.ref}: chunk {msg.index} arrived when "
-                            f"{self.next_index} was expected")
+            raise self.fail(
+                f"DefineRecording r{self.ref}: chunk {msg.index} arrived when "
+                f"{self.next_index} was expected"
+            )
         if msg.ntotal_messages != self.total:
-            raise self.fail(f"DefineRecording r{self.ref}: chunk {msg.index} says "
-                            f"{msg.ntotal_messages} chunks, the first said {self.total}")
+            raise self.fail(
+                f"DefineRecording r{self.ref}: chunk {msg.index} says "
+                f"{msg.ntotal_messages} chunks, the first said {self.total}"
+            )
         self.commands.extend(msg.commands)
         self.next_index += 1
         if self.next_index != self.total:

@@ -56,8 +56,9 @@ def _run(lane: Lane, call: ActorCallParams) -> Any:
     def substitute(leaf):
         if type(leaf) is Ref:
             if leaf.id not in by_ref:
-                raise ValueError(f"r{leaf.id} is an argument of {info.method} but not in the "
-                                 "call's local_state")
+                raise ValueError(
+                    f"r{leaf.id} is an argument of {info.method} but not in the call's local_state"
+                )
             return by_ref[leaf.id]
         return leaf
 

@@ -39,8 +39,17 @@ _MISSING = object()
 class Borrow:
     """The two one-shot channels of one borrow."""
 
-    __slots__ = ("id", "result", "from_stream", "to_stream", "value", "created", "lent_event",
-                 "last_used", "returned_event")
+    __slots__ = (
+        "id",
+        "result",
+        "from_stream",
+        "to_stream",
+        "value",
+        "created",
+        "lent_event",
+        "last_used",
+        "returned_event",
+    )
 
     def __init__(self, borrow_id: int):
         self.id = borrow_id
@@ -76,8 +85,9 @@ def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
     """
     value = lane.env.get(msg.tensor.id, _MISSING)
     if value is _MISSING:
-        raise FatalError(f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on stream "
-                         f"{lane.label}")
+        raise FatalError(
+            f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on stream {lane.label}"
+        )
     if lane.recording is not None and type(value) is SeqError:
         lane.recording.dependent(value)
     borrow = _borrow(lane, msg.borrow)
@@ -103,8 +113,9 @@ def borrow_last_use(lane: Lane, msg: BorrowLastUse) -> None:
     """Give the object back: unbind it on the borrower lane (fatal if it is gone)."""
     borrow = _borrow(lane, msg.borrow)
     if lane.env.pop(borrow.result, _MISSING) is _MISSING:
-        raise FatalError(f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on stream "
-                         f"{lane.label}")
+        raise FatalError(
+            f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on stream {lane.label}"
+        )
     borrow.returned_event = lane.rank.device.record(lane.stream)
     borrow.last_used.set()
 
@@ -114,9 +125,12 @@ def borrow_drop(lane: Lane, msg: BorrowDrop) -> None:
     borrow = _borrow(lane, msg.borrow)
     if not borrow.last_used.is_set():
         to = borrow.to_stream
-        lane.rank.wait(lane, borrow.last_used,
-                       f"borrow {msg.borrow} (the BorrowLastUse on stream {to})",
-                       peers=((lane.rank.rank, to),))
+        lane.rank.wait(
+            lane,
+            borrow.last_used,
+            f"borrow {msg.borrow} (the BorrowLastUse on stream {to})",
+            peers=((lane.rank.rank, to),),
+        )
     lane.rank.device.wait(lane.stream, borrow.returned_event)
     with lane.rank.lock:
         lane.rank.borrows.pop(_key(lane, msg.borrow), None)

@@ -135,8 +135,9 @@ def _walk(path: str) -> Callable:
         ) from e
 
 
-def resolve_args(lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = None
-                 ) -> tuple[tuple, dict]:
+def resolve_args(
+    lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = None
+) -> tuple[tuple, dict]:
     """Arguments with every Ref replaced: mesh, then listed process group, then stream value."""
     if args_kwargs._payload is not None:
         args, kwargs = load_arguments(args_kwargs._payload)
@@ -205,6 +206,7 @@ def lookup(env: dict, ref_id: int) -> Any:
 
 def to_cpu(value: Any) -> Any:
     """A copy-free view of ``value`` with every tensor on the CPU and detached."""
+
     def move(x):
         if isinstance(x, torch.Tensor):
             x = x.detach()

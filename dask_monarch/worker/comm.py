@@ -58,8 +58,12 @@ from .lane import Lane
 
 _MISSING = object()
 # (stack?, scatter?) -> the collective a Reduce is
-_KINDS = {(False, False): "all-reduce", (False, True): "reduce-scatter",
-          (True, False): "all-gather", (True, True): "all-to-all"}
+_KINDS = {
+    (False, False): "all-reduce",
+    (False, True): "reduce-scatter",
+    (True, False): "all-gather",
+    (True, True): "all-to-all",
+}
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
 # torch 2.13 renamed all_gather_into_tensor (the old name warns with a FutureWarning)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,8 +109,15 @@ class Comms:
         peers = tuple((r, lane.label) for r in ranks if r != state.rank)
         lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
         try:
-            return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
-                                    host=self.host, timeout=self.timeout, cuda=cuda)
+            return groups.new_group(
+                self.store,
+                f"{self.prefix}{key}/",
+                ranks,
+                state.rank,
+                host=self.host,
+                timeout=self.timeout,
+                cuda=cuda,
+            )
         finally:
             lane.set_running()
 
@@ -125,8 +136,10 @@ class Comms:
         self.dropped.add(stream)
         gone = [self.splits.pop(k) for k in [k for k in self.splits if k[1] == stream]]
         gone += [self.remote.pop(k) for k in [k for k in self.remote if k[1] == stream]]
-        gone += [self.p2p.pop(k) for k in [k for k in self.p2p if stream in k
-                                           and all(s in self.dropped for s in k)]]
+        gone += [
+            self.p2p.pop(k)
+            for k in [k for k in self.p2p if stream in k and all(s in self.dropped for s in k)]
+        ]
         for pg in gone:
             groups.release_group(pg)
 
@@ -187,15 +200,19 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
     if comms.server is not None:
         comms.store = comms.server
     else:
-        comms.store = _fatal_call("connecting to the controller's store", groups.connect_store,
-                                  host, port, comms.timeout)
+        comms.store = _fatal_call(
+            "connecting to the controller's store", groups.connect_store, host, port, comms.timeout
+        )
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))
-    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world,
-                              "BackendNetworkInit", lane)
+    comms.world = _fatal_call(
+        "BackendNetworkInit", comms.group, "world", world, "BackendNetworkInit", lane
+    )
     warm_up = torch.ones(1, device=lane.rank.torch_device or "cpu")
-    lane.set_waiting(f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
-                     peers=tuple((r, lane.label) for r in world if r != lane.rank.rank))
+    lane.set_waiting(
+        f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
+        peers=tuple((r, lane.label) for r in world if r != lane.rank.rank),
+    )
     _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
     lane.set_running()
 
@@ -213,18 +230,20 @@ def split_comm(lane: Lane, msg: SplitComm) -> None:
     dims = tuple(sorted(msg.dims))
     key = (msg.device_mesh.id, msg.stream.id, dims)
     if key in comms.splits:
-        raise FatalError(f"SplitComm: stream {msg.stream.id} already has a communicator for "
-                         f"dims {list(dims)} of mesh r{msg.device_mesh.id}")
+        raise FatalError(
+            f"SplitComm: stream {msg.stream.id} already has a communicator for "
+            f"dims {list(dims)} of mesh r{msg.device_mesh.id}"
+        )
     unknown = [d for d in dims if d not in mesh.dims]
     if unknown:
         raise FatalError(f"SplitComm: mesh r{msg.device_mesh.id} has no dims {unknown}")
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"split/{msg.device_mesh.id}/{msg.stream.id}/{','.join(dims)}/{_ranks_key(ranks)}"
-    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks,
-                                    f"SplitComm of stream {msg.stream.id}", lane)
+    comms.splits[key] = _fatal_call(
+        "SplitComm", comms.group, name, ranks, f"SplitComm of stream {msg.stream.id}", lane
+    )
     me = lane.rank.rank
-    comms.members[key] = (_ranks_text(ranks),
-                          tuple((r, msg.stream.id) for r in ranks if r != me))
+    comms.members[key] = (_ranks_text(ranks), tuple((r, msg.stream.id) for r in ranks if r != me))
 
 
 def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None:
@@ -234,10 +253,14 @@ def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None
     if comms.world is None or key in comms.p2p:
         return
     world = list(range(lane.rank.world_size))
-    comms.p2p[key] = _fatal_call("BackendNetworkPointToPointInit", comms.group,
-                                 f"p2p/{key[0]}/{key[1]}", world,
-                                 f"BackendNetworkPointToPointInit of streams {key[0]}->{key[1]}",
-                                 lane)
+    comms.p2p[key] = _fatal_call(
+        "BackendNetworkPointToPointInit",
+        comms.group,
+        f"p2p/{key[0]}/{key[1]}",
+        world,
+        f"BackendNetworkPointToPointInit of streams {key[0]}->{key[1]}",
+        lane,
+    )
 
 
 def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> None:
@@ -247,8 +270,9 @@ def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> No
     """
     comms = comms_of(lane.rank)
     if msg.device_mesh.id not in lane.rank.meshes:
-        raise FatalError(f"CreateRemoteProcessGroup r{msg.result.id}: unknown device mesh "
-                         f"r{msg.device_mesh.id}")
+        raise FatalError(
+            f"CreateRemoteProcessGroup r{msg.result.id}: unknown device mesh r{msg.device_mesh.id}"
+        )
     if msg.result.id in comms.remote_defs:
         raise FatalError(f"CreateRemoteProcessGroup: r{msg.result.id} already exists")
     comms.remote_defs[msg.result.id] = (msg.device_mesh.id, tuple(sorted(msg.dims)))
@@ -261,8 +285,9 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
         return
     definition = comms.remote_defs.get(msg.remote_process_group.id)
     if definition is None:
-        raise FatalError(f"SplitCommForProcessGroup: unknown process group "
-                         f"r{msg.remote_process_group.id}")
+        raise FatalError(
+            f"SplitCommForProcessGroup: unknown process group r{msg.remote_process_group.id}"
+        )
     key = (msg.remote_process_group.id, msg.stream.id)
     if key in comms.remote:
         return
@@ -270,9 +295,14 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
     mesh = lane.rank.meshes[mesh_id]
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"pg/{key[0]}/{key[1]}/{_ranks_key(ranks)}"
-    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks,
-                                    f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
-                                    lane)
+    comms.remote[key] = _fatal_call(
+        "SplitCommForProcessGroup",
+        comms.group,
+        name,
+        ranks,
+        f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
+        lane,
+    )
 
 
 def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
@@ -282,8 +312,10 @@ def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
     for ref in refs:
         pg = comms.remote.get((ref.id, lane.label))
         if pg is None:
-            raise FatalError(f"process group r{ref.id} has no communicator on stream "
-                             f"{lane.label} (SplitCommForProcessGroup was not sent)")
+            raise FatalError(
+                f"process group r{ref.id} has no communicator on stream "
+                f"{lane.label} (SplitCommForProcessGroup was not sent)"
+            )
         found[ref.id] = pg
     return found
 
@@ -356,8 +388,10 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     key = (msg.mesh.id, lane.label, dims)
     pg = comms.splits.get(key)
     if pg is None:
-        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: {lane.title} "
-                         "has no communicator for them (SplitComm was not sent)")
+        raise FatalError(
+            f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: {lane.title} "
+            "has no communicator for them (SplitComm was not sent)"
+        )
     value = _input(lane, msg.tensor, "Reduce")
     out = _input(lane, msg.out, "Reduce out") if msg.out is not None else None
     if type(value) is SeqError:
@@ -366,15 +400,17 @@ def reduce(lane: Lane, msg: Reduce) -> None:
         value, out = msg.factory.zeros(), None
     if type(out) is SeqError:
         out = None
-    mismatch = _declared(lane, value, msg.factory, f"Reduce {msg.reduction!r} over {list(dims)}",
-                         msg.tensor)
+    mismatch = _declared(
+        lane, value, msg.factory, f"Reduce {msg.reduction!r} over {list(dims)}", msg.tensor
+    )
     if mismatch is not None:
         value, out = msg.factory.zeros(), None
     members, peers = comms.members[key]
     op = getattr(msg.reduction, "value", msg.reduction)
     kind = _KINDS[(op == "stack", bool(msg.scatter))]
-    lane.set_waiting(f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks "
-                     f"{members}", peers=peers)
+    lane.set_waiting(
+        f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks {members}", peers=peers
+    )
     output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
     lane.set_running()
     if mismatch is not None:
@@ -385,7 +421,6 @@ def reduce(lane: Lane, msg: Reduce) -> None:
                 lane.env[ref.id] = mismatch
         return
     lane.env[msg.result.id] = output
-
 
 
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
@@ -410,17 +445,21 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
     else:
         op = _TORCH_OPS[msg.reduction]
         if msg.reduction in _BITWISE and value.is_cuda and groups.uses_nccl(pg):
-            raise FatalError(f"Reduce {msg.reduction.name}: NCCL (the backend of CUDA tensors "
-                             "here) has no bitwise reductions; use dask_monarch.backend: gloo")
+            raise FatalError(
+                f"Reduce {msg.reduction.name}: NCCL (the backend of CUDA tensors "
+                "here) has no bitwise reductions; use dask_monarch.backend: gloo"
+            )
         if msg.scatter:  # reduce-scatter: shape[1:]
             if msg.in_place:
                 raise FatalError("Reduce: an in-place scatter is not possible (the shape shrinks)")
             if value.dim() == 0 or value.shape[0] != n:
-                raise FatalError(f"Reduce: scattering needs dim 0 of size {n}, got "
-                                 f"{tuple(value.shape)}")
+                raise FatalError(
+                    f"Reduce: scattering needs dim 0 of size {n}, got {tuple(value.shape)}"
+                )
             output = value.new_empty(value.shape[1:])
-            dist.reduce_scatter_tensor(output.view(-1), value.contiguous().view(-1), op=op,
-                                       group=pg)
+            dist.reduce_scatter_tensor(
+                output.view(-1), value.contiguous().view(-1), op=op, group=pg
+            )
         else:  # all-reduce
             if msg.in_place:
                 output = value
@@ -458,9 +497,11 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     if not sending and not receiving:
         raise FatalError(f"SendTensor: rank {me} neither sends nor receives on {lane.title}")
     if len(msg.from_ranks) != len(msg.to_ranks):
-        raise FatalError(f"SendTensor of r{msg.tensor.id}: from_ranks has {len(msg.from_ranks)} "
-                         f"ranks but to_ranks has {len(msg.to_ranks)}; ranks pair one to one, so "
-                         "both slices must have the same size")
+        raise FatalError(
+            f"SendTensor of r{msg.tensor.id}: from_ranks has {len(msg.from_ranks)} "
+            f"ranks but to_ranks has {len(msg.to_ranks)}; ranks pair one to one, so "
+            "both slices must have the same size"
+        )
     to_rank = msg.to_ranks.get(msg.from_ranks.index(me)) if sending else None
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)
@@ -484,8 +525,12 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             event.set()
     if from_rank == me and not sending:
         event, box = comms.handoff(handoff_key)
-        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}",
-                   peers=((me, msg.from_stream.id),))
+        state.wait(
+            lane,
+            event,
+            f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}",
+            peers=((me, msg.from_stream.id),),
+        )
         copy, copied = box[0]
         state.device.wait(lane.stream, copied)
         state.device.keep(copy, lane.stream)
@@ -499,12 +544,16 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
         return
     pg = comms.p2p.get((msg.from_stream.id, msg.to_stream.id))
     if pg is None:
-        raise FatalError(f"SendTensor from stream {msg.from_stream.id} to {msg.to_stream.id}: no "
-                         "communicator (BackendNetworkPointToPointInit was not sent)")
+        raise FatalError(
+            f"SendTensor from stream {msg.from_stream.id} to {msg.to_stream.id}: no "
+            "communicator (BackendNetworkPointToPointInit was not sent)"
+        )
     tag = msg.result.id % (2**31 - 1)
     if remote_send and remote_recv:
-        what = (f"send r{msg.tensor.id} to rank {to_rank} and receive r{msg.result.id} from "
-                f"rank {from_rank}")
+        what = (
+            f"send r{msg.tensor.id} to rank {to_rank} and receive r{msg.result.id} from "
+            f"rank {from_rank}"
+        )
         peers = ((to_rank, msg.to_stream.id), (from_rank, msg.from_stream.id))
     elif remote_send:
         what = f"send r{msg.tensor.id} to rank {to_rank} (stream {msg.to_stream.id})"

@@ -237,9 +237,12 @@ def _claim_free_gpu() -> torch.device:
         _locks.append(lock)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
-    logger.warning("every visible GPU (%d) is taken by another dask_monarch worker on this "
-                   "host; this rank shares GPU 0 (give each worker its own GPU: dask monarch "
-                   "worker, or --monarch-gpu)", count)
+    logger.warning(
+        "every visible GPU (%d) is taken by another dask_monarch worker on this "
+        "host; this rank shares GPU 0 (give each worker its own GPU: dask monarch "
+        "worker, or --monarch-gpu)",
+        count,
+    )
     return torch.device("cuda", 0)
 
 

@@ -18,8 +18,9 @@ from .errors import DependentError, SeqError
 from .lane import Lane
 
 
-def fail_call(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref],
-              exc: BaseException) -> SeqError:
+def fail_call(
+    lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref], exc: BaseException
+) -> SeqError:
     """A fresh failure: one SeqError, reported once, poisoning results and mutates."""
     if lane.recording is not None:
         error = lane.recording.fresh_error(lane.rank, exc)
@@ -32,8 +33,9 @@ def fail_call(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequ
     return error
 
 
-def call_failed(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref],
-                exc: BaseException) -> None:
+def call_failed(
+    lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref], exc: BaseException
+) -> None:
     """A call raised: a dependent failure reuses its root, anything else is fresh."""
     if isinstance(exc, DependentError):
         dependent_failure(lane, results, mutates, exc.root)
@@ -41,8 +43,9 @@ def call_failed(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Se
         fail_call(lane, seq, results, mutates, exc)
 
 
-def dependent_failure(lane: Lane, results: Sequence[Ref | None], mutates: Sequence[Ref],
-                      root: SeqError) -> None:
+def dependent_failure(
+    lane: Lane, results: Sequence[Ref | None], mutates: Sequence[Ref], root: SeqError
+) -> None:
     """An input held an error: poison with the same root, report nothing."""
     poison(lane.env, results, mutates, root)
     if lane.recording is not None:

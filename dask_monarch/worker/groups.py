@@ -32,8 +32,15 @@ def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
     listener.bind((host, 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False, master_listen_fd=listener.detach())
+    store = dist.TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
     return store, port
 
 
@@ -41,8 +48,16 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
 
 
-def new_group(store: dist.Store, prefix: str, ranks: list[int], rank: int, *, host: str,
-              timeout: float, cuda: str | None) -> dist.ProcessGroup:
+def new_group(
+    store: dist.Store,
+    prefix: str,
+    ranks: list[int],
+    rank: int,
+    *,
+    host: str,
+    timeout: float,
+    cuda: str | None,
+) -> dist.ProcessGroup:
     """The group of global ``ranks`` as seen by global ``rank`` (a blocking rendezvous).
 
     ``ranks`` is the group in group-rank order; every member must call this
@@ -66,8 +81,9 @@ def new_group(store: dist.Store, prefix: str, ranks: list[int], rank: int, *, ho
     elif cuda == "nccl":
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = delta
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefixed), group_rank, size,
-                                     nccl_options)
+        nccl = dist.ProcessGroupNCCL(
+            dist.PrefixStore("nccl/", prefixed), group_rank, size, nccl_options
+        )
         nccl._set_sequence_number_for_group()
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
     c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
@@ -83,8 +99,12 @@ def release_group(pg: dist.ProcessGroup) -> None:
         logger.debug("shutting down process group %r: %r", pg, e)
 
 
-def point_to_point(pg: dist.ProcessGroup, send: tuple[torch.Tensor, int] | None,
-                   recv: tuple[torch.Tensor, int] | None, tag: int) -> list:
+def point_to_point(
+    pg: dist.ProcessGroup,
+    send: tuple[torch.Tensor, int] | None,
+    recv: tuple[torch.Tensor, int] | None,
+    tag: int,
+) -> list:
     """Start a send and/or a receive on ``pg`` (peers in group ranks); returns their works.
 
     A rank that does both issues them as one grouped call on CUDA tensors, as
@@ -93,8 +113,10 @@ def point_to_point(pg: dist.ProcessGroup, send: tuple[torch.Tensor, int] | None,
     in its send for the other's receive.
     """
     if send is not None and recv is not None and send[0].is_cuda:
-        ops = [dist.P2POp(dist.isend, send[0], dist.get_global_rank(pg, send[1]), pg, tag),
-               dist.P2POp(dist.irecv, recv[0], dist.get_global_rank(pg, recv[1]), pg, tag)]
+        ops = [
+            dist.P2POp(dist.isend, send[0], dist.get_global_rank(pg, send[1]), pg, tag),
+            dist.P2POp(dist.irecv, recv[0], dist.get_global_rank(pg, recv[1]), pg, tag),
+        ]
         return dist.batch_isend_irecv(ops)
     works = []
     if send is not None:

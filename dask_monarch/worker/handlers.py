@@ -33,9 +33,15 @@ from .mesh import DeviceMesh
 from .pipe import pipe_for
 
 
-def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKwargs,
-         results: Sequence[Ref | None], mutates: Sequence[Ref], groups: dict | None = None
-         ) -> None:
+def call(
+    lane: Lane,
+    seq: int,
+    function: ResolvableFunction,
+    args_kwargs: ArgsKwargs,
+    results: Sequence[Ref | None],
+    mutates: Sequence[Ref],
+    groups: dict | None = None,
+) -> None:
     """Resolve, call and bind, turning failures into poisoned slots (shared by call paths)."""
     try:
         fn = calls.resolve_function(function)

@@ -52,9 +52,14 @@ def current_lane() -> Lane:
 class Lane:
     """The executor, ref table and progress of one stream (or the control steps) of a rank."""
 
-    def __init__(self, rank: RankState, label: Any, executor_name: str,
-                 mode: StreamCreationMode = StreamCreationMode.UseDefaultStream,
-                 name: str | None = None):
+    def __init__(
+        self,
+        rank: RankState,
+        label: Any,
+        executor_name: str,
+        mode: StreamCreationMode = StreamCreationMode.UseDefaultStream,
+        name: str | None = None,
+    ):
         self.rank = rank
         self.label = label  # stream id, or wire.CONTROL
         self.name = name  # the name the user gave the stream (dm.Stream("comms")), if any
@@ -144,14 +149,35 @@ class Lane:
             if seq is None and self.recording is not None:
                 seq = self.recording.seq
             following = self.next_seq() if seq is None else None
-            return LaneProgress(self.label, state, doing, seq, following, self.last_seq,
-                                self.done_seq, self.segments, round(now - self.since, 3),
-                                self.peers, "")
+            return LaneProgress(
+                self.label,
+                state,
+                doing,
+                seq,
+                following,
+                self.last_seq,
+                self.done_seq,
+                self.segments,
+                round(now - self.since, 3),
+                self.peers,
+                "",
+            )
         for_s = round(now - self.busy_since, 3) if state != "idle" else 0.0
         located = state == "running" and not doing and for_s >= WHERE_AFTER_S
         where = self.where() if located else ""
-        return LaneProgress(self.label, state, doing, None, None, self.last_seq, self.done_seq,
-                            self.segments, for_s, (), where)
+        return LaneProgress(
+            self.label,
+            state,
+            doing,
+            None,
+            None,
+            self.last_seq,
+            self.done_seq,
+            self.segments,
+            for_s,
+            (),
+            where,
+        )
 
     def next_seq(self) -> int | None:
         """The first seq of the running segment that the lane has not started, if any."""

@@ -31,9 +31,7 @@ class DeviceMesh:
         self.own_rank = own_rank
         coords = ranks.coordinates(own_rank)
         self.dims = {
-            name: MeshDim(
-                name, c, size, [own_rank - stride * c + stride * i for i in range(size)]
-            )
+            name: MeshDim(name, c, size, [own_rank - stride * c + stride * i for i in range(size)])
             for name, c, size, stride in zip(names, coords, ranks.sizes, ranks.strides)
         }
         self.all_ranks = list(ranks)
@@ -44,13 +42,12 @@ class DeviceMesh:
             return []
         if len(names) == 1:
             return list(self.dims[names[0]].members)
-        base = self.own_rank - sum(
-            self.dims[n].rank * self._stride(n) for n in names
-        )
+        base = self.own_rank - sum(self.dims[n].rank * self._stride(n) for n in names)
         sizes = [self.dims[n].size for n in names]
         strides = [self._stride(n) for n in names]
-        return [base + sum(c * s for c, s in zip(cs, strides))
-                for cs in product(*map(range, sizes))]
+        return [
+            base + sum(c * s for c, s in zip(cs, strides)) for cs in product(*map(range, sizes))
+        ]
 
     def _stride(self, name: str) -> int:
         return self.slice.strides[self.names.index(name)]

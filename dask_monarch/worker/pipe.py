@@ -70,8 +70,14 @@ class _HandOff:
 class PipeEnd:
     """What the producer function gets: its coordinates, and the two directions of the pipe."""
 
-    def __init__(self, ranks: dict[str, int], sizes: dict[str, int], out_queue, in_queue,
-                 device: Device | None = None):
+    def __init__(
+        self,
+        ranks: dict[str, int],
+        sizes: dict[str, int],
+        out_queue,
+        in_queue,
+        device: Device | None = None,
+    ):
         self.ranks = ranks
         self.sizes = sizes
         self._out = out_queue
@@ -117,18 +123,32 @@ class Pipe:
         self.held: list = []  # a value read ahead by peek(), handed to the next recv
         in_thread = multiprocessing.current_process().daemon
         if in_thread:
-            logger.warning("pipe %r runs its producer in a thread: this Dask worker is "
-                           "daemonic and may not start processes "
-                           "(distributed.worker.daemon: false allows it)", msg.key)
+            logger.warning(
+                "pipe %r runs its producer in a thread: this Dask worker is "
+                "daemonic and may not start processes "
+                "(distributed.worker.daemon: false allows it)",
+                msg.key,
+            )
             make_queue, producer_type = queue.Queue, threading.Thread
         else:
             ctx = tmp.get_context("spawn")
             make_queue, producer_type = ctx.Queue, ctx.Process
         self.out_queue, self.in_queue = make_queue(msg.max_messages), make_queue()
         producer = producer_type(
-            target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
-            args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue,
-                  state.device if in_thread else None))
+            target=_produce,
+            daemon=True,
+            name=f"monarch-pipe-{msg.key}",
+            args=(
+                msg.function,
+                args,
+                kwargs,
+                ranks,
+                sizes,
+                self.out_queue,
+                self.in_queue,
+                state.device if in_thread else None,
+            ),
+        )
         producer.start()
         self.process = None if in_thread else producer  # a thread cannot be terminated
 
@@ -138,8 +158,10 @@ class Pipe:
             return self.held.pop()
         if self.ended is not None:
             raise PipeFailed(self.ended)
-        lane.set_waiting(f"pipe {self.key!r} (its producer on this rank has not sent a value)",
-                         seq=lane.last_seq if lane.last_seq >= 0 else None)
+        lane.set_waiting(
+            f"pipe {self.key!r} (its producer on this rank has not sent a value)",
+            seq=lane.last_seq if lane.last_seq >= 0 else None,
+        )
         try:
             while True:
                 try:
@@ -147,20 +169,25 @@ class Pipe:
                     break
                 except queue.Empty:
                     if self.state.abort.is_set():
-                        raise FatalError(f"{lane.title} stopped waiting for pipe "
-                                         f"{self.key!r}: {self.state.failed or 'released'}"
-                                         ) from None
+                        raise FatalError(
+                            f"{lane.title} stopped waiting for pipe "
+                            f"{self.key!r}: {self.state.failed or 'released'}"
+                        ) from None
                     if self.process is not None and not self.process.is_alive():
-                        self.ended = (f"the producer of pipe {self.key!r} died with exit code "
-                                      f"{self.process.exitcode}")
+                        self.ended = (
+                            f"the producer of pipe {self.key!r} died with exit code "
+                            f"{self.process.exitcode}"
+                        )
                         raise PipeFailed(self.ended) from None
         finally:
             lane.set_running()
         if isinstance(value, (_Failed, _Ended)):
             self.in_queue.put(_Close())
-            self.ended = (f"the producer of pipe {self.key!r} failed:\n{value.text}"
-                          if isinstance(value, _Failed)
-                          else f"the producer of pipe {self.key!r} has finished")
+            self.ended = (
+                f"the producer of pipe {self.key!r} failed:\n{value.text}"
+                if isinstance(value, _Failed)
+                else f"the producer of pipe {self.key!r} has finished"
+            )
             raise PipeFailed(self.ended)
         if type(value) is _HandOff:
             device = self.state.device

@@ -46,8 +46,13 @@ logger = logging.getLogger("dask_monarch.worker")
 
 # Per-worker figures in every heartbeat: the Workers table of the dashboard shows them as
 # columns and ``client.scheduler_info()`` lists them (worker "metrics").
-METRICS = ("monarch_ranks", "monarch_lanes", "monarch_refs", "monarch_messages",
-           "monarch_tensor_bytes")
+METRICS = (
+    "monarch_ranks",
+    "monarch_lanes",
+    "monarch_refs",
+    "monarch_messages",
+    "monarch_tensor_bytes",
+)
 MAX_RELEASED = 256  # released controllers remembered per worker (their late tasks drain)
 
 
@@ -57,8 +62,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, report_interval: str | None = None,
-                 batched_interval: float | None = None):
+    def __init__(self, report_interval: str | None = None, batched_interval: float | None = None):
         self.report_interval = report_interval  # None: dask_monarch.comm.report-interval
         # The gap of the worker's own batched stream to the scheduler, lowered only on workers
         # dask_monarch started (LocalMeshCluster: deployment/comm_gaps.py); None leaves Dask's.
@@ -138,12 +142,18 @@ class MonarchWorkerPlugin(WorkerPlugin):
         state = RankState(self, token, rank, world_size, device, settings)
         self.ranks[token] = state
         self._register(state.control)
-        return {"resource": resource, "device": str(device or "cpu"), "pid": os.getpid(),
-                "address": self.worker.address, "name": str(self.worker.name),
-                "gpu": gpu_uuid(device.index) if device is not None else None}
+        return {
+            "resource": resource,
+            "device": str(device or "cpu"),
+            "pid": os.getpid(),
+            "address": self.worker.address,
+            "name": str(self.worker.name),
+            "gpu": gpu_uuid(device.index) if device is not None else None,
+        }
 
-    def add_lanes(self, token: str,
-                  lanes: list[tuple[int, StreamCreationMode, str | None]]) -> None:
+    def add_lanes(
+        self, token: str, lanes: list[tuple[int, StreamCreationMode, str | None]]
+    ) -> None:
         """Create lanes ``(stream id, creation mode, name)`` and their device streams before any
         task names their executor (DESIGN decision 2); the name is the dashboard's."""
         state = self.ranks[token]
@@ -179,8 +189,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             token, _ = self.released.popitem(last=False)
             prefix = executor_prefix(token)
             self.worker.executors = {  # a new dict: Worker.close may iterate the old one
-                k: v for k, v in self.worker.executors.items()
-                if not k.startswith(prefix)
+                k: v for k, v in self.worker.executors.items() if not k.startswith(prefix)
             }
         names = [lane.executor_name for lane in state.all_lanes()]
         executors = dict(self.worker.executors)
@@ -261,10 +270,15 @@ def _plugin(worker) -> MonarchWorkerPlugin:
 async def describe_worker(dask_worker=None) -> dict:
     """What a controller needs to choose ranks: GPUs, an existing rank resource."""
     gpus = await asyncio.to_thread(_gpu_count)
-    resource = next((r for r in dask_worker.state.total_resources
-                     if r.startswith(RESOURCE_PREFIX)), None)
-    return {"gpus": gpus, "resource": resource, "name": str(dask_worker.name),
-            "has_plugin": PLUGIN_NAME in dask_worker.plugins}
+    resource = next(
+        (r for r in dask_worker.state.total_resources if r.startswith(RESOURCE_PREFIX)), None
+    )
+    return {
+        "gpus": gpus,
+        "resource": resource,
+        "name": str(dask_worker.name),
+        "has_plugin": PLUGIN_NAME in dask_worker.plugins,
+    }
 
 
 def _gpu_count() -> int:
@@ -273,8 +287,9 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-async def claim_rank(token: str, ranks: dict[str, int], world_size: int, settings: dict,
-                     dask_worker=None) -> dict:
+async def claim_rank(
+    token: str, ranks: dict[str, int], world_size: int, settings: dict, dask_worker=None
+) -> dict:
     """Make this worker rank ``ranks[address]`` of controller ``token`` (installs the plugin)."""
     if PLUGIN_NAME not in dask_worker.plugins:
         await dask_worker.plugin_add(MonarchWorkerPlugin(), name=PLUGIN_NAME)
@@ -282,8 +297,11 @@ async def claim_rank(token: str, ranks: dict[str, int], world_size: int, setting
     return await _plugin(dask_worker).claim(token, rank, world_size, settings)
 
 
-async def create_lanes(token: str, lanes: list[tuple[int, StreamCreationMode, str | None]],
-                       dask_worker: Worker | None = None) -> None:
+async def create_lanes(
+    token: str,
+    lanes: list[tuple[int, StreamCreationMode, str | None]],
+    dask_worker: Worker | None = None,
+) -> None:
     """Create controller ``token``'s lanes ``(stream id, creation mode, name)`` on this
     worker."""
     _plugin(dask_worker).add_lanes(token, lanes)
@@ -302,8 +320,9 @@ async def set_rendezvous(token: str, host: str, port: int, dask_worker=None) -> 
     set_(_plugin(dask_worker).ranks[token], host, port)
 
 
-async def register_actor(token: str, broker_id: tuple, keys: dict[str, str],
-                         dask_worker=None) -> None:
+async def register_actor(
+    token: str, broker_id: tuple, keys: dict[str, str], dask_worker=None
+) -> None:
     """Let controller ``token`` call the Dask actor ``keys[address]`` as ``broker_id``."""
     from .actor import register_actor as register
 
@@ -334,7 +353,8 @@ def construct_actor(payload: bytes) -> Any:
     if not pickled_code_allowed():
         raise InvalidRemoteFunction(
             "actor classes travel pickled, and pickled code is disabled by "
-            "dask_monarch.functions.allow-pickled on this worker")
+            "dask_monarch.functions.allow-pickled on this worker"
+        )
     cls, args, kwargs = cloudpickle.loads(payload)
     return cls(*args, **kwargs)
 

@@ -41,8 +41,15 @@ logger = logging.getLogger("dask_monarch.worker")
 class RankState:
     """One controller's rank on this worker: lanes, worker-level tables, reports."""
 
-    def __init__(self, plugin: MonarchWorkerPlugin, token: str, rank: int, world_size: int,
-                 device: torch.device | None, settings: dict):
+    def __init__(
+        self,
+        plugin: MonarchWorkerPlugin,
+        token: str,
+        rank: int,
+        world_size: int,
+        device: torch.device | None,
+        settings: dict,
+    ):
         self.plugin = plugin
         self.loop = plugin.worker.loop
         self.token = token
@@ -62,7 +69,8 @@ class RankState:
         self.abort = threading.Event()  # set on failure or release: blocking waits give up
         # (seq, traceback text, time) of the latest fresh failures, for the dashboard
         self.recent_errors: deque[tuple[int, str, float]] = deque(
-            maxlen=int(config.get("dashboard.errors", 20)))
+            maxlen=int(config.get("dashboard.errors", 20))
+        )
         self.created = time.time()
         self._stream = None  # BatchedSend to the controller, once it subscribed
         self._pending: list = []
@@ -70,8 +78,9 @@ class RankState:
         self.comms = None  # worker.comm.Comms, made on first use
         self.handlers = HANDLERS  # message type -> handler (recordings replay through it too)
         # no pickled code accepted: batches load plain data only (docs/security.md)
-        self.loads = (pickle.loads if config.get("functions.allow-pickled", True)
-                      else restricted_loads)
+        self.loads = (
+            pickle.loads if config.get("functions.allow-pickled", True) else restricted_loads
+        )
         self.recordings: dict[int, Any] = {}
         self.chunks = RecordingChunks(FatalError)  # a recording whose chunks are arriving
         self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
@@ -84,14 +93,16 @@ class RankState:
     def executor_name(self, stream_id: int) -> str:
         return names.executor_name(self.token, stream_id)
 
-    def add_lane(self, stream_id: int, mode: StreamCreationMode,
-                 name: str | None = None) -> Lane | None:
+    def add_lane(
+        self, stream_id: int, mode: StreamCreationMode, name: str | None = None
+    ) -> Lane | None:
         """Create the lane of a stream and its device stream (on the event loop, before a task
         names it); ``name`` is what the dashboard and errors call it."""
         if stream_id in self.lanes:
             return None
-        lane = self.lanes[stream_id] = Lane(self, stream_id, self.executor_name(stream_id), mode,
-                                            name)
+        lane = self.lanes[stream_id] = Lane(
+            self, stream_id, self.executor_name(stream_id), mode, name
+        )
         return lane
 
     def drop_lane(self, lane: Lane) -> None:
@@ -111,8 +122,9 @@ class RankState:
         """Run one segment of steps on its lane, in order; called on the lane's thread."""
         lane = self.control if label == CONTROL else self.lanes.get(label)
         if lane is None:
-            raise FatalError(f"rank {self.rank}: no lane for stream {label} (never created, "
-                             "or dropped)")
+            raise FatalError(
+                f"rank {self.rank}: no lane for stream {label} (never created, or dropped)"
+            )
         try:
             lane.claim_index(index)
             if self.failed is not None:
@@ -124,8 +136,10 @@ class RankState:
             except RestrictedPickleError as e:  # a message holds more than plain data
                 raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
             except BaseException as e:  # a value whose unpickling raises, or exits
-                raise FatalError(f"rank {self.rank}: the segment's messages cannot be unpickled "
-                                 f"(a value in them raised {type(e).__name__}: {e})") from None
+                raise FatalError(
+                    f"rank {self.rank}: the segment's messages cannot be unpickled "
+                    f"(a value in them raised {type(e).__name__}: {e})"
+                ) from None
             lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
             with self.device.running(lane.stream):
@@ -200,8 +214,14 @@ class RankState:
             self.probes[probe] = seen
             return False
 
-    def wait(self, lane: Lane, event: threading.Event, what: str,
-             timeout: float | None = None, peers: tuple = ()) -> None:
+    def wait(
+        self,
+        lane: Lane,
+        event: threading.Event,
+        what: str,
+        timeout: float | None = None,
+        peers: tuple = (),
+    ) -> None:
         """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves.
 
         ``what`` and ``peers`` say what the lane waits on (:meth:`Lane.set_waiting`).
@@ -219,9 +239,7 @@ class RankState:
                         f"{self.failed or 'the rank was released'}"
                     )
                 if deadline is not None and time.monotonic() > deadline:
-                    raise FatalError(
-                        f"{lane.title} timed out after {timeout}s waiting for {what}"
-                    )
+                    raise FatalError(f"{lane.title} timed out after {timeout}s waiting for {what}")
         finally:
             lane.state, lane.doing = before
 
@@ -247,8 +265,9 @@ class RankState:
             try:
                 close()
             except Exception as e:  # a half-built communicator must not keep the rest alive
-                logger.debug("rank %d of %s: releasing %r failed: %r", self.rank, self.token,
-                             close, e)
+                logger.debug(
+                    "rank %d of %s: releasing %r failed: %r", self.rank, self.token, close, e
+                )
         self.meshes.clear()
         self.borrows.clear()
         self.actors.clear()

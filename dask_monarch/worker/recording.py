@@ -84,9 +84,14 @@ class FastCall(tuple):
 
 def _compile(state: RankState, cmd: Any) -> Any:
     """A FastCall for a simple CallFunction, else the message itself (handled generically)."""
-    if (type(cmd) is not m.CallFunction or cmd.remote_process_groups or len(cmd.results) != 1
-            or cmd.args_kwargs._payload is not None or not cmd.args_kwargs.flat
-            or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)):
+    if (
+        type(cmd) is not m.CallFunction
+        or cmd.remote_process_groups
+        or len(cmd.results) != 1
+        or cmd.args_kwargs._payload is not None
+        or not cmd.args_kwargs.flat
+        or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)
+    ):
         return cmd
     try:
         fn = resolve_function(cmd.function)
@@ -107,8 +112,9 @@ def _compile(state: RankState, cmd: Any) -> Any:
         else:
             template.append(a)
     result = cmd.results[0]
-    return FastCall((fn, template, tuple(slots), kwargs, None if result is None else result.id,
-                     cmd))
+    return FastCall(
+        (fn, template, tuple(slots), kwargs, None if result is None else result.id, cmd)
+    )
 
 
 class ReplayState:
@@ -163,9 +169,10 @@ def _build(state: RankState, ref: int, commands: list) -> Recording:
         rule = RULES.get(t)
         lanes = rule.lanes if rule is not None else None
         if rule is not None and not rule.recordable:
-            raise FatalError(f"recording r{ref}: {t.__name__} is not allowed in a recording"
-                             + (" (request_status not allowed in recording)"
-                                if t is m.RequestStatus else ""))
+            raise FatalError(
+                f"recording r{ref}: {t.__name__} is not allowed in a recording"
+                + (" (request_status not allowed in recording)" if t is m.RequestStatus else "")
+            )
         if t is m.RecordingFormal:
             s = on(cmd.stream.id)
             s.formals[cmd.result.id] = cmd.argument_index
@@ -278,13 +285,17 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
                     call_failed(lane, message.seq, message.results, message.mutates, e)
             elif t is m.RecordingFormal:
                 if cmd.argument_index >= len(actuals):
-                    raise FatalError(f"CallRecording r{msg.recording.id}: too few arguments "
-                                     f"({len(actuals)}) for formal {cmd.argument_index}")
+                    raise FatalError(
+                        f"CallRecording r{msg.recording.id}: too few arguments "
+                        f"({len(actuals)}) for formal {cmd.argument_index}"
+                    )
                 env[cmd.result.id] = _value_or_error(lane, replay, actuals[cmd.argument_index].id)
             elif t is m.RecordingResult:
                 if cmd.output_index >= len(results):
-                    raise FatalError(f"CallRecording r{msg.recording.id}: too few results "
-                                     f"({len(results)}) for output {cmd.output_index}")
+                    raise FatalError(
+                        f"CallRecording r{msg.recording.id}: too few results "
+                        f"({len(results)}) for output {cmd.output_index}"
+                    )
                 env[results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
             elif replay.error is not None and t in RUNS_USER_CODE:
                 _skip(lane, cmd, replay.error)

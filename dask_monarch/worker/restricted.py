@@ -31,8 +31,24 @@ class RestrictedPickleError(pickle.UnpicklingError):
     """A pickle names a global outside the plain-data set."""
 
 
-_BUILTINS = ("list", "dict", "tuple", "set", "frozenset", "bytearray", "bytes", "str", "int",
-             "float", "complex", "bool", "slice", "range", "Ellipsis", "NotImplemented")
+_BUILTINS = (
+    "list",
+    "dict",
+    "tuple",
+    "set",
+    "frozenset",
+    "bytearray",
+    "bytes",
+    "str",
+    "int",
+    "float",
+    "complex",
+    "bool",
+    "slice",
+    "range",
+    "Ellipsis",
+    "NotImplemented",
+)
 # ``getattr`` only for the reconstructors our checked types pickle with (``int.__new__``, ...)
 _GETATTR_OK = {(int, "__new__"), (tuple, "__new__")}
 
@@ -55,8 +71,13 @@ def _torch_globals() -> dict[str, Any]:
 
         found.update(_get_allowed_globals())
     except (ImportError, AttributeError):  # an older or newer torch: the basics below
-        found.update({"torch.Size": torch.Size, "torch.device": torch.device,
-                      "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2})
+        found.update(
+            {
+                "torch.Size": torch.Size,
+                "torch.device": torch.device,
+                "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2,
+            }
+        )
     for entry in torch.serialization.get_safe_globals():  # user-registered ones
         obj = entry[0] if isinstance(entry, tuple) else entry
         name = entry[1] if isinstance(entry, tuple) else f"{obj.__module__}.{obj.__qualname__}"
@@ -98,7 +119,8 @@ class _Unpickler(pickle.Unpickler):
             raise RestrictedPickleError(
                 f"{module}.{name} is not plain data, and this worker accepts no pickled code "
                 "(dask_monarch.functions.allow-pickled is false): send tensors, numbers, "
-                "strings and containers of them, and name functions by import path") from None
+                "strings and containers of them, and name functions by import path"
+            ) from None
 
 
 def loads(data: bytes) -> Any:

@@ -42,9 +42,13 @@ def ignore_sigint(worker: Worker) -> bool:
 
     def on_sigint(signum: int, frame: Any) -> None:
         # nothing that takes a lock here (logging does): the loop logs it
-        loop.call_soon_threadsafe(logger.info, "rank worker %s ignored SIGINT (a terminal's "
-                                  "Ctrl-C or _thread.interrupt_main); its nanny or the "
-                                  "scheduler stops it", name)
+        loop.call_soon_threadsafe(
+            logger.info,
+            "rank worker %s ignored SIGINT (a terminal's "
+            "Ctrl-C or _thread.interrupt_main); its nanny or the "
+            "scheduler stops it",
+            name,
+        )
 
     signal.signal(signal.SIGINT, on_sigint)
     return True

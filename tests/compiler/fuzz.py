@@ -39,9 +39,17 @@ FLUSH = "flush"
 SHAPE = (4,)
 MESH = Ref(9)
 # a message that waits on other ranks or lanes: what mutations reorder or drop
-_SYNCING = (m.Reduce, m.SendTensor, m.SplitComm, m.BackendNetworkInit,
-            m.BackendNetworkPointToPointInit, m.BorrowCreate, m.BorrowFirstUse,
-            m.BorrowLastUse, m.BorrowDrop)
+_SYNCING = (
+    m.Reduce,
+    m.SendTensor,
+    m.SplitComm,
+    m.BackendNetworkInit,
+    m.BackendNetworkPointToPointInit,
+    m.BorrowCreate,
+    m.BorrowFirstUse,
+    m.BorrowLastUse,
+    m.BorrowDrop,
+)
 
 
 @dataclass
@@ -59,10 +67,18 @@ def _factory(shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float32)
     return Factory(shape, dtype, torch.strided, "cpu")
 
 
-def _call(seq: int, result: Ref | None, fn: str, *args: Any, stream: StreamRef,
-          mutates: tuple = (), **kwargs: Any) -> m.CallFunction:
-    return m.CallFunction(seq, [result], list(mutates), fn, ArgsKwargs.from_python(args, kwargs),
-                          stream, [])
+def _call(
+    seq: int,
+    result: Ref | None,
+    fn: str,
+    *args: Any,
+    stream: StreamRef,
+    mutates: tuple = (),
+    **kwargs: Any,
+) -> m.CallFunction:
+    return m.CallFunction(
+        seq, [result], list(mutates), fn, ArgsKwargs.from_python(args, kwargs), stream, []
+    )
 
 
 class _Program:
@@ -109,8 +125,11 @@ class _Program:
     def streams_piece(self) -> None:
         for i in range(self.rng.choice((1, 2, 2, 3))):
             s = StreamRef(i)
-            mode = (m.StreamCreationMode.UseDefaultStream if i == 0
-                    else m.StreamCreationMode.CreateNewStream)
+            mode = (
+                m.StreamCreationMode.UseDefaultStream
+                if i == 0
+                else m.StreamCreationMode.CreateNewStream
+            )
             if i and self.rng.random() < 0.03:
                 self.send((self.rng.choice(self.world),), m.CreateStream(s, mode))
                 self.invalid("stream-on-one-rank")
@@ -120,8 +139,10 @@ class _Program:
 
     def call(self) -> None:
         s, r = self.stream(), self.ref()
-        self.send(self.world, _call(next(self.seqs), r, "torch.full", SHAPE,
-                                    float(self.rng.randint(0, 9)), stream=s))
+        self.send(
+            self.world,
+            _call(next(self.seqs), r, "torch.full", SHAPE, float(self.rng.randint(0, 9)), stream=s),
+        )
         self.tensors.setdefault(s.id, []).append(r)
         self.pieces.append("call")
 
@@ -132,12 +153,23 @@ class _Program:
             return self.call()
         if self.rng.random() < 0.5:
             r = self.ref()
-            self.send(self.world, _call(next(self.seqs), r, "torch.ops.aten.add.Tensor", a, b,
-                                        stream=s))
+            self.send(
+                self.world, _call(next(self.seqs), r, "torch.ops.aten.add.Tensor", a, b, stream=s)
+            )
             self.tensors[s.id].append(r)
         else:
-            self.send(self.world, _call(next(self.seqs), None, "torch.ops.aten.mul_.Scalar", a, 2,
-                                        stream=s, mutates=(a,)))
+            self.send(
+                self.world,
+                _call(
+                    next(self.seqs),
+                    None,
+                    "torch.ops.aten.mul_.Scalar",
+                    a,
+                    2,
+                    stream=s,
+                    mutates=(a,),
+                ),
+            )
         self.pieces.append("op")
 
     def failing_call(self) -> None:
@@ -152,8 +184,10 @@ class _Program:
         a = self.tensor(s)
         if a is None:
             return self.call()
-        self.send(self.world, m.SendValue(next(self.seqs), None, [], None,
-                                          ArgsKwargs.from_python((a,), {}), s))
+        self.send(
+            self.world,
+            m.SendValue(next(self.seqs), None, [], None, ArgsKwargs.from_python((a,), {}), s),
+        )
         self.pieces.append("fetch")
 
     def delete(self) -> None:
@@ -194,9 +228,17 @@ class _Program:
         bid, lender, borrower, result, t, state = b
         rng = self.rng
         if rng.random() < 0.02:  # a step out of order
-            wrong = [x for x in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop)
-                     if x is not {"created": m.BorrowFirstUse, "first-used": m.BorrowLastUse,
-                                  "used": m.BorrowLastUse, "last-used": m.BorrowDrop}[state]]
+            wrong = [
+                x
+                for x in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop)
+                if x
+                is not {
+                    "created": m.BorrowFirstUse,
+                    "first-used": m.BorrowLastUse,
+                    "used": m.BorrowLastUse,
+                    "last-used": m.BorrowDrop,
+                }[state]
+            ]
             self.send(self.world, rng.choice(wrong)(bid))
             self.invalid("borrow-out-of-order")
             return
@@ -204,8 +246,16 @@ class _Program:
             self.send(self.world, m.BorrowFirstUse(bid))
             b[5] = "first-used"
         elif state == "first-used":
-            self.send(self.world, _call(next(self.seqs), self.ref(), "torch.ops.aten.neg.default",
-                                        result, stream=borrower))
+            self.send(
+                self.world,
+                _call(
+                    next(self.seqs),
+                    self.ref(),
+                    "torch.ops.aten.neg.default",
+                    result,
+                    stream=borrower,
+                ),
+            )
             b[5] = "used"
         elif state == "used":
             self.send(self.world, m.BorrowLastUse(bid))
@@ -220,8 +270,9 @@ class _Program:
         rng = self.rng
         if not self.meshed:
             self.meshed = True
-            self.send(self.world, m.CreateDeviceMesh(MESH, ["gpu"],
-                                                     Slice.row_major([len(self.world)])))
+            self.send(
+                self.world, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([len(self.world)]))
+            )
         if not self.networked:
             self.networked = True
             if rng.random() < 0.04:
@@ -259,8 +310,10 @@ class _Program:
             self.invalid("reduce-some-members")
         elif x < 0.05:  # members disagree on the shape
             self.send((0,), msg)
-            self.send(self.world[1:], m.Reduce(r, t, _factory((5,)), MESH, s, ["gpu"], op, False,
-                                               in_place, None))
+            self.send(
+                self.world[1:],
+                m.Reduce(r, t, _factory((5,)), MESH, s, ["gpu"], op, False, in_place, None),
+            )
             self.invalid("reduce-shapes-differ")
         else:
             self.send(self.world, msg)
@@ -302,25 +355,34 @@ class _Program:
         if a is None:
             return self.call()
         rec, x, y, out = self.ref(), self.ref(), self.ref(), self.ref()
-        commands = [m.RecordingFormal(x, 0, s),
-                    _call(0, y, "torch.ops.aten.add.Tensor", x, x, stream=s)]
+        commands = [
+            m.RecordingFormal(x, 0, s),
+            _call(0, y, "torch.ops.aten.add.Tensor", x, x, stream=s),
+        ]
         if s.id in self.splits and rng.random() < 0.5:
             z = self.ref()
-            commands.append(m.Reduce(z, y, _factory(), MESH, s, ["gpu"], ReduceOp.SUM, False,
-                                     False, None))
+            commands.append(
+                m.Reduce(z, y, _factory(), MESH, s, ["gpu"], ReduceOp.SUM, False, False, None)
+            )
             y = z
         if len(self.streams) > 1 and rng.random() < 0.4:
             other = rng.choice([t for t in self.streams if t != s])
             bid, lent = next(self.borrow_ids), self.ref()
-            commands += [m.BorrowCreate(lent, bid, y, s, other), m.BorrowFirstUse(bid),
-                         _call(0, self.ref(), "torch.ops.aten.neg.default", lent, stream=other),
-                         m.BorrowLastUse(bid), m.BorrowDrop(bid)]
+            commands += [
+                m.BorrowCreate(lent, bid, y, s, other),
+                m.BorrowFirstUse(bid),
+                _call(0, self.ref(), "torch.ops.aten.neg.default", lent, stream=other),
+                m.BorrowLastUse(bid),
+                m.BorrowDrop(bid),
+            ]
         commands.append(m.RecordingResult(y, 0, s))
         chunks = rng.choice((1, 1, 2))
         size = -(-len(commands) // chunks)
         for i in range(chunks):
-            self.send(self.world, m.DefineRecording(rec, 1, 1, commands[i * size:(i + 1) * size],
-                                                    chunks, i))
+            self.send(
+                self.world,
+                m.DefineRecording(rec, 1, 1, commands[i * size : (i + 1) * size], chunks, i),
+            )
         for _ in range(rng.choice((1, 2))):
             self.send(self.world, m.CallRecording(next(self.seqs), rec, [out], [a]))
         self.tensors[s.id].append(out)
@@ -328,11 +390,13 @@ class _Program:
 
     def bad_piece(self) -> None:
         rng = self.rng
-        kind = rng.choice(("unknown-stream", "unknown-borrow", "unknown-recording",
-                           "early-exit", "factory-lies"))
+        kind = rng.choice(
+            ("unknown-stream", "unknown-borrow", "unknown-recording", "early-exit", "factory-lies")
+        )
         if kind == "unknown-stream":
-            self.send(self.world, _call(next(self.seqs), self.ref(), "torch.ones", 2,
-                                        stream=StreamRef(7)))
+            self.send(
+                self.world, _call(next(self.seqs), self.ref(), "torch.ones", 2, stream=StreamRef(7))
+            )
         elif kind == "unknown-borrow":
             self.send(self.world, m.BorrowFirstUse(999))
         elif kind == "unknown-recording":
@@ -345,12 +409,34 @@ class _Program:
             if not lying:
                 return
             if s.id in self.splits and rng.random() < 0.5:
-                self.send(self.world, m.Reduce(self.ref(), rng.choice(lying), _factory(), MESH, s,
-                                               ["gpu"], ReduceOp.SUM, False, False, None))
+                self.send(
+                    self.world,
+                    m.Reduce(
+                        self.ref(),
+                        rng.choice(lying),
+                        _factory(),
+                        MESH,
+                        s,
+                        ["gpu"],
+                        ReduceOp.SUM,
+                        False,
+                        False,
+                        None,
+                    ),
+                )
             elif (s.id, s.id) in self.p2p:
-                self.send(self.world, m.SendTensor(self.ref(), Slice(0, [1], [1]),
-                                                   Slice(1, [1], [1]), rng.choice(lying),
-                                                   _factory(), s, s))
+                self.send(
+                    self.world,
+                    m.SendTensor(
+                        self.ref(),
+                        Slice(0, [1], [1]),
+                        Slice(1, [1], [1]),
+                        rng.choice(lying),
+                        _factory(),
+                        s,
+                        s,
+                    ),
+                )
             else:
                 return
         self.invalid(kind)
@@ -360,9 +446,20 @@ class _Program:
         self.pieces.append("exit")
 
 
-_PIECES = [("call", 8), ("op", 6), ("failing_call", 1), ("fetch", 5), ("delete", 3),
-           ("status", 2), ("borrow", 10), ("comms", 3), ("reduce", 8), ("send_tensor", 6),
-           ("recording", 3), ("bad_piece", 0.25)]
+_PIECES = [
+    ("call", 8),
+    ("op", 6),
+    ("failing_call", 1),
+    ("fetch", 5),
+    ("delete", 3),
+    ("status", 2),
+    ("borrow", 10),
+    ("comms", 3),
+    ("reduce", 8),
+    ("send_tensor", 6),
+    ("recording", 3),
+    ("bad_piece", 0.25),
+]
 
 
 def generate(seed: int, world: int = 2, size: tuple[int, int] = (8, 40)) -> Sequence:
@@ -387,8 +484,11 @@ def _mutate(p: _Program) -> None:
     """Give one rank its collectives, sends or borrows in another order, or drop one."""
     rng = p.rng
     rank = rng.choice(p.world)
-    mine = [i for i, (ranks, msg) in enumerate(p.messages)
-            if rank in ranks and isinstance(msg, _SYNCING)]
+    mine = [
+        i
+        for i, (ranks, msg) in enumerate(p.messages)
+        if rank in ranks and isinstance(msg, _SYNCING)
+    ]
     if len(mine) < 2:
         return
     i, j = sorted(rng.sample(mine, 2))
@@ -468,8 +568,9 @@ def run(client: Any, sequence: Sequence, bound: float = 60.0) -> Outcome:
 
 
 def _executing(dask_worker: Any = None) -> list[str]:
-    return [f"{ts.key} ({ts.state})" for ts in dask_worker.state.executing
-            if "monarch" in str(ts.key)]
+    return [
+        f"{ts.key} ({ts.state})" for ts in dask_worker.state.executing if "monarch" in str(ts.key)
+    ]
 
 
 def executing(client: Any) -> list[str]:
@@ -495,7 +596,6 @@ def healthy(client: Any, timeout: float = 60.0) -> bool:
     with dm.Controller(client, world_size=2) as ctrl:
         ctrl.send([0, 1], m.CreateStream(s, m.StreamCreationMode.UseDefaultStream))
         ctrl.send([0, 1], _call(0, Ref(1), "torch.ones", 3, stream=s))
-        ctrl.send([0, 1], m.SendValue(1, None, [], None, ArgsKwargs.from_python((Ref(1),), {}),
-                                      s))
+        ctrl.send([0, 1], m.SendValue(1, None, [], None, ArgsKwargs.from_python((Ref(1),), {}), s))
         got = ctrl.sync(timeout=timeout)
     return sum(1 for x in got if type(x) is m.FetchResult) == 2

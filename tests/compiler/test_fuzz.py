@@ -66,8 +66,9 @@ def test_random_sequences_end_in_results_or_a_clear_error(fuzz_client):
         outcome = fuzz.run(fuzz_client, sequence, bound=90)
         kinds[outcome.kind] += 1
         assert outcome.kind != "hang", f"seed {seed} hung: {outcome.error}"
-        assert not (sequence.valid and outcome.kind == "refused"), \
+        assert not (sequence.valid and outcome.kind == "refused"), (
             f"seed {seed} is valid but was refused: {outcome.error}"
+        )
         if outcome.kind != "ok":
             assert outcome.error and "rank" in outcome.error  # it names the rank
         # a broken controller's lane may sit in a collective until its timeout; let it end
@@ -111,8 +112,9 @@ def test_a_borrow_id_used_again_before_its_drop_ran_is_refused(fuzz_client):
         _lend_and_return(ctrl, 1, Ref(3), Ref(1), S0, S1, slow=0.5)
         _lend_and_return(ctrl, 1, Ref(4), Ref(2), S1, S0)
         start = time.monotonic()
-        with pytest.raises(dm.DeviceException, match="whose earlier BorrowDrop on stream 0 may "
-                                                      "not have run yet") as info:
+        with pytest.raises(
+            dm.DeviceException, match="whose earlier BorrowDrop on stream 0 may not have run yet"
+        ) as info:
             ctrl.sync(timeout=20)
         assert info.value.rank == 0 and time.monotonic() - start < 15
     finally:

@@ -32,13 +32,17 @@ def test_500_dependent_in_place_ops_on_two_streams_and_two_ranks(client2):
     try:
         create_streams(ctrl, [0, 1], S0, S1)
         for stream in (S0, S1):
-            ctrl.send([0, 1], call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64,
-                                   stream=stream))
+            ctrl.send(
+                [0, 1],
+                call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64, stream=stream),
+            )
         for i in range(500):
             for stream, offset in ((S0, 0), (S1, 7)):
                 x = Ref(10 + stream.id)
-                ctrl.send([0, 1], call(1 + i, None, "remote_fns.mix_", x, i + offset,
-                                       mutates=[x], stream=stream))
+                ctrl.send(
+                    [0, 1],
+                    call(1 + i, None, "remote_fns.mix_", x, i + offset, mutates=[x], stream=stream),
+                )
             if i % 37 == 0:
                 ctrl.flush()
             if i % 101 == 0:
@@ -71,8 +75,13 @@ def test_idle_timer_flushes_without_an_explicit_flush(client2, tmp_path):
 
 
 def test_size_trigger_and_explicit_flush(client2, tmp_path):
-    with dask.config.set({"dask_monarch.flush.idle": "60s", "dask_monarch.flush.max-age": "60s",
-                          "dask_monarch.flush.size": 3}):
+    with dask.config.set(
+        {
+            "dask_monarch.flush.idle": "60s",
+            "dask_monarch.flush.max-age": "60s",
+            "dask_monarch.flush.size": 3,
+        }
+    ):
         with dm.Controller(client2, world_size=2) as ctrl:
             create_streams(ctrl, [0], S0)  # 1 message buffered
             ctrl.send(0, call(0, Ref(1), "torch.ones", 1))
@@ -119,8 +128,7 @@ def test_segments_are_pinned_and_chained():
     compiler, first = compile_([create, call(0, Ref(1), "torch.ones", 1)])
     default = m.StreamCreationMode.UseDefaultStream  # lanes come with their stream's mode
     assert first.new_lanes == {0: [(0, default)], 1: [(0, default)]}
-    annotations = {key: layer.annotations for layer in first.graph.layers.values()
-                   for key in layer}
+    annotations = {key: layer.annotations for layer in first.graph.layers.values() for key in layer}
     for key, ann in annotations.items():
         assert ann["resources"] == {f"monarch-rank{key[2]}": 1}
         assert ann["executor"] == "monarch-tok-0"
@@ -134,8 +142,9 @@ def test_segments_are_pinned_and_chained():
 def test_lane_work_after_a_control_step_follows_it():
     create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
     mesh = m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))
-    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), mesh,
-                        call(1, Ref(2), "torch.ones", 1)])
+    _, plan = compile_(
+        [create, call(0, Ref(1), "torch.ones", 1), mesh, call(1, Ref(2), "torch.ones", 1)]
+    )
     keys = [k for k in plan.keys if k[2] == 0]
     assert [(k[3], k[4]) for k in keys] == [(0, 0), ("control", 0), (0, 1)]
     assert _task_deps(plan, keys[2]) == {keys[0], keys[1]}
@@ -155,20 +164,32 @@ def test_status_and_deletes_fan_out_to_every_lane():
     assert sorted(k[3] for k in plan.keys) == [0, 1]
 
 
-@pytest.mark.parametrize("messages, text", [
-    ([call(0, Ref(1), "torch.ones", 1)], "stream 0, which was never created"),
-    ([m.BorrowFirstUse(4)], "unknown borrow 4"),
-    ([m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream),
-      m.BorrowCreate(Ref(2), 4, Ref(1), S0, S0), m.BorrowLastUse(4)],
-     "in state 'created' (expected 'first-used')"),
-    ([m.Exit(), m.RequestStatus(1)], "after Exit"),
-    ([m.CallRecording(1, Ref(5), [], [])], "not a completely defined recording"),
-    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 1)], "starts at chunk 1"),
-    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.RequestStatus(1)],
-     "RequestStatus while recording r5 is being defined"),
-    ([m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.DefineRecording(Ref(6), 0, 0, [], 1, 0)],
-     "while r5 is being defined"),
-])
+@pytest.mark.parametrize(
+    "messages, text",
+    [
+        ([call(0, Ref(1), "torch.ones", 1)], "stream 0, which was never created"),
+        ([m.BorrowFirstUse(4)], "unknown borrow 4"),
+        (
+            [
+                m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream),
+                m.BorrowCreate(Ref(2), 4, Ref(1), S0, S0),
+                m.BorrowLastUse(4),
+            ],
+            "in state 'created' (expected 'first-used')",
+        ),
+        ([m.Exit(), m.RequestStatus(1)], "after Exit"),
+        ([m.CallRecording(1, Ref(5), [], [])], "not a completely defined recording"),
+        ([m.DefineRecording(Ref(5), 0, 0, [], 2, 1)], "starts at chunk 1"),
+        (
+            [m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.RequestStatus(1)],
+            "RequestStatus while recording r5 is being defined",
+        ),
+        (
+            [m.DefineRecording(Ref(5), 0, 0, [], 2, 0), m.DefineRecording(Ref(6), 0, 0, [], 1, 0)],
+            "while r5 is being defined",
+        ),
+    ],
+)
 def test_protocol_errors_found_while_routing(messages, text):
     _, plan = compile_(messages)
     assert isinstance(plan.error, ProtocolError)

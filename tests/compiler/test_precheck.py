@@ -22,21 +22,42 @@ R0, R1 = Slice(0, [1], [1]), Slice(1, [1], [1])
 
 def setup(world: int = 2, sizes=None, names=("gpu",), splits=(("gpu",),)) -> list:
     everyone = tuple(range(world))
-    msgs = [(everyone, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)),
-            (everyone, m.CreateStream(S1, m.StreamCreationMode.CreateNewStream)),
-            (everyone, m.CreateDeviceMesh(MESH, list(names), Slice.row_major(sizes or [world]))),
-            (everyone, m.BackendNetworkInit())]
+    msgs = [
+        (everyone, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)),
+        (everyone, m.CreateStream(S1, m.StreamCreationMode.CreateNewStream)),
+        (everyone, m.CreateDeviceMesh(MESH, list(names), Slice.row_major(sizes or [world]))),
+        (everyone, m.BackendNetworkInit()),
+    ]
     for dims in splits:
         msgs += [(everyone, m.SplitComm(list(dims), MESH, s)) for s in (S0, S1)]
-    msgs += [(everyone, m.BackendNetworkPointToPointInit(S0, S0)),
-             (everyone, m.BackendNetworkPointToPointInit(S0, S1))]
+    msgs += [
+        (everyone, m.BackendNetworkPointToPointInit(S0, S0)),
+        (everyone, m.BackendNetworkPointToPointInit(S0, S1)),
+    ]
     return msgs
 
 
-def reduce_msg(result, shape=(3,), dtype=torch.float32, op=ReduceOp.SUM, stream=S0,
-               dims=("gpu",), tensor=Ref(1)):
-    return m.Reduce(Ref(result), tensor, Factory(shape, dtype, torch.strided, "cpu"), MESH,
-                    stream, list(dims), op, False, False, None)
+def reduce_msg(
+    result,
+    shape=(3,),
+    dtype=torch.float32,
+    op=ReduceOp.SUM,
+    stream=S0,
+    dims=("gpu",),
+    tensor=Ref(1),
+):
+    return m.Reduce(
+        Ref(result),
+        tensor,
+        Factory(shape, dtype, torch.strided, "cpu"),
+        MESH,
+        stream,
+        list(dims),
+        op,
+        False,
+        False,
+        None,
+    )
 
 
 def send_msg(result, frm=R0, to=R1, src=S0, dst=S0):
@@ -65,8 +86,17 @@ def refused(c: Compiler, flushes: list[list], final: bool = False):
 
 def test_a_collective_may_span_flushes():
     c = compiler()
-    assert refused(c, [[((0,), reduce_msg(10))], [((0,), reduce_msg(11))],
-                       [((1,), reduce_msg(10)), ((1,), reduce_msg(11))]]) is None
+    assert (
+        refused(
+            c,
+            [
+                [((0,), reduce_msg(10))],
+                [((0,), reduce_msg(11))],
+                [((1,), reduce_msg(10)), ((1,), reduce_msg(11))],
+            ],
+        )
+        is None
+    )
     assert not c.check.busy  # every member passed both
 
 
@@ -80,16 +110,28 @@ def test_a_member_sent_another_collective_first_is_refused():
 
 def test_members_receiving_collectives_in_another_order_are_refused():
     c = compiler()
-    error = refused(c, [[((0,), reduce_msg(10)), ((0,), reduce_msg(11)),
-                         ((1,), reduce_msg(11)), ((1,), reduce_msg(10))]])
+    error = refused(
+        c,
+        [
+            [
+                ((0,), reduce_msg(10)),
+                ((0,), reduce_msg(11)),
+                ((1,), reduce_msg(11)),
+                ((1,), reduce_msg(10)),
+            ]
+        ],
+    )
     assert error is not None and "in another order" in error.cause
 
 
-@pytest.mark.parametrize("other, text", [
-    (dict(shape=(4,)), "rank 1 has shape (4,) torch.float32 but rank 0 (3,) torch.float32"),
-    (dict(dtype=torch.float64), "torch.float64 but rank 0 (3,) torch.float32"),
-    (dict(op=ReduceOp.MAX), "rank 1 does max but rank 0 sum"),
-])
+@pytest.mark.parametrize(
+    "other, text",
+    [
+        (dict(shape=(4,)), "rank 1 has shape (4,) torch.float32 but rank 0 (3,) torch.float32"),
+        (dict(dtype=torch.float64), "torch.float64 but rank 0 (3,) torch.float32"),
+        (dict(op=ReduceOp.MAX), "rank 1 does max but rank 0 sum"),
+    ],
+)
 def test_members_disagreeing_on_one_collective_are_refused(other, text):
     c = compiler()
     error = refused(c, [[((0,), reduce_msg(10))], [((1,), reduce_msg(10, **other))]])
@@ -103,16 +145,19 @@ def test_groups_are_the_ranks_sharing_the_other_coordinates():
     assert refused(c, [[((0, 1), reduce_msg(10)), ((0, 1), reduce_msg(11))]]) is None
     assert refused(c, [[((2, 3), reduce_msg(10))]]) is None
     # over "host": {0, 2} and {1, 3}; rank 3 gets another one than rank 1
-    error = refused(c, [[((0, 1, 2), reduce_msg(12, dims=("host",))),
-                         ((3,), reduce_msg(13, dims=("host",)))]])
+    error = refused(
+        c, [[((0, 1, 2), reduce_msg(12, dims=("host",))), ((3,), reduce_msg(13, dims=("host",)))]]
+    )
     assert error.rank == 3 and "ranks [1, 3])" in error.cause
 
 
 def test_sends_between_a_pair_keep_one_order_per_stream_pair():
     c = compiler()
     assert refused(c, [[(BOTH, send_msg(20)), (BOTH, send_msg(21, src=S0, dst=S1))]]) is None
-    error = refused(c, [[((0,), send_msg(22)), ((0,), send_msg(23)),
-                         ((1,), send_msg(23)), ((1,), send_msg(22))]])
+    error = refused(
+        c,
+        [[((0,), send_msg(22)), ((0,), send_msg(23)), ((1,), send_msg(23)), ((1,), send_msg(22))]],
+    )
     assert error.rank == 1 and "SendTensor r23" in error.cause
 
 
@@ -139,11 +184,13 @@ def test_a_collective_and_a_borrow_waiting_on_each_other_are_refused():
     stream 1, which waits for rank 1; rank 1 reaches that Reduce only after a send from rank
     0's stream 0, queued behind the first use."""
     c = compiler()
-    flush = [((0,), reduce_msg(30, stream=S1)),
-             ((0,), m.BorrowCreate(Ref(5), 1, Ref(1), S1, S0)),
-             ((0,), m.BorrowFirstUse(1)),
-             (BOTH, m.SendTensor(Ref(31), R0, R1, Ref(1), FACTORY, S0, S1)),
-             ((1,), reduce_msg(30, stream=S1))]
+    flush = [
+        ((0,), reduce_msg(30, stream=S1)),
+        ((0,), m.BorrowCreate(Ref(5), 1, Ref(1), S1, S0)),
+        ((0,), m.BorrowFirstUse(1)),
+        (BOTH, m.SendTensor(Ref(31), R0, R1, Ref(1), FACTORY, S0, S1)),
+        ((1,), reduce_msg(30, stream=S1)),
+    ]
     error = refused(c, [flush])
     assert error is not None and "wait on each other forever" in error.cause
     assert "BorrowFirstUse 1" in error.cause and "result r30" in error.cause
@@ -151,13 +198,15 @@ def test_a_collective_and_a_borrow_waiting_on_each_other_are_refused():
 
 def test_control_steps_building_communicators_in_another_order_are_refused():
     c = Compiler("tok", ["a", "b"])
-    flush = [(BOTH, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)),
-             (BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([2]))),
-             (BOTH, m.BackendNetworkInit()),
-             ((0,), m.SplitComm(["gpu"], MESH, S0)),
-             ((0,), m.BackendNetworkPointToPointInit(S0, S0)),
-             ((1,), m.BackendNetworkPointToPointInit(S0, S0)),
-             ((1,), m.SplitComm(["gpu"], MESH, S0))]
+    flush = [
+        (BOTH, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)),
+        (BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([2]))),
+        (BOTH, m.BackendNetworkInit()),
+        ((0,), m.SplitComm(["gpu"], MESH, S0)),
+        ((0,), m.BackendNetworkPointToPointInit(S0, S0)),
+        ((1,), m.BackendNetworkPointToPointInit(S0, S0)),
+        ((1,), m.SplitComm(["gpu"], MESH, S0)),
+    ]
     error = refused(c, [flush])
     assert error is not None and "control lane waits at" in error.cause
 
@@ -174,8 +223,16 @@ def test_waiting_for_what_was_never_sent_is_refused_at_the_wait():
     error = refused(c, [[]], final=True)  # ... until someone waits for it
     assert error.rank == 0 and "rank 1, which was not sent it" in error.cause
     c = compiler()
-    assert refused(c, [[(BOTH, m.BackendNetworkPointToPointInit(S1, S1))],
-                       [((0,), send_msg(40, src=S1, dst=S1))]]) is None
+    assert (
+        refused(
+            c,
+            [
+                [(BOTH, m.BackendNetworkPointToPointInit(S1, S1))],
+                [((0,), send_msg(40, src=S1, dst=S1))],
+            ],
+        )
+        is None
+    )
     read_rank_1 = c.compile([], final=(1, 0))
     assert read_rank_1.error is None  # rank 1's stream 0 waits for nothing
     read_rank_0 = c.compile([], final=(0, 1))
@@ -183,9 +240,12 @@ def test_waiting_for_what_was_never_sent_is_refused_at_the_wait():
 
 
 def _borrow_steps(bid, lender=S0, borrower=S1):
-    return [((0,), m.BorrowCreate(Ref(5), bid, Ref(1), lender, borrower)),
-            ((0,), m.BorrowFirstUse(bid)), ((0,), m.BorrowLastUse(bid)),
-            ((0,), m.BorrowDrop(bid))]
+    return [
+        ((0,), m.BorrowCreate(Ref(5), bid, Ref(1), lender, borrower)),
+        ((0,), m.BorrowFirstUse(bid)),
+        ((0,), m.BorrowLastUse(bid)),
+        ((0,), m.BorrowDrop(bid)),
+    ]
 
 
 @pytest.mark.parametrize("drop_ran", [False, True])
@@ -207,14 +267,19 @@ def test_a_borrow_id_comes_back_only_once_its_drop_is_known_to_have_run(drop_ran
 def test_recordings_bring_the_waits_of_their_commands():
     c = compiler()
     rec = Ref(70)
-    commands = [m.RecordingFormal(Ref(71), 0, S0), reduce_msg(72, tensor=Ref(71)),
-                m.RecordingResult(Ref(72), 0, S0)]
+    commands = [
+        m.RecordingFormal(Ref(71), 0, S0),
+        reduce_msg(72, tensor=Ref(71)),
+        m.RecordingResult(Ref(72), 0, S0),
+    ]
     define = m.DefineRecording(rec, 1, 1, commands, 1, 0)
-    assert refused(c, [[(BOTH, define), (BOTH, m.CallRecording(1, rec, [Ref(73)], [Ref(1)]))]]
-                   ) is None
+    assert (
+        refused(c, [[(BOTH, define), (BOTH, m.CallRecording(1, rec, [Ref(73)], [Ref(1)]))]]) is None
+    )
     assert not c.check.busy
-    error = refused(c, [[((0,), m.CallRecording(2, rec, [Ref(74)], [Ref(1)])),
-                         (BOTH, reduce_msg(75))]])
+    error = refused(
+        c, [[((0,), m.CallRecording(2, rec, [Ref(74)], [Ref(1)])), (BOTH, reduce_msg(75))]]
+    )
     assert error.rank == 1 and "result r75" in error.cause and "result r72" in error.cause
 
 
@@ -237,8 +302,10 @@ def test_the_fast_path_never_reaches_the_check():
             pass
 
     real, c.check = c.check, Refuse()
-    plan = c.compile([(BOTH, call(i, Ref(100 + i), "torch.ones", 3)) for i in range(50)]
-                     + [(BOTH, fetch(60, Ref(100)))])
+    plan = c.compile(
+        [(BOTH, call(i, Ref(100 + i), "torch.ones", 3)) for i in range(50)]
+        + [(BOTH, fetch(60, Ref(100)))]
+    )
     assert plan.error is None and plan.messages == 51
     with pytest.raises(AssertionError, match="checked"):
         c.compile([(BOTH, reduce_msg(10))])

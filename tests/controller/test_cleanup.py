@@ -37,8 +37,12 @@ time.sleep(600)
 
 def held(client) -> dict:
     """Per worker: the controller tokens its plugin holds, and its thread budget."""
-    return client.run(lambda dask_worker: (sorted(dask_worker.plugins["dask_monarch"].ranks),
-                                           dask_worker.state.nthreads))
+    return client.run(
+        lambda dask_worker: (
+            sorted(dask_worker.plugins["dask_monarch"].ranks),
+            dask_worker.state.nthreads,
+        )
+    )
 
 
 def read_line(process: subprocess.Popen, timeout: float) -> str:
@@ -51,16 +55,23 @@ def read_line(process: subprocess.Popen, timeout: float) -> str:
                 return line
         if process.poll() is not None:
             break
-    raise AssertionError(f"the client process printed nothing (exit {process.poll()}): "
-                         f"{process.stderr.read() if process.poll() is not None else ''}")
+    raise AssertionError(
+        f"the client process printed nothing (exit {process.poll()}): "
+        f"{process.stderr.read() if process.poll() is not None else ''}"
+    )
 
 
 @pytest.mark.timeout(180)
 def test_sigkilled_client_process_frees_its_controller_state(cluster2, client2):
     before = {address: nthreads for address, (_, nthreads) in held(client2).items()}
-    process = subprocess.Popen([sys.executable, "-c", CHILD, cluster2.scheduler_address],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-c", CHILD, cluster2.scheduler_address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         token = read_line(process, timeout=120).split()[1]
         during = held(client2)
@@ -71,8 +82,10 @@ def test_sigkilled_client_process_frees_its_controller_state(cluster2, client2):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             now = held(client2)
-            if all(token not in tokens and nthreads == before[a]
-                   for a, (tokens, nthreads) in now.items()):
+            if all(
+                token not in tokens and nthreads == before[a]
+                for a, (tokens, nthreads) in now.items()
+            ):
                 break
             time.sleep(0.2)
         assert all(token not in tokens for tokens, _ in now.values()), now

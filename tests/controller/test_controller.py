@@ -32,8 +32,9 @@ def test_missing_argument_is_reported_once_with_the_torch_error(ctrl):
     ctrl.send(BOTH, call(0, Ref(1), "torch.ops.aten.rand.default"))
     reports = ctrl.sync()
     assert sorted((f.seq, f.rank) for f in failures(reports)) == [(0, 0), (0, 1)]
-    assert all("aten::rand() is missing value for argument 'size'" in f.error
-               for f in failures(reports))
+    assert all(
+        "aten::rand() is missing value for argument 'size'" in f.error for f in failures(reports)
+    )
     with pytest.raises(dm.RemoteException, match="missing value for argument 'size'"):
         ctrl.get_ref(0, Ref(1), S0)
 
@@ -95,10 +96,22 @@ def test_functions_returning_tuples_none_dicts_and_plain_values(ctrl):
 
 def test_dtype_device_layout_and_none_arguments(ctrl):
     create_streams(ctrl, BOTH, S0)
-    ctrl.send(BOTH, call(0, Ref(1), "torch.zeros", 2, 3, dtype=torch.float64,
-                         device=torch.device("cpu"), layout=torch.strided))
-    ctrl.send(BOTH, call(1, Ref(2), "torch.ops.aten.sum.dim_IntList", Ref(1), [1], False,
-                         dtype=None))
+    ctrl.send(
+        BOTH,
+        call(
+            0,
+            Ref(1),
+            "torch.zeros",
+            2,
+            3,
+            dtype=torch.float64,
+            device=torch.device("cpu"),
+            layout=torch.strided,
+        ),
+    )
+    ctrl.send(
+        BOTH, call(1, Ref(2), "torch.ops.aten.sum.dim_IntList", Ref(1), [1], False, dtype=None)
+    )
     ctrl.send(BOTH, call(2, Ref(3), "torch.full", [2], True, dtype=torch.bool))
     assert ctrl.sync() == []
     x = ctrl.get_ref(0, Ref(1), S0)
@@ -171,11 +184,13 @@ def test_fetched_value_is_a_snapshot(ctrl):
 @pytest.mark.exercises("CommandGroup")
 def test_command_group_runs_in_order(ctrl):
     create_streams(ctrl, BOTH, S0)
-    group = m.CommandGroup([
-        call(0, Ref(1), "torch.ones", 2),
-        call(1, None, "torch.ops.aten.mul_.Scalar", Ref(1), 3, mutates=[Ref(1)]),
-        fetch(2, Ref(1)),
-    ])
+    group = m.CommandGroup(
+        [
+            call(0, Ref(1), "torch.ones", 2),
+            call(1, None, "torch.ops.aten.mul_.Scalar", Ref(1), 3, mutates=[Ref(1)]),
+            fetch(2, Ref(1)),
+        ]
+    )
     ctrl.send(BOTH, group)
     got = values(ctrl.sync())
     assert torch.equal(got[(2, 0)], torch.full((2,), 3.0))

@@ -28,6 +28,7 @@ class PicklesOnce:
             raise TypeError("PicklesOnce pickles only once")
         return (PicklesOnce, ())
 
+
 pytestmark = pytest.mark.timeout(180)
 
 

@@ -28,8 +28,11 @@ BOTH = [0, 1]
 # short clocks: a heartbeat every 200 ms, a silent rank fails after 3 s ...
 FROZEN = {"dask_monarch.timeouts.heartbeat": "200ms", "dask_monarch.timeouts.unresponsive": "3s"}
 # ... a stalled lane warns after 2 s (a loaded machine may slow a worker, never for a minute)
-STUCK = {"dask_monarch.timeouts.heartbeat": "200ms", "dask_monarch.timeouts.unresponsive": "60s",
-         "dask_monarch.timeouts.liveness": "2s"}
+STUCK = {
+    "dask_monarch.timeouts.heartbeat": "200ms",
+    "dask_monarch.timeouts.unresponsive": "60s",
+    "dask_monarch.timeouts.liveness": "2s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,8 @@ def test_inspect_on_a_frozen_rank_raises_device_exception(frozen_client):
 
 @pytest.mark.timeout(300)
 def test_a_lane_blocked_on_a_borrow_gets_one_warning_and_timeouts_say_the_same(
-        client2, tmp_path, caplog):
+    client2, tmp_path, caplog
+):
     gate = tmp_path / "gate"
     with dask.config.set(STUCK):
         ctrl = dm.Controller(client2, world_size=2)
@@ -164,8 +168,12 @@ def test_a_lane_blocked_on_a_borrow_gets_one_warning_and_timeouts_say_the_same(
         assert "rank 0, stream 0 has completed no message" in text
         assert "seq 1: running for" in text and "in wait_for_file (" in text
         assert len(warning.stalls) == 2
-        assert any("LivenessWarning" not in r.getMessage() and "rank 0, stream 1 has completed"
-                   in r.getMessage() for r in caplog.records if r.name.startswith("dask_monarch"))
+        assert any(
+            "LivenessWarning" not in r.getMessage()
+            and "rank 0, stream 1 has completed" in r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("dask_monarch")
+        )
         # the timeouts say the same
         for timeout in (sync_timeout, read_timeout):
             assert "rank 0, stream 1" in str(timeout.value)
@@ -198,18 +206,34 @@ def test_a_reduce_sent_to_some_members_names_the_missing_peers(client2, tmp_path
             warnings.simplefilter("always")
             start = time.monotonic()
             factory = m.Factory((2,), torch.float32, torch.strided, "cpu")
-            ctrl.send(0, m.Reduce(Ref(2), Ref(1), factory, mesh_ref, S0, ["gpu"],
-                                  m.ReduceOp.SUM, False, False, None))
+            ctrl.send(
+                0,
+                m.Reduce(
+                    Ref(2),
+                    Ref(1),
+                    factory,
+                    mesh_ref,
+                    S0,
+                    ["gpu"],
+                    m.ReduceOp.SUM,
+                    False,
+                    False,
+                    None,
+                ),
+            )
             ctrl.flush()
             (warning,) = wait_until(lambda: liveness_warnings(caught), what="a LivenessWarning")
             elapsed = time.monotonic() - start
             print(f"the partial Reduce was reported after {elapsed:.1f}s")
             assert elapsed < 20  # before the collective's own timeout (20 s here, 60 s default)
             assert (warning.rank, warning.stream) == (0, 0)
-            assert warning.waiting_on == ("all-reduce (sum) over ['gpu'] of mesh r100 with "
-                                          "ranks 0, 1")
-            assert ("still waiting for rank 1 stream 0 (idle after seq 0: it has run everything "
-                    "sent to it)") in str(warning)
+            assert warning.waiting_on == (
+                "all-reduce (sum) over ['gpu'] of mesh r100 with ranks 0, 1"
+            )
+            assert (
+                "still waiting for rank 1 stream 0 (idle after seq 0: it has run everything "
+                "sent to it)"
+            ) in str(warning)
             # then the collective's own timeout fails the mesh: the lane does not outlive it
             with pytest.raises(dm.DeviceException, match="Reduce over"):
                 ctrl.sync(timeout=120)
@@ -230,8 +254,17 @@ def test_waits_on_a_pipe_a_borrow_and_a_copy_are_named_and_end_with_their_contro
         create_streams(ctrl, BOTH, S0, S1, S2)
         ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 3))
         ctrl.send(0, m.CreateDeviceMesh(Ref(900), ["dp"], one_rank))
-        ctrl.send(0, m.CreatePipe(pipe, "echo", "remote_fns.echo_loader", 1, Ref(900),
-                                  m.ArgsKwargs.from_python((), {})))
+        ctrl.send(
+            0,
+            m.CreatePipe(
+                pipe,
+                "echo",
+                "remote_fns.echo_loader",
+                1,
+                Ref(900),
+                m.ArgsKwargs.from_python((), {}),
+            ),
+        )
         assert ctrl.sync(timeout=60) == []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -243,11 +276,15 @@ def test_waits_on_a_pipe_a_borrow_and_a_copy_are_named_and_end_with_their_contro
             (warning,) = wait_until(lambda: liveness_warnings(caught), what="a LivenessWarning")
         text = str(warning)
         assert "rank 0, stream 0 has completed no message for " in text
-        assert "seq 1: waiting" in text and "on pipe 'echo' (its producer on this rank has " \
-            "not sent a value)" in text
+        assert (
+            "seq 1: waiting" in text
+            and "on pipe 'echo' (its producer on this rank has not sent a value)" in text
+        )
         assert "on borrow 1 (the lender's BorrowCreate)" in text
-        assert "on the copy of r1 from stream 0; still waiting for rank 0 stream 0 (seq 1: " \
+        assert (
+            "on the copy of r1 from stream 0; still waiting for rank 0 stream 0 (seq 1: "
             "waiting" in text
+        )
         with pytest.raises(dm.DeviceException, match="__test_panic"):
             ctrl.send(1, call(2, None, "__test_panic"))
             ctrl.sync(timeout=60)
@@ -268,8 +305,10 @@ def test_waits_on_a_pipe_a_borrow_and_a_copy_are_named_and_end_with_their_contro
                     frame = frame.f_back
             return busy
 
-        wait_until(lambda: client2.run(busy_lane_threads, workers=[address])[address] == [],
-                   what="rank 0's waiting lanes to give up")
+        wait_until(
+            lambda: client2.run(busy_lane_threads, workers=[address])[address] == [],
+            what="rank 0's waiting lanes to give up",
+        )
     finally:
         ctrl.close()
 
@@ -288,9 +327,13 @@ def test_mesh_future_result_timeout_names_the_stuck_lane(client2, tmp_path):
                 hold(str(gate), 120)
                 future = dm.fetch_shard(x, gpu=1)
                 controller = mesh._session.controller
-                wait_until(lambda: any(lane["rank"] == 1 and lane["state"] == "running"
-                                       for lane in controller.lanes()),
-                           what="the gate to run on rank 1")
+                wait_until(
+                    lambda: any(
+                        lane["rank"] == 1 and lane["state"] == "running"
+                        for lane in controller.lanes()
+                    ),
+                    what="the gate to run on rank 1",
+                )
                 with pytest.raises(TimeoutError) as info:
                     future.result(timeout=1.5)
                 with pytest.raises(TimeoutError) as inspected:

@@ -30,7 +30,8 @@ def environ() -> dict:
     """The environment of a child process: it imports this checkout and the test helpers."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
+    )
     return env
 
 
@@ -43,8 +44,9 @@ def wait_for_line(process: subprocess.Popen, text: str, timeout: float) -> None:
         if not line and process.poll() is not None:
             break
     process.kill()
-    raise AssertionError(f"no {text!r} from the child (exit {process.poll()}): "
-                         f"{process.stderr.read()[-3000:]}")
+    raise AssertionError(
+        f"no {text!r} from the child (exit {process.poll()}): {process.stderr.read()[-3000:]}"
+    )
 
 
 def gone(processes: list[psutil.Process], timeout: float) -> list[int]:
@@ -81,12 +83,18 @@ with mesh.activate():
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
     (tmp_path / "long.py").write_text(LONG_SCRIPT)
-    command = [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q",
-               "long.py"]
+    command = [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q", "long.py"]
     # its own process group, as a terminal's foreground job: the SIGINT reaches every process
-    process = subprocess.Popen(command, cwd=tmp_path, env=environ(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_line(process, "ready", timeout=180)
         time.sleep(1)
@@ -209,8 +217,9 @@ def test_a_killed_scheduler_is_reported_as_such_and_the_cluster_closes():
             x = torch.ones(2) + 1
             assert dm.inspect(x).tolist() == [2.0, 2.0]
             os.kill(cluster.scheduler.process.pid, signal.SIGKILL)
-            with pytest.raises(dm.DeviceException, match="lost the connection to the scheduler"
-                               ) as info:
+            with pytest.raises(
+                dm.DeviceException, match="lost the connection to the scheduler"
+            ) as info:
                 dm.inspect(x * 2)
         assert info.value.rank is None  # not a lost rank
         with pytest.raises(dm.DeviceException, match="scheduler"):
@@ -248,8 +257,14 @@ def test_interpreter_exit_with_an_open_mesh_releases_it_with_one_message(own_clu
     cluster, client = own_cluster
     (tmp_path / "leave.py").write_text(EXIT_SCRIPT)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "leave.py", cluster.scheduler_address], cwd=tmp_path,
-                          env=environ(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "leave.py", cluster.scheduler_address],
+        cwd=tmp_path,
+        env=environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - start
     print(f"the script with an open mesh took {took:.1f}s")
     assert done.returncode == 0, done.stderr
@@ -266,9 +281,12 @@ def test_interpreter_exit_with_an_open_mesh_releases_it_with_one_message(own_clu
 
 def gaps(client) -> tuple[dict, dict, dict]:
     """The batched-send gaps: scheduler->worker, scheduler->client, worker->scheduler."""
+
     def on_scheduler(dask_scheduler=None):
-        return ({a: c.interval for a, c in dask_scheduler.stream_comms.items()},
-                {c: b.interval for c, b in dask_scheduler.client_comms.items()})
+        return (
+            {a: c.interval for a, c in dask_scheduler.stream_comms.items()},
+            {c: b.interval for c, b in dask_scheduler.client_comms.items()},
+        )
 
     to_workers, to_clients = client.run_on_scheduler(on_scheduler)
     from_workers = client.run(lambda dask_worker: dask_worker.batched_stream.interval)
@@ -277,9 +295,12 @@ def gaps(client) -> tuple[dict, dict, dict]:
 
 @pytest.mark.timeout(240)
 def test_a_controller_leaves_a_shared_clusters_gaps_alone(tmp_path):
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster.scheduler_address) as observer:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+        ) as cluster,
+        Client(cluster.scheduler_address) as observer,
+    ):
         observer.wait_for_workers(2)
         before = gaps(observer)
         with Client(cluster.scheduler_address) as client:

@@ -44,17 +44,32 @@ def command(name: str = "dask-monarch") -> list[str]:
     return [str(path)] if path.exists() else [shutil.which(name) or name]
 
 
-def run_cli(args: list[str], tmp_path: Path, *, script: str | None = None, env: dict | None = None,
-            timeout: float = 150, name: str = "dask-monarch") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    tmp_path: Path,
+    *,
+    script: str | None = None,
+    env: dict | None = None,
+    timeout: float = 150,
+    name: str = "dask-monarch",
+) -> subprocess.CompletedProcess:
     """Run the command (with ``script`` written to tmp_path/script.py as its SCRIPT)."""
     if script is not None:
         (tmp_path / "script.py").write_text(PRELUDE + textwrap.dedent(script))
     environ = {**os.environ, **(env or {})}
     # the workers of an embedded cluster import test helpers by path, as pytest's do
     environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run(command(name) + args, capture_output=True, text=True, cwd=tmp_path,
-                          env=environ, timeout=timeout, stdin=subprocess.DEVNULL)
+        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return subprocess.run(
+        command(name) + args,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=environ,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def explain(done: subprocess.CompletedProcess) -> str:
@@ -67,8 +82,10 @@ def address(cluster2, client2) -> str:
 
 
 def test_run_on_an_embedded_cluster_prints_a_fetched_value(tmp_path):
-    done = run_cli(["run", "--ranks", "2", "--device", "cpu", "script.py", "first", "--flag=2"],
-                   tmp_path, script="""
+    done = run_cli(
+        ["run", "--ranks", "2", "--device", "cpu", "script.py", "first", "--flag=2"],
+        tmp_path,
+        script="""
         ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 3))
         ctrl.send([0, 1], call(1, Ref(2), "torch.ops.aten.mul.Tensor", Ref(1), 7))
         ctrl.send(1, m.SendValue(2, None, [], "torch.ops.aten.sum.default",
@@ -77,7 +94,8 @@ def test_run_on_an_embedded_cluster_prints_a_fetched_value(tmp_path):
         print("fetched", fetched.rank, fetched.value.item())
         print("argv", sys.argv, __name__)
         print("cluster", type(client.cluster).__name__, len(client.scheduler_info()["workers"]))
-    """)
+    """,
+    )
     assert done.returncode == 0, explain(done)
     assert "fetched 1 21.0" in done.stdout
     assert "argv ['script.py', 'first', '--flag=2'] __main__" in done.stdout
@@ -87,12 +105,15 @@ def test_run_on_an_embedded_cluster_prints_a_fetched_value(tmp_path):
 
 
 def test_remote_exception_exits_3_with_the_remote_traceback(tmp_path, address):
-    done = run_cli(["run", "--scheduler-address", address, "-q", "script.py"], tmp_path,
-                   script="""
+    done = run_cli(
+        ["run", "--scheduler-address", address, "-q", "script.py"],
+        tmp_path,
+        script="""
         ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))
         ctrl.sync()
         ctrl.get_ref(1, Ref(1), S0)  # raises dm.RemoteException
-    """)
+    """,
+    )
     assert done.returncode == 3, explain(done)
     err = done.stderr
     assert 'File "' in err and "script.py" in err and "ctrl.get_ref(1, Ref(1), S0)" in err
@@ -102,21 +123,27 @@ def test_remote_exception_exits_3_with_the_remote_traceback(tmp_path, address):
 
 
 def test_device_exception_exits_4(tmp_path, address):
-    done = run_cli(["run", "--scheduler-address", address, "-q", "script.py"], tmp_path,
-                   script="""
+    done = run_cli(
+        ["run", "--scheduler-address", address, "-q", "script.py"],
+        tmp_path,
+        script="""
         ctrl.send(0, call(0, None, "__test_panic"))
         ctrl.sync(timeout=60)
-    """)
+    """,
+    )
     assert done.returncode == 4, explain(done)
     assert "DeviceException" in done.stderr and "the mesh broke: rank 0" in done.stderr
 
 
 def test_exit_codes_of_plain_errors_and_sys_exit(tmp_path, address):
-    done = run_cli(["run", "--scheduler-address", address, "-q", "script.py"], tmp_path,
-                   script="""
+    done = run_cli(
+        ["run", "--scheduler-address", address, "-q", "script.py"],
+        tmp_path,
+        script="""
         ctrl.close()
         sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else "a message")
-    """)
+    """,
+    )
     assert done.returncode == 1 and "a message" in done.stderr, explain(done)
     (tmp_path / "fails.py").write_text("raise ValueError('not a mesh problem')\n")
     done = run_cli(["run", "--scheduler-address", address, "-q", "fails.py"], tmp_path)
@@ -127,17 +154,22 @@ def test_exit_codes_of_plain_errors_and_sys_exit(tmp_path, address):
 
 
 def test_progress_line_on_stderr(tmp_path, address):
-    done = run_cli(["run", "--scheduler-address", address, "--progress", "-q", "script.py"],
-                   tmp_path, env={"DASK_MONARCH__CLI__PROGRESS_DELAY": "0s",
-                                  "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "100ms"},
-                   script="""
+    done = run_cli(
+        ["run", "--scheduler-address", address, "--progress", "-q", "script.py"],
+        tmp_path,
+        env={
+            "DASK_MONARCH__CLI__PROGRESS_DELAY": "0s",
+            "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "100ms",
+        },
+        script="""
         import time
         for seq in range(30):
             ctrl.send([0, 1], call(seq, Ref(seq + 1), "torch.ones", 1))
             ctrl.sync()
             time.sleep(0.05)
         time.sleep(0.5)
-    """)
+    """,
+    )
     assert done.returncode == 0, explain(done)
     lines = [x for x in done.stderr.splitlines() if x.startswith("dask-monarch: 1 mesh, ")]
     assert lines, explain(done)
@@ -164,18 +196,20 @@ def test_dask_monarch_is_a_dask_subcommand(tmp_path):
 def test_usage_errors(tmp_path):
     done = run_cli(["run", "no_such_script.py"], tmp_path)
     assert done.returncode == 2 and "no such script: no_such_script.py" in done.stderr
-    done = run_cli(["run", "--scheduler-address", "tcp://x:1", "--scheduler-file", "f",
-                    "x.py"], tmp_path)
+    done = run_cli(
+        ["run", "--scheduler-address", "tcp://x:1", "--scheduler-file", "f", "x.py"], tmp_path
+    )
     assert done.returncode == 2 and "not both" in done.stderr
 
 
 def test_run_a_module_with_m(tmp_path, address):
-    (tmp_path / "job_module.py").write_text(textwrap.dedent("""\
+    (tmp_path / "job_module.py").write_text(
+        textwrap.dedent("""\
         import sys
         import distributed
         print("module", __name__, sys.argv[1:], len(distributed.default_client().ncores()))
-    """))
-    done = run_cli(["run", "--scheduler-address", address, "-q", "-m", "job_module", "x"],
-                   tmp_path)
+    """)
+    )
+    done = run_cli(["run", "--scheduler-address", address, "-q", "-m", "job_module", "x"], tmp_path)
     assert done.returncode == 0, explain(done)
     assert "module __main__ ['x'] 2" in done.stdout

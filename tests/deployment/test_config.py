@@ -19,12 +19,18 @@ def test_environment_variables_override_defaults():
     from dask_monarch import config
 
     assert config.seconds("flush.idle") == 0.01  # the default, in this process
-    code = ("import dask_monarch.config as c; "
-            "print(c.seconds('flush.idle'), c.seconds('dashboard.interval'))")
-    env = {**os.environ, "DASK_MONARCH__FLUSH__IDLE": "5ms",
-           "DASK_MONARCH__DASHBOARD__INTERVAL": "250ms"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120)
+    code = (
+        "import dask_monarch.config as c; "
+        "print(c.seconds('flush.idle'), c.seconds('dashboard.interval'))"
+    )
+    env = {
+        **os.environ,
+        "DASK_MONARCH__FLUSH__IDLE": "5ms",
+        "DASK_MONARCH__DASHBOARD__INTERVAL": "250ms",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0.005", "0.25"]
 

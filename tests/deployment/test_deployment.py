@@ -65,8 +65,14 @@ print("dashboard lists the mesh", [c["token"] for c in state["controllers"]]
 
 def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -100,8 +106,9 @@ def wait_for_address(scheduler_file: Path, tmp_path: Path, timeout: float = 60) 
 
 
 def logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
-                     for p in sorted(tmp_path.glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
+    )
 
 
 @pytest.mark.timeout(180)
@@ -111,30 +118,81 @@ def test_dask_cli_cluster_with_preloads_runs_a_batch_script(tmp_path):
     dask = str(BIN / "dask")
     processes = []
     try:
-        processes.append(start(
-            [dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file),
-             "--preload", str(PLUGINS / "dask_monarch_scheduler.py")],
-            tmp_path / "scheduler.log", env))
+        processes.append(
+            start(
+                [
+                    dask,
+                    "scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--dashboard-address",
+                    "127.0.0.1:0",
+                    "--scheduler-file",
+                    str(scheduler_file),
+                    "--preload",
+                    str(PLUGINS / "dask_monarch_scheduler.py"),
+                ],
+                tmp_path / "scheduler.log",
+                env,
+            )
+        )
         address = wait_for_address(scheduler_file, tmp_path)
         # The address goes first, positionally: with --scheduler-file and no address,
         # `dask worker` takes the first preload option for the address (docs/deployment.md).
-        common = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
-                  "--no-dashboard"]
+        common = [
+            dask,
+            "worker",
+            address,
+            "--nthreads",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--no-dashboard",
+        ]
         # names in the reverse of rank order: the rank resource decides, not the name
-        processes.append(start(
-            common + ["--name", "b", "--preload", str(PLUGINS / "dask_monarch_worker.py"),
-                      "--monarch-rank=0", "--monarch-gpu=0"],
-            tmp_path / "worker-b.log", env))
-        processes.append(start(
-            common + ["--name", "a", "--preload", "dask_monarch.preload", "--monarch-rank=1"],
-            tmp_path / "worker-a.log", env))
+        processes.append(
+            start(
+                common
+                + [
+                    "--name",
+                    "b",
+                    "--preload",
+                    str(PLUGINS / "dask_monarch_worker.py"),
+                    "--monarch-rank=0",
+                    "--monarch-gpu=0",
+                ],
+                tmp_path / "worker-b.log",
+                env,
+            )
+        )
+        processes.append(
+            start(
+                common + ["--name", "a", "--preload", "dask_monarch.preload", "--monarch-rank=1"],
+                tmp_path / "worker-a.log",
+                env,
+            )
+        )
         (tmp_path / "job.py").write_text(textwrap.dedent(SCRIPT))
         done = subprocess.run(
-            [str(BIN / "dask-monarch"), "run", "--scheduler-file", str(scheduler_file),
-             "--ranks", "2", "-q", "job.py"],
-            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=150,
-            stdin=subprocess.DEVNULL)
+            [
+                str(BIN / "dask-monarch"),
+                "run",
+                "--scheduler-file",
+                str(scheduler_file),
+                "--ranks",
+                "2",
+                "-q",
+                "job.py",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=150,
+            stdin=subprocess.DEVNULL,
+        )
         explain = f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}\n{logs(tmp_path)}"
         assert done.returncode == 0, explain
         assert "preloaded [True, True] gpus ['0', 'None']" in done.stdout, explain
@@ -162,14 +220,43 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
     scheduler_file = tmp_path / "scheduler.json"
     processes = []
     try:
-        processes.append(start(
-            [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--no-dashboard", "--scheduler-file", str(scheduler_file)],
-            tmp_path / "scheduler.log", env))
+        processes.append(
+            start(
+                [
+                    str(BIN / "dask"),
+                    "scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--no-dashboard",
+                    "--scheduler-file",
+                    str(scheduler_file),
+                ],
+                tmp_path / "scheduler.log",
+                env,
+            )
+        )
         address = wait_for_address(scheduler_file, tmp_path)
-        node = start([str(BIN / "dask-monarch"), "worker", address, "--gpus", "0,1",
-                      "--first-rank", "2", "--host", "127.0.0.1", "--name", "node",
-                      "--memory-limit", "2GB"], tmp_path / "node.log", env)
+        node = start(
+            [
+                str(BIN / "dask-monarch"),
+                "worker",
+                address,
+                "--gpus",
+                "0,1",
+                "--first-rank",
+                "2",
+                "--host",
+                "127.0.0.1",
+                "--name",
+                "node",
+                "--memory-limit",
+                "2GB",
+            ],
+            tmp_path / "node.log",
+            env,
+        )
         processes.append(node)
         with Client(address, timeout=30) as client:
             client.wait_for_workers(2, timeout=60)
@@ -177,18 +264,31 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
             assert sorted(w["name"] for w in info) == ["node-gpu0", "node-gpu1"], logs(tmp_path)
             resources = {w["name"]: sorted(w["resources"]) for w in info}
             assert resources == {"node-gpu0": ["monarch-rank2"], "node-gpu1": ["monarch-rank3"]}
-            visible = client.run(lambda dask_worker: (
-                dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "dask_monarch" in dask_worker.plugins, dask_worker.state.nthreads))
-            assert sorted(visible.values()) == [("node-gpu0", "0,1", True, 1),
-                                                ("node-gpu1", "1,0", True, 1)]
+            visible = client.run(
+                lambda dask_worker: (
+                    dask_worker.name,
+                    os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "dask_monarch" in dask_worker.plugins,
+                    dask_worker.state.nthreads,
+                )
+            )
+            assert sorted(visible.values()) == [
+                ("node-gpu0", "0,1", True, 1),
+                ("node-gpu1", "1,0", True, 1),
+            ]
             with dm.Controller(client, world_size=2) as ctrl:
                 assert ctrl.resources == ["monarch-rank2", "monarch-rank3"]
                 s0 = StreamRef(0)
-                ctrl.send([0, 1], dm.messages.CreateStream(
-                    s0, dm.messages.StreamCreationMode.UseDefaultStream))
-                ctrl.send([0, 1], dm.messages.CallFunction(
-                    0, [Ref(1)], [], "torch.ones", ArgsKwargs.from_python(([3],), {}), s0, []))
+                ctrl.send(
+                    [0, 1],
+                    dm.messages.CreateStream(s0, dm.messages.StreamCreationMode.UseDefaultStream),
+                )
+                ctrl.send(
+                    [0, 1],
+                    dm.messages.CallFunction(
+                        0, [Ref(1)], [], "torch.ones", ArgsKwargs.from_python(([3],), {}), s0, []
+                    ),
+                )
                 ctrl.sync(timeout=60)
                 assert ctrl.get_ref(1, Ref(1), s0).tolist() == [1.0, 1.0, 1.0]
         os.killpg(node.pid, signal.SIGTERM)

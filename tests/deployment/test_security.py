@@ -31,16 +31,41 @@ TESTS = Path(__file__).parents[1]
 def make_certs(directory: Path) -> tuple[str, str]:
     """A self-signed certificate and its key (openssl: no extra Python package needed)."""
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=dask-internal"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=dask-internal",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(cert), str(key)
 
 
 def tls_security(cert: str, key: str) -> Security:
-    return Security(tls_ca_file=cert, tls_client_cert=cert, tls_client_key=key,
-                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
-                    tls_worker_key=key, require_encryption=True)
+    return Security(
+        tls_ca_file=cert,
+        tls_client_cert=cert,
+        tls_client_key=key,
+        tls_scheduler_cert=cert,
+        tls_scheduler_key=key,
+        tls_worker_cert=cert,
+        tls_worker_key=key,
+        require_encryption=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +75,14 @@ def certs(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def tls_client(certs):
-    restricted = {"dask_monarch.functions.allow": ["torch", "remote_fns"],
-                  "dask_monarch.functions.allow-pickled": False}
+    restricted = {
+        "dask_monarch.functions.allow": ["torch", "remote_fns"],
+        "dask_monarch.functions.allow-pickled": False,
+    }
     with dask.config.set(restricted):  # the nannies hand this config to their workers
-        cluster = dm.LocalMeshCluster(2, "cpu", security=tls_security(*certs),
-                                      dashboard_address=None)
+        cluster = dm.LocalMeshCluster(
+            2, "cpu", security=tls_security(*certs), dashboard_address=None
+        )
     with cluster, Client(cluster) as client:
         yield client
 
@@ -133,15 +161,19 @@ def _children() -> set[int]:
 
 def _gone(pids: set[int]) -> set[int]:
     psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)
-    return {p for p in pids if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    return {
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    }
 
 
 def test_encryption_without_certificates_is_refused_before_anything_starts():
     before = _children()
     with pytest.raises(ValueError, match="Security.temporary"):
-        dm.LocalMeshCluster(1, "cpu", security=Security(require_encryption=True),
-                            dashboard_address=None)
+        dm.LocalMeshCluster(
+            1, "cpu", security=Security(require_encryption=True), dashboard_address=None
+        )
     assert _gone(_children() - before) == set()
 
 
@@ -167,14 +199,39 @@ def test_cli_run_over_tls(tmp_path, certs):
         "mesh = dm.device_mesh(client, gpu=2)\n"
         "with mesh.activate():\n"
         "    print('value', dm.inspect(torch.ones(2) * 5).tolist())\n"
-        "mesh.exit()\n")
+        "mesh.exit()\n"
+    )
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     done = subprocess.run(
-        [str(bin_dir / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu",
-         "--dashboard-address", "", "--tls-ca-file", cert, "--tls-cert", cert, "--tls-key", key,
-         "script.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
-        stdin=subprocess.DEVNULL)
+        [
+            str(bin_dir / "dask-monarch"),
+            "run",
+            "--ranks",
+            "2",
+            "--device",
+            "cpu",
+            "--dashboard-address",
+            "",
+            "--tls-ca-file",
+            cert,
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+            "script.py",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "scheduler tls://" in done.stdout and "value [5.0, 5.0]" in done.stdout

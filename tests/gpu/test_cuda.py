@@ -37,8 +37,10 @@ def shared_client():
     """Two workers that see only the first GPU: their CUDA ranks share it."""
     first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     options = {"env": {"CUDA_VISIBLE_DEVICES": first, "OMP_NUM_THREADS": "1"}}
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster, \
-            Client(cluster) as client:
+    with (
+        dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster,
+        Client(cluster) as client,
+    ):
         client.wait_for_workers(2)
         yield client
 
@@ -67,8 +69,9 @@ def test_borrows_across_streams_and_flushes(gpu_client):
         ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
         ctrl.flush()
         ctrl.send(0, m.BorrowFirstUse(1))
-        ctrl.send(0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)],
-                          stream=S1))
+        ctrl.send(
+            0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)], stream=S1)
+        )
         ctrl.flush()
         ctrl.send(0, m.BorrowLastUse(1))
         ctrl.send(0, m.BorrowDrop(1))
@@ -182,10 +185,27 @@ def test_two_ranks_sharing_a_gpu_need_gloo(shared_client):
         ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         ctrl.send(ranks, call(0, Ref(1), "torch.ones", 4, device="cuda"))
-        ctrl.send(ranks, m.Reduce(Ref(2), Ref(1), cuda_factory((4,)), MESH, S0, ["gpu"],
-                                  ReduceOp.SUM, False, False, None))
-        ctrl.send(ranks, m.SendTensor(Ref(3), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(2),
-                                      cuda_factory((4,)), S0, S0))
+        ctrl.send(
+            ranks,
+            m.Reduce(
+                Ref(2),
+                Ref(1),
+                cuda_factory((4,)),
+                MESH,
+                S0,
+                ["gpu"],
+                ReduceOp.SUM,
+                False,
+                False,
+                None,
+            ),
+        )
+        ctrl.send(
+            ranks,
+            m.SendTensor(
+                Ref(3), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(2), cuda_factory((4,)), S0, S0
+            ),
+        )
         ctrl.send(1, fetch(1, Ref(3)))
         assert values(ctrl.sync(timeout=120))[(1, 1)].tolist() == [2.0] * 4
 
@@ -201,8 +221,21 @@ def test_nccl_collectives_and_a_pairwise_exchange_of_64_mib(gpu_client):
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         n = 64 * MiB // 4
         ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
-        ctrl.send(ranks, m.Reduce(Ref(2), Ref(1), cuda_factory((n,)), MESH, S0, ["gpu"],
-                                  ReduceOp.SUM, False, False, None))
+        ctrl.send(
+            ranks,
+            m.Reduce(
+                Ref(2),
+                Ref(1),
+                cuda_factory((n,)),
+                MESH,
+                S0,
+                ["gpu"],
+                ReduceOp.SUM,
+                False,
+                False,
+                None,
+            ),
+        )
         one, two = Slice(0, [1], [1]), Slice(1, [1], [1])
         ctrl.send(ranks, m.SendTensor(Ref(3), one, two, Ref(1), cuda_factory((n,)), S0, S0))
         ctrl.send(ranks, m.SendTensor(Ref(3), two, one, Ref(1), cuda_factory((n,)), S0, S0))
@@ -227,8 +260,12 @@ def test_a_rank_that_sends_and_receives_in_one_message_does_not_deadlock(gpu_cli
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         n = 64 * MiB // 4
         ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
-        ctrl.send(ranks, m.SendTensor(Ref(2), Slice(0, [2], [1]), Slice(1, [2], [1]), Ref(1),
-                                      cuda_factory((n,)), S0, S0))
+        ctrl.send(
+            ranks,
+            m.SendTensor(
+                Ref(2), Slice(0, [2], [1]), Slice(1, [2], [1]), Ref(1), cuda_factory((n,)), S0, S0
+            ),
+        )
         for rank in (1, 2):
             ctrl.send(rank, fetch(1, (Ref(2),), fn="torch.ops.aten.amin.default"))
         got = values(ctrl.sync(timeout=300))

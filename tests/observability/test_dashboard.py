@@ -127,10 +127,14 @@ def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_
         ctrl.send(0, m.BorrowLastUse(1))
         ctrl.send(0, m.BorrowDrop(1))
         ctrl.flush()
-        wait_until(lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
-                   what="stream 1 of rank 0 to wait at the borrow")
-        wait_until(lambda: "wait_for_file" in lane(mesh(dashboard, ctrl.token), 0, 0)["status"],
-                   what="the lender's call to be located")
+        wait_until(
+            lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
+            what="stream 1 of rank 0 to wait at the borrow",
+        )
+        wait_until(
+            lambda: "wait_for_file" in lane(mesh(dashboard, ctrl.token), 0, 0)["status"],
+            what="the lender's call to be located",
+        )
         entry = mesh(dashboard, ctrl.token)
         borrower, lender = lane(entry, 0, 1), lane(entry, 0, 0)
         assert borrower["next_seq"] == 2 and borrower["for_s"] > 0
@@ -170,10 +174,22 @@ def test_page_routes_and_more_menu(dashboard):
 def chromium(tmp_path: Path, *args: str, timeout: float = 90) -> str:
     """Run headless Chromium once (no network but loopback; a throw-away profile)."""
     profile = tmp_path / "chromium-profile"
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio",
-               f"--user-data-dir={profile}", *args]
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--mute-audio",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
     return done.stdout
@@ -184,11 +200,13 @@ def mesh_dom(tmp_path: Path, url: str, token: str) -> str:
     dom = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
     start = dom.find(f'<section class="mesh" id="mesh-{public_id(token)}"')
     assert start >= 0, f"mesh {token} is not on the page:\n{dom[-3000:]}"
-    return dom[start:dom.index("</section>", start)]
+    return dom[start : dom.index("</section>", start)]
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM) or shutil.which(CHROMIUM) is None,
-                    reason=f"headless browser test needs {CHROMIUM} (apt-get install chromium)")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM) or shutil.which(CHROMIUM) is None,
+    reason=f"headless browser test needs {CHROMIUM} (apt-get install chromium)",
+)
 @pytest.mark.timeout(240)
 def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dashboard, tmp_path):
     gate = tmp_path / "gate"
@@ -205,13 +223,17 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         ctrl.send(0, m.BorrowLastUse(1))
         ctrl.send(0, m.BorrowDrop(1))
         ctrl.flush()
-        wait_until(lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
-                   what="stream 1 of rank 0 to wait at the borrow")
+        wait_until(
+            lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
+            what="stream 1 of rank 0 to wait at the borrow",
+        )
         url = f"{dashboard}/monarch/"
         dom = mesh_dom(tmp_path, url, ctrl.token)
         assert '<span class="last-done-seq">1</span>' in dom  # rank 1 finished seq 1
-        waiting = (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
-                   'data-state="waiting"')
+        waiting = (
+            f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
+            'data-state="waiting"'
+        )
         assert waiting in dom
         assert "borrow 1 (the lender's BorrowCreate)" in dom
         assert 'data-stream="0" data-state="running"' in dom
@@ -219,8 +241,13 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "dashboard.png"
         shot.unlink(missing_ok=True)
-        chromium(tmp_path, "--window-size=1400,1000", "--virtual-time-budget=4000",
-                 f"--screenshot={shot}", url)
+        chromium(
+            tmp_path,
+            "--window-size=1400,1000",
+            "--virtual-time-budget=4000",
+            f"--screenshot={shot}",
+            url,
+        )
         assert shot.stat().st_size > 10_000
         print(f"dashboard screenshot: {shot}")
     finally:
@@ -229,6 +256,7 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
     assert [type(r) for r in reports] == [m.FetchResult]
     dom = mesh_dom(tmp_path, url, ctrl.token)
     assert waiting not in dom
-    assert (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
-            'data-state="idle"') in dom
+    assert (
+        f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" data-state="idle"'
+    ) in dom
     assert '<span class="last-done-seq">3</span>' in dom

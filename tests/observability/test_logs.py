@@ -39,8 +39,11 @@ def test_worker_records_are_forwarded_to_the_client(client2):
         ctrl.close()  # no Exit: each worker logs (INFO) that it releases the rank
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            found = [r for r in collect.records
-                     if "left without Exit" in r.getMessage() and ctrl.token in r.getMessage()]
+            found = [
+                r
+                for r in collect.records
+                if "left without Exit" in r.getMessage() and ctrl.token in r.getMessage()
+            ]
             if len(found) == 2:
                 break
             time.sleep(0.1)

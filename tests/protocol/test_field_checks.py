@@ -42,8 +42,12 @@ def _compiler():
 @pytest.mark.parametrize("second", [3, 2])  # duplicate, decreasing
 def test_seqs_must_increase_on_a_stream(second):
     compiler = _compiler()
-    plan = _compile(compiler, m.CreateStream(S0, DEFAULT), call(3, Ref(1), "torch.ones", 1),
-                    fetch(second, Ref(1)))
+    plan = _compile(
+        compiler,
+        m.CreateStream(S0, DEFAULT),
+        call(3, Ref(1), "torch.ones", 1),
+        fetch(second, Ref(1)),
+    )
     assert plan.error is not None and plan.error.rank == 0
     assert f"SendValue.seq={second} does not increase" in plan.error.cause
     assert plan.messages == 0 and plan.graph is None  # nothing of a refused flush runs
@@ -51,9 +55,14 @@ def test_seqs_must_increase_on_a_stream(second):
 
 def test_seqs_are_checked_across_flushes_and_per_stream():
     compiler = _compiler()
-    plan = _compile(compiler, m.CreateStream(S0, DEFAULT), m.CreateStream(S1, DEFAULT),
-                    call(5, Ref(1), "torch.ones", 1), call(5, Ref(2), "torch.ones", 1, stream=S1),
-                    m.RequestStatus(5))
+    plan = _compile(
+        compiler,
+        m.CreateStream(S0, DEFAULT),
+        m.CreateStream(S1, DEFAULT),
+        call(5, Ref(1), "torch.ones", 1),
+        call(5, Ref(2), "torch.ones", 1, stream=S1),
+        m.RequestStatus(5),
+    )
     assert plan.error is None  # another stream, and RequestStatus repeats the last seq
     plan = _compile(compiler, call(4, Ref(3), "torch.ones", 1), ranks=(1,))
     assert plan.error is not None and plan.error.rank == 1
@@ -63,8 +72,12 @@ def test_seqs_are_checked_across_flushes_and_per_stream():
 def test_the_lanes_of_a_rank_are_capped():
     with dask.config.set({"dask_monarch.limits.lanes": 2}):
         compiler = _compiler()
-    plan = _compile(compiler, m.CreateStream(S0, DEFAULT), m.CreateStream(S1, DEFAULT),
-                    m.CreateStream(S2, DEFAULT))
+    plan = _compile(
+        compiler,
+        m.CreateStream(S0, DEFAULT),
+        m.CreateStream(S1, DEFAULT),
+        m.CreateStream(S2, DEFAULT),
+    )
     assert plan.error is not None and plan.error.rank == 0
     assert "dask_monarch.limits.lanes=2" in plan.error.cause
     assert "stream 2" in plan.error.cause

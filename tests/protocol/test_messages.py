@@ -68,15 +68,25 @@ def test_messages_pickle_and_compare_by_value(msg):
 
 
 def test_controller_messages_pickle():
-    for msg in (m.Status(3, 1), m.FetchResult(2, 0, torch.ones(2)),
-                m.RemoteFunctionFailed(1, 0, "Traceback ...")):
+    for msg in (
+        m.Status(3, 1),
+        m.FetchResult(2, 0, torch.ones(2)),
+        m.RemoteFunctionFailed(1, 0, "Traceback ..."),
+    ):
         back = pickle.loads(pickle.dumps(msg))
         assert type(back) is type(msg) and back.seq == msg.seq and back.rank == msg.rank
 
 
 def test_fields_by_keyword_and_defaults():
-    call = m.CallFunction(seq=1, results=[Ref(2)], mutates=[], function=m.FunctionPath("a.b"),
-                          args_kwargs=AK, stream=S0, remote_process_groups=[])
+    call = m.CallFunction(
+        seq=1,
+        results=[Ref(2)],
+        mutates=[],
+        function=m.FunctionPath("a.b"),
+        args_kwargs=AK,
+        stream=S0,
+        remote_process_groups=[],
+    )
     assert call.function == m.FunctionPath("a.b")
     assert m.RequestStatus(4).controller is False
     assert m.Exit().error is None and m.BackendNetworkInit().unique_id is None
@@ -101,10 +111,16 @@ def test_equality_depends_on_type():
         (lambda: m.CallFunction(1, [], [], "a.b", AK, Ref(0), []), TypeError),
         (lambda: m.CreateDeviceMesh(Ref(1), "xy", Slice.row_major([2])), TypeError),
         (lambda: m.CreateDeviceMesh(Ref(1), ["x"], [0, 1]), TypeError),
-        (lambda: m.Reduce(Ref(1), Ref(2), FACTORY, Ref(3), S0, ["x"], "mean", False, False, None),
-         ValueError),
-        (lambda: m.Reduce(Ref(1), Ref(2), FACTORY, Ref(3), S0, ["x"], "stack", 0, False, None),
-         TypeError),
+        (
+            lambda: m.Reduce(
+                Ref(1), Ref(2), FACTORY, Ref(3), S0, ["x"], "mean", False, False, None
+            ),
+            ValueError,
+        ),
+        (
+            lambda: m.Reduce(Ref(1), Ref(2), FACTORY, Ref(3), S0, ["x"], "stack", 0, False, None),
+            TypeError,
+        ),
         (lambda: m.Exit(("rank 0",)), TypeError),
         (lambda: m.SendResultOfActorCall(1, "broker", [], [], S0), TypeError),
         (lambda: m.Factory((2,), "float32", torch.strided, "cpu"), TypeError),
@@ -140,8 +156,17 @@ def test_monarch_ref_objects_become_refs():
 
 
 def test_args_kwargs_round_trip_keeps_types():
-    args = (True, None, [Ref(1), {"a": Ref(2), "b": (None, False)}], 3, 2.5, "s",
-            torch.float16, torch.device("cpu"), torch.Size([2, 3]))
+    args = (
+        True,
+        None,
+        [Ref(1), {"a": Ref(2), "b": (None, False)}],
+        3,
+        2.5,
+        "s",
+        torch.float16,
+        torch.device("cpu"),
+        torch.Size([2, 3]),
+    )
     kwargs = {"flag": False, "none": None, "refs": (Ref(3),)}
     ak = ArgsKwargs.from_python(args, kwargs)
     back = pickle.loads(pickle.dumps(ak)).to_python()

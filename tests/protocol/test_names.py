@@ -23,8 +23,13 @@ def test_output_description_round_trip():
     description = names.describe_output(t)
     assert description == ("tensor", (3, 3), (4, 1), 1, torch.float64, "cpu")
     assert pickle.loads(pickle.dumps(description)) == description
-    assert names.described_tensor(description) == ((3, 3), (4, 1), 1, torch.float64,
-                                                   torch.device("cpu"))
+    assert names.described_tensor(description) == (
+        (3, 3),
+        (4, 1),
+        1,
+        torch.float64,
+        torch.device("cpu"),
+    )
     assert names.describe_output(5) == ("value", 5)
     assert names.describe_output(5, keep_value=False) == ("value", None)
     assert names.described_tensor(("value", 5)) is None

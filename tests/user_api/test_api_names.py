@@ -6,11 +6,30 @@ import pkgutil
 import dask_monarch as dm
 
 API_NAMES = [
-    "LocalMeshCluster", "Controller", "device_mesh", "DeviceMesh", "Tensor", "remote", "Stream",
-    "get_active_stream", "reduce", "reduce_", "to_mesh", "slice_mesh", "coalescing", "compile",
-    "create_pipe", "inspect", "fetch_shard", "RemoteException", "DeviceException",
-    "LivenessWarning", "random",
-    "messages", "ndslice", "no_mesh",
+    "LocalMeshCluster",
+    "Controller",
+    "device_mesh",
+    "DeviceMesh",
+    "Tensor",
+    "remote",
+    "Stream",
+    "get_active_stream",
+    "reduce",
+    "reduce_",
+    "to_mesh",
+    "slice_mesh",
+    "coalescing",
+    "compile",
+    "create_pipe",
+    "inspect",
+    "fetch_shard",
+    "RemoteException",
+    "DeviceException",
+    "LivenessWarning",
+    "random",
+    "messages",
+    "ndslice",
+    "no_mesh",
 ]
 
 
@@ -28,13 +47,37 @@ def test_every_public_name_survives_importing_every_submodule():
 
 
 def test_mesh_tensor_and_controller_methods():
-    for name in ("activate", "dims", "sizes", "size", "ranks", "rename", "split", "flatten",
-                 "slice", "rank", "process_group", "spawn", "to_table", "_repr_html_", "exit"):
+    for name in (
+        "activate",
+        "dims",
+        "sizes",
+        "size",
+        "ranks",
+        "rename",
+        "split",
+        "flatten",
+        "slice",
+        "rank",
+        "process_group",
+        "spawn",
+        "to_table",
+        "_repr_html_",
+        "exit",
+    ):
         assert hasattr(dm.DeviceMesh, name), name
     for name in ("mesh", "stream", "reduce", "reduce_", "to_mesh", "slice_mesh", "drop"):
         assert hasattr(dm.Tensor, name), name
-    for name in ("send", "flush", "sync", "get_ref", "spawn_actor", "close", "__enter__",
-                 "lanes", "waiting_for"):
+    for name in (
+        "send",
+        "flush",
+        "sync",
+        "get_ref",
+        "spawn_actor",
+        "close",
+        "__enter__",
+        "lanes",
+        "waiting_for",
+    ):
         assert hasattr(dm.Controller, name), name
     assert hasattr(dm.Stream, "borrow") and hasattr(dm.Stream, "activate")
     assert hasattr(dm.remote(lambda x: x), "call_on_shard_and_fetch")

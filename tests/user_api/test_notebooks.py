@@ -56,8 +56,9 @@ def test_saved_notebook_has_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and [c.execution_count for c in code] == list(range(1, len(code) + 1)), \
+    assert code and [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
         f"{path.name} is not saved executed from a clean kernel"
+    )
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name} is saved with an error output: {errors[0].get('ename')}"
 
@@ -69,14 +70,17 @@ def test_notebook_runs(path, tmp_path):
     copy = tmp_path / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(
-        NO_LEFTOVER_PROCESSES.replace("EXECUTABLE", repr(sys.executable))))
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    nb.cells.append(
+        nbformat.v4.new_code_cell(NO_LEFTOVER_PROCESSES.replace("EXECUTABLE", repr(sys.executable)))
+    )
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     try:
         client.execute()  # raises CellExecutionError at the first failing cell
     finally:
         nbformat.write(nb, copy)  # left in tmp_path to look at after a failure
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert not errors

@@ -89,8 +89,7 @@ def test_a_live_stream_keeps_its_lane_and_shows_its_name(client2, mesh2):
             assert sorted(str(lane["name"]) for lane in mine["lanes"]) == ["None", "comms"]
         del y  # the tensor alone keeps the stream: both must go
         assert dm.inspect(torch.zeros(1)).item() == 0
-        assert all(names == ["comms", "main"]
-                   for _, _, names in own_lanes(client2, mesh2).values())
+        assert all(names == ["comms", "main"] for _, _, names in own_lanes(client2, mesh2).values())
         del comms
         gc.collect()
         dm.inspect(torch.zeros(1))
@@ -98,8 +97,9 @@ def test_a_live_stream_keeps_its_lane_and_shows_its_name(client2, mesh2):
         while time.monotonic() < deadline:
             found = client2.run(lambda: [t.name for t in threading.enumerate()])
             lanes = own_lanes(client2, mesh2)
-            if (all(thread not in names for names in found.values())
-                    and all(n == ["main"] for _, _, n in lanes.values())):
+            if all(thread not in names for names in found.values()) and all(
+                n == ["main"] for _, _, n in lanes.values()
+            ):
                 break
             time.sleep(0.2)
         assert all(thread not in names for names in found.values())

@@ -34,17 +34,26 @@ def test_mesh_shape_and_views(mesh):
     assert repr(mesh) == "DeviceMesh(host=2, gpu=2)"
 
 
-@pytest.mark.parametrize("make, error, text", [
-    (lambda m: m.flatten("all").split(all=("a", "b", "c")), ValueError, "Cannot infer size"),
-    (lambda m: m.flatten("all").split(all=("a", "b"), c=2), ValueError,
-     "unused size constraints"),
-    (lambda m: m.rename(gpu="host"), ValueError, "Duplicate dimension name"),
-    (lambda m: m.flatten("all").split(all=("a", "b"), a=3), ValueError, "evenly divided"),
-    (lambda m: m._view(("a", "b"), dm.ndslice.Slice(0, [2, 2], [1, 2])).flatten("c"),
-     ValueError, "cannot flatten sparse mesh"),
-    (lambda m: m.slice(rack=0), KeyError, "rack"),
-    (lambda m: m.size("rack"), KeyError, "rack"),
-])
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (lambda m: m.flatten("all").split(all=("a", "b", "c")), ValueError, "Cannot infer size"),
+        (
+            lambda m: m.flatten("all").split(all=("a", "b"), c=2),
+            ValueError,
+            "unused size constraints",
+        ),
+        (lambda m: m.rename(gpu="host"), ValueError, "Duplicate dimension name"),
+        (lambda m: m.flatten("all").split(all=("a", "b"), a=3), ValueError, "evenly divided"),
+        (
+            lambda m: m._view(("a", "b"), dm.ndslice.Slice(0, [2, 2], [1, 2])).flatten("c"),
+            ValueError,
+            "cannot flatten sparse mesh",
+        ),
+        (lambda m: m.slice(rack=0), KeyError, "rack"),
+        (lambda m: m.size("rack"), KeyError, "rack"),
+    ],
+)
 def test_mesh_validation(mesh, make, error, text):
     with pytest.raises(error, match=text):
         make(mesh)
@@ -73,8 +82,9 @@ def test_mesh_rank_coordinates(mesh):
     for host in range(2):
         for gpu in range(2):
             assert dm.inspect(mesh.rank("gpu"), host=host, gpu=gpu).item() == gpu
-            assert dm.inspect(mesh.rank(("host", "gpu")), host=host, gpu=gpu).item() == \
-                2 * host + gpu
+            assert (
+                dm.inspect(mesh.rank(("host", "gpu")), host=host, gpu=gpu).item() == 2 * host + gpu
+            )
 
 
 # -------------------------------------------------------------------------------- tensors

@@ -83,10 +83,13 @@ def test_borrow_garbage_collected_without_drop_warns(mesh):
         assert dm.inspect(x + 1).tolist() == [2.0, 2.0]
 
 
-REDUCTIONS = [("sum", lambda xs: sum(xs)), ("avg", lambda xs: sum(xs) / len(xs)),
-              ("max", lambda xs: torch.stack(xs).max(0).values),
-              ("min", lambda xs: torch.stack(xs).min(0).values),
-              ("product", lambda xs: torch.stack(xs).prod(0))]
+REDUCTIONS = [
+    ("sum", lambda xs: sum(xs)),
+    ("avg", lambda xs: sum(xs) / len(xs)),
+    ("max", lambda xs: torch.stack(xs).max(0).values),
+    ("min", lambda xs: torch.stack(xs).min(0).values),
+    ("product", lambda xs: torch.stack(xs).prod(0)),
+]
 
 
 @pytest.mark.parametrize("name, local", REDUCTIONS)
@@ -100,7 +103,7 @@ def test_reduce_over_one_dim_and_all_dims(mesh, name, local):
     xs = [torch.arange(2.0) + r + 1 for r in range(4)]
     for r in range(4):
         host = r // 2
-        assert torch.allclose(got_host[r], local(xs[2 * host:2 * host + 2]))
+        assert torch.allclose(got_host[r], local(xs[2 * host : 2 * host + 2]))
         assert torch.allclose(got_all[r], local(xs))
 
 
@@ -125,18 +128,24 @@ def test_stack_scatter_out_and_in_place(mesh):
     assert torch.equal(got[4], a + b)
 
 
-@pytest.mark.parametrize("call, error, text", [
-    (lambda x: x.reduce("rack", "sum"), KeyError, "rack"),
-    (lambda x: x.reduce(("gpu", "gpu"), "sum"), ValueError, "repeated"),
-    (lambda x: x.reduce(("host", "gpu"), "stack"), ValueError, "multiple dimensions"),
-    (lambda x: x.reduce(("host", "gpu"), "sum", scatter=True), ValueError, "multiple dim"),
-    (lambda x: x.reduce("gpu", "median"), ValueError, "reduction must be one of"),
-    (lambda x: x.reduce("gpu", "sum", scatter=True), TypeError, "When scattering"),
-    (lambda x: x.reduce("gpu", "sum", out=torch.zeros(5)), ValueError,
-     r"Reduce expects the shape to be torch.Size\(\[3\]\)"),
-    (lambda x: x.reduce_("gpu", "sum", scatter=True), ValueError, "in-place"),
-    (lambda x: x.reduce("gpu", "sum", mesh=object()), NotImplementedError, "mesh="),
-])
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda x: x.reduce("rack", "sum"), KeyError, "rack"),
+        (lambda x: x.reduce(("gpu", "gpu"), "sum"), ValueError, "repeated"),
+        (lambda x: x.reduce(("host", "gpu"), "stack"), ValueError, "multiple dimensions"),
+        (lambda x: x.reduce(("host", "gpu"), "sum", scatter=True), ValueError, "multiple dim"),
+        (lambda x: x.reduce("gpu", "median"), ValueError, "reduction must be one of"),
+        (lambda x: x.reduce("gpu", "sum", scatter=True), TypeError, "When scattering"),
+        (
+            lambda x: x.reduce("gpu", "sum", out=torch.zeros(5)),
+            ValueError,
+            r"Reduce expects the shape to be torch.Size\(\[3\]\)",
+        ),
+        (lambda x: x.reduce_("gpu", "sum", scatter=True), ValueError, "in-place"),
+        (lambda x: x.reduce("gpu", "sum", mesh=object()), NotImplementedError, "mesh="),
+    ],
+)
 def test_reduce_validation(mesh, call, error, text):
     with mesh.activate():
         x = torch.ones(3)
@@ -215,8 +224,9 @@ def test_loader_pipe_feeds_the_mesh(mesh):
 
 def test_pipe_with_propagate_and_send(mesh):
     with mesh.activate():
-        pipe = dm.create_pipe("remote_fns.echo_loader", max_messages=1,
-                              propagate=lambda: (torch.empty(2), 0, 0))
+        pipe = dm.create_pipe(
+            "remote_fns.echo_loader", max_messages=1, propagate=lambda: (torch.empty(2), 0, 0)
+        )
         pipe.send(torch.ones(2) * 3)
         doubled, _, _ = pipe.recv()
         assert dm.inspect(doubled).tolist() == [6.0, 6.0]

@@ -24,8 +24,10 @@ def _drive(mesh, base: float, rounds: int, barrier: threading.Barrier, out: dict
                 with side.activate():
                     assert dm.get_active_stream() is side
                     y = torch.ones(2) * base
-                assert dm.get_active_stream() is dm.get_active_stream() and \
-                    dm.get_active_stream().name == "main"
+                assert (
+                    dm.get_active_stream() is dm.get_active_stream()
+                    and dm.get_active_stream().name == "main"
+                )
                 got = dm.inspect(x * 2)
                 assert got.tolist() == [2 * (base + i)] * 4, (key, i, got)
                 with side.activate():
@@ -40,8 +42,10 @@ def test_two_threads_drive_two_meshes_at_once(client2):
     try:
         out: dict = {}
         barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=_drive, args=(m, 10.0 * (k + 1), 15, barrier, out, k))
-                   for k, m in enumerate(meshes)]
+        threads = [
+            threading.Thread(target=_drive, args=(m, 10.0 * (k + 1), 15, barrier, out, k))
+            for k, m in enumerate(meshes)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -75,8 +79,9 @@ def test_a_thread_does_not_see_another_threads_mesh_or_stream(mesh2):
 def test_asyncio_tasks_have_their_own_active_stream():
     a, b = dm.Stream("a"), dm.Stream("b")
 
-    async def use(stream, other_started: asyncio.Event, started: asyncio.Event,
-                  pause: float) -> str:
+    async def use(
+        stream, other_started: asyncio.Event, started: asyncio.Event, pause: float
+    ) -> str:
         with stream.activate():  # both tasks are inside their block at once; 'a' leaves first
             started.set()
             await other_started.wait()

@@ -37,11 +37,24 @@ def make_inputs(ctrl, ranks, ref, shape, dtype=torch.float32, stream=S0, mesh=ME
     ctrl.send(ranks, call(0, ref, "remote_fns.per_rank", mesh, *shape, dtype=dtype, stream=stream))
 
 
-def reduce_msg(result, tensor, shape, dims, reduction, *, scatter=False, in_place=False, out=None,
-               dtype=torch.float32, stream=S0, mesh=MESH):
+def reduce_msg(
+    result,
+    tensor,
+    shape,
+    dims,
+    reduction,
+    *,
+    scatter=False,
+    in_place=False,
+    out=None,
+    dtype=torch.float32,
+    stream=S0,
+    mesh=MESH,
+):
     factory = Factory(tuple(shape), dtype, torch.strided, "cpu")
-    return m.Reduce(result, tensor, factory, mesh, stream, list(dims), reduction, scatter,
-                    in_place, out)
+    return m.Reduce(
+        result, tensor, factory, mesh, stream, list(dims), reduction, scatter, in_place, out
+    )
 
 
 def fetch_all(ctrl, ranks, refs, stream=S0):
@@ -76,8 +89,11 @@ def test_every_all_reduce_op_on_two_ranks(ctrl):
 def test_bitwise_reductions_on_integers(ctrl):
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     make_inputs(ctrl, [0, 1], Ref(1), (4,), dtype=torch.int64)
-    ops = [(ReduceOp.BAND, torch.bitwise_and), (ReduceOp.BOR, torch.bitwise_or),
-           (ReduceOp.BXOR, torch.bitwise_xor)]
+    ops = [
+        (ReduceOp.BAND, torch.bitwise_and),
+        (ReduceOp.BOR, torch.bitwise_or),
+        (ReduceOp.BXOR, torch.bitwise_xor),
+    ]
     for i, (op, _) in enumerate(ops):
         ctrl.send([0, 1], reduce_msg(Ref(10 + i), Ref(1), (4,), ["gpu"], op, dtype=torch.int64))
     got = fetch_all(ctrl, [0, 1], [Ref(10 + i) for i in range(3)])
@@ -131,8 +147,17 @@ def test_collectives_on_two_streams_interleave_without_deadlock(ctrl):
     ctrl.send(1, call(1, Ref(5), "remote_fns.slow_copy", Ref(1), 0.3, stream=S1))
     for i in range(10):
         for stream in (S0, S1):
-            ctrl.send([0, 1], reduce_msg(Ref(100 + i), Ref(1) if i == 0 else Ref(99 + i),
-                                         (2,), ["gpu"], ReduceOp.SUM, stream=stream))
+            ctrl.send(
+                [0, 1],
+                reduce_msg(
+                    Ref(100 + i),
+                    Ref(1) if i == 0 else Ref(99 + i),
+                    (2,),
+                    ["gpu"],
+                    ReduceOp.SUM,
+                    stream=stream,
+                ),
+            )
     got = {}
     for stream in (S0, S1):
         got[stream] = fetch_all(ctrl, [0, 1], [Ref(109)], stream=stream)
@@ -176,8 +201,10 @@ def test_send_tensor_of_an_errored_value_sends_zeros(ctrl):
     ctrl.send([0, 1], m.BackendNetworkPointToPointInit(S0, S0))
     ctrl.send(0, call(0, Ref(1), "remote_fns.boom", 1))
     factory = Factory((2,), torch.float32, torch.strided, "cpu")
-    ctrl.send([0, 1], m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1),
-                                   factory, S0, S0))
+    ctrl.send(
+        [0, 1],
+        m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1), factory, S0, S0),
+    )
     assert len(failures(ctrl.sync())) == 1
     assert torch.equal(ctrl.get_ref(1, Ref(2), S0), torch.zeros(2))
 
@@ -185,9 +212,18 @@ def test_send_tensor_of_an_errored_value_sends_zeros(ctrl):
 def test_fatal_without_communicators(client2):
     for message, text in [
         (reduce_msg(Ref(2), Ref(1), (3,), ["gpu"], ReduceOp.SUM), "SplitComm was not sent"),
-        (m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1),
-                      Factory((3,), torch.float32, torch.strided, "cpu"), S0, S0),
-         "BackendNetworkPointToPointInit was not sent"),
+        (
+            m.SendTensor(
+                Ref(2),
+                Slice(0, [1], [1]),
+                Slice(1, [1], [1]),
+                Ref(1),
+                Factory((3,), torch.float32, torch.strided, "cpu"),
+                S0,
+                S0,
+            ),
+            "BackendNetworkPointToPointInit was not sent",
+        ),
     ]:
         ctrl = dm.Controller(client2, world_size=2)
         setup_mesh(ctrl, [2], ["gpu"])
@@ -236,8 +272,9 @@ def test_broadcast_with_one_send_per_destination(ctrl4):
     factory = Factory((3,), torch.float32, torch.strided, "cpu")
     source = Slice(0, [1], [1])
     for dest in (1, 2, 3):
-        ctrl4.send([0, dest], m.SendTensor(Ref(2), source, Slice(dest, [1], [1]), Ref(1),
-                                           factory, S0, S0))
+        ctrl4.send(
+            [0, dest], m.SendTensor(Ref(2), source, Slice(dest, [1], [1]), Ref(1), factory, S0, S0)
+        )
     got = fetch_all(ctrl4, [1, 2, 3], [Ref(2)])
     for dest in (1, 2, 3):
         assert torch.equal(got[(Ref(2), dest)], expected_input(0, (3,)))
@@ -252,8 +289,9 @@ def test_process_group_udf(ctrl4):
     ctrl4.send(world, m.SplitCommForProcessGroup(group, S0))
     make_inputs(ctrl4, world, Ref(1), (2,))
     results = [Ref(20 + i) for i in range(6)]
-    ctrl4.send(world, call(5, results, "remote_fns.pg_collectives", Ref(1), group, MESH,
-                           groups=[group]))
+    ctrl4.send(
+        world, call(5, results, "remote_fns.pg_collectives", Ref(1), group, MESH, groups=[group])
+    )
     got = fetch_all(ctrl4, world, results)
     x = [expected_input(r, (2,)) for r in world]
     for rank in world:
@@ -270,8 +308,21 @@ def test_process_group_udf(ctrl4):
 def all_reduce_of_ones(ctrl, device: str) -> torch.Tensor:
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 4, device=device))
-    ctrl.send([0, 1], m.Reduce(Ref(2), Ref(1), Factory((4,), torch.float32, torch.strided, device),
-                               MESH, S0, ["gpu"], ReduceOp.SUM, False, False, None))
+    ctrl.send(
+        [0, 1],
+        m.Reduce(
+            Ref(2),
+            Ref(1),
+            Factory((4,), torch.float32, torch.strided, device),
+            MESH,
+            S0,
+            ["gpu"],
+            ReduceOp.SUM,
+            False,
+            False,
+            None,
+        ),
+    )
     return fetch_all(ctrl, [0, 1], [Ref(2)])[(Ref(2), 1)]
 
 

@@ -44,8 +44,11 @@ def test_every_step_runs_in_its_own_lanes_stream(ctrl):
     for seq, stream in enumerate((S0, S1, S0, S1)):
         ctrl.send(BOTH, fetch(4 + seq, Ref(10 + seq), stream=stream))
     got = values(ctrl.sync(timeout=60))
-    assert got == {(4 + seq, rank): str(stream.id)
-                   for seq, stream in enumerate((S0, S1, S0, S1)) for rank in BOTH}
+    assert got == {
+        (4 + seq, rank): str(stream.id)
+        for seq, stream in enumerate((S0, S1, S0, S1))
+        for rank in BOTH
+    }
     log = log_of(ctrl, 0, 8)
     assert ("stream", "1") in log and log.index(("stream", "1")) < log.index(("enter", "1"))
 
@@ -55,8 +58,9 @@ def test_a_borrow_hands_off_with_an_event_each_way_and_keeps_the_block(ctrl):
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
     ctrl.send(BOTH, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
     ctrl.send(BOTH, m.BorrowFirstUse(1))
-    ctrl.send(BOTH, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 3, mutates=[Ref(2)],
-                         stream=S1))
+    ctrl.send(
+        BOTH, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 3, mutates=[Ref(2)], stream=S1)
+    )
     ctrl.send(BOTH, m.BorrowLastUse(1))
     ctrl.send(BOTH, m.BorrowDrop(1))
     ctrl.send(BOTH, fetch(2, Ref(1)))

@@ -100,8 +100,10 @@ def test_a_rank_whose_reduce_input_mismatches_takes_part_with_zeros(ctrl):
     ctrl.send(0, call(0, Ref(1), "torch.ones", 3))
     ctrl.send(1, call(0, Ref(1), "torch.ones", 3, dtype=torch.float64))
     factory = Factory((3,), torch.float32, torch.strided, "cpu")
-    ctrl.send([0, 1], m.Reduce(Ref(2), Ref(1), factory, mesh, S0, ["gpu"], m.ReduceOp.SUM,
-                               False, False, None))
+    ctrl.send(
+        [0, 1],
+        m.Reduce(Ref(2), Ref(1), factory, mesh, S0, ["gpu"], m.ReduceOp.SUM, False, False, None),
+    )
     ctrl.sync(timeout=120)
     assert torch.equal(ctrl.get_ref(0, Ref(2), S0), torch.ones(3))  # 1 + rank 1's zeros
     with pytest.raises(dm.RemoteException, match="ValueMismatch"):
@@ -122,8 +124,10 @@ def test_send_tensor_whose_factory_is_larger_sends_zeros_and_says_so(ctrl):
     _setup_p2p(ctrl)
     ctrl.send(0, call(0, Ref(1), "torch.full", [3], 7.0))
     factory = Factory((5,), torch.float32, torch.strided, "cpu")
-    ctrl.send([0, 1], m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1),
-                                   factory, S0, S0))
+    ctrl.send(
+        [0, 1],
+        m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1), factory, S0, S0),
+    )
     ctrl.sync(timeout=120)
     assert torch.equal(ctrl.get_ref(1, Ref(2), S0), torch.zeros(5))  # never [7, 7, 7, 0, junk]
     assert len(heard) == 1 and heard[0].rank == 0 and heard[0].ref == 2
@@ -135,8 +139,10 @@ def test_send_tensor_between_slices_of_different_sizes_says_so(ctrl):
     _setup_p2p(ctrl)
     ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 2))
     factory = Factory((2,), torch.float32, torch.strided, "cpu")
-    ctrl.send([0, 1], m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(0, [2], [1]), Ref(1),
-                                   factory, S0, S0))
+    ctrl.send(
+        [0, 1],
+        m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(0, [2], [1]), Ref(1), factory, S0, S0),
+    )
     with pytest.raises(dm.DeviceException, match="same size"):
         ctrl.sync(timeout=120)
 
@@ -178,9 +184,14 @@ def _takes(x, obj):
     return x.clone()
 
 
-@pytest.mark.parametrize("fn, name", [(_exits, "SystemExit"),
-                                      (_interrupts, "KeyboardInterrupt"),
-                                      (_generator_exit, "GeneratorExit")])
+@pytest.mark.parametrize(
+    "fn, name",
+    [
+        (_exits, "SystemExit"),
+        (_interrupts, "KeyboardInterrupt"),
+        (_generator_exit, "GeneratorExit"),
+    ],
+)
 def test_base_exceptions_of_remote_functions_are_remote_failures(mesh, fn, name):
     bad = dm.remote(fn, propagate=lambda x: x.clone())
     with mesh.activate():
@@ -236,8 +247,10 @@ def test_a_process_exit_names_what_the_lane_was_running():
 
 
 def test_a_memory_limit_kill_says_so():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu", memory_limit="1GiB") as cluster, \
-            Client(cluster) as c:
+    with (
+        dm.LocalMeshCluster(n_ranks=2, device="cpu", memory_limit="1GiB") as cluster,
+        Client(cluster) as c,
+    ):
         controller = dm.Controller(c, world_size=2)
         try:
             create_streams(controller, [0, 1], S0)
@@ -258,6 +271,9 @@ def test_fetching_a_value_whose_propagation_lied_says_so(mesh):
     with mesh.activate():
         y = lying(torch.zeros(1))
         assert y.shape == (3, 4)  # what the client believes
-        with pytest.raises(dm.RemoteException, match=r"rank 1 has shape \(3,\).*believes shape "
-                                                     r"\(3, 4\)"):
+        with pytest.raises(
+            dm.RemoteException,
+            match=r"rank 1 has shape \(3,\).*believes shape "
+            r"\(3, 4\)",
+        ):
             dm.inspect(y, gpu=1)

@@ -18,11 +18,14 @@ BOTH = [0, 1]
 MESH, PIPE = Ref(900), Ref(901)
 
 
-def create_pipe(ctrl, ranks, fn, *args, max_messages=2, mesh=MESH, pipe=PIPE, names=("dp",),
-                **kwargs):
+def create_pipe(
+    ctrl, ranks, fn, *args, max_messages=2, mesh=MESH, pipe=PIPE, names=("dp",), **kwargs
+):
     ctrl.send(ranks, m.CreateDeviceMesh(mesh, list(names), Slice.row_major([len(ranks)])))
-    ctrl.send(ranks, m.CreatePipe(pipe, "loader", fn, max_messages, mesh,
-                                  ArgsKwargs.from_python(args, kwargs)))
+    ctrl.send(
+        ranks,
+        m.CreatePipe(pipe, "loader", fn, max_messages, mesh, ArgsKwargs.from_python(args, kwargs)),
+    )
 
 
 @pytest.mark.exercises("CreatePipe", "PipeRecv")

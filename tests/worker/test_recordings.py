@@ -18,17 +18,30 @@ REC = Ref(500)
 def define(ctrl, ranks, commands, ref=REC, nresults=0, nformals=0, chunks=1):
     size = -(-len(commands) // chunks)
     for i in range(chunks):
-        ctrl.send(ranks, m.DefineRecording(ref, nresults, nformals,
-                                           commands[i * size:(i + 1) * size], chunks, i))
+        ctrl.send(
+            ranks,
+            m.DefineRecording(
+                ref, nresults, nformals, commands[i * size : (i + 1) * size], chunks, i
+            ),
+        )
 
 
 @pytest.mark.exercises("DefineRecording", "RecordingFormal", "RecordingResult", "CallRecording")
 def test_swap_recording(ctrl):
     create_streams(ctrl, BOTH, S0)
     fx, fy = Ref(10), Ref(11)
-    define(ctrl, BOTH, [m.RecordingFormal(fx, 0, S0), m.RecordingFormal(fy, 1, S0),
-                        m.RecordingResult(fy, 0, S0), m.RecordingResult(fx, 1, S0)],
-           nresults=2, nformals=2)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            m.RecordingFormal(fy, 1, S0),
+            m.RecordingResult(fy, 0, S0),
+            m.RecordingResult(fx, 1, S0),
+        ],
+        nresults=2,
+        nformals=2,
+    )
     ctrl.send(BOTH, call(0, Ref(1), "torch.zeros", 2))
     ctrl.send(BOTH, call(1, Ref(2), "torch.ones", 2))
     ctrl.send(BOTH, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1), Ref(2)]))
@@ -42,13 +55,20 @@ def test_swap_recording(ctrl):
 def _captured_recording(ctrl, ranks):
     """w = x + y; z.add_(1); return w + z   (z is captured, x and y are formals)."""
     fx, fy, w, out, z = Ref(10), Ref(11), Ref(12), Ref(13), Ref(3)
-    define(ctrl, ranks, [
-        m.RecordingFormal(fx, 0, S0), m.RecordingFormal(fy, 1, S0),
-        call(0, w, "torch.ops.aten.add.Tensor", fx, fy),
-        call(0, None, "torch.ops.aten.add_.Scalar", z, 1, mutates=[z]),
-        call(0, out, "torch.ops.aten.add.Tensor", w, z),
-        m.RecordingResult(out, 0, S0),
-    ], nresults=1, nformals=2)
+    define(
+        ctrl,
+        ranks,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            m.RecordingFormal(fy, 1, S0),
+            call(0, w, "torch.ops.aten.add.Tensor", fx, fy),
+            call(0, None, "torch.ops.aten.add_.Scalar", z, 1, mutates=[z]),
+            call(0, out, "torch.ops.aten.add.Tensor", w, z),
+            m.RecordingResult(out, 0, S0),
+        ],
+        nresults=1,
+        nformals=2,
+    )
 
 
 def test_recording_with_a_captured_tensor_mutated_in_place(ctrl):
@@ -72,8 +92,11 @@ def test_replay_frees_each_intermediate_after_its_last_use(ctrl):
     create_streams(ctrl, [0], S0)
     chain = [m.RecordingFormal(Ref(10), 0, S0)]
     chain += [call(0, Ref(11 + i), "torch.ops.aten.add.Tensor", Ref(10 + i), 1) for i in range(50)]
-    chain += [call(0, Ref(100), "remote_fns.tensors_held", Ref(60)),
-              m.RecordingResult(Ref(100), 0, S0), m.RecordingResult(Ref(60), 1, S0)]
+    chain += [
+        call(0, Ref(100), "remote_fns.tensors_held", Ref(60)),
+        m.RecordingResult(Ref(100), 0, S0),
+        m.RecordingResult(Ref(60), 1, S0),
+    ]
     define(ctrl, [0], chain, nresults=2, nformals=1)
     ctrl.send(0, call(0, Ref(1), "torch.zeros", 3))
     ctrl.send(0, call(1, Ref(2), "remote_fns.tensors_held"))
@@ -108,11 +131,16 @@ def test_failing_recording_reports_once_and_poisons_capture_and_result(ctrl):
 def test_later_calls_are_skipped_after_a_failure(ctrl, tmp_path):
     create_streams(ctrl, [0], S0)
     marker = str(tmp_path / "ran")
-    define(ctrl, [0], [
-        call(0, Ref(10), "remote_fns.boom", 1),
-        call(0, Ref(11), "remote_fns.touch", marker),
-        m.RecordingResult(Ref(11), 0, S0),
-    ], nresults=1)
+    define(
+        ctrl,
+        [0],
+        [
+            call(0, Ref(10), "remote_fns.boom", 1),
+            call(0, Ref(11), "remote_fns.touch", marker),
+            m.RecordingResult(Ref(11), 0, S0),
+        ],
+        nresults=1,
+    )
     ctrl.send(0, m.CallRecording(1, REC, [Ref(1)], []))
     assert len(failures(ctrl.sync())) == 1
     assert not (tmp_path / "ran").exists()
@@ -126,23 +154,31 @@ def test_recording_with_a_borrow_and_a_reduce(ctrl):
     ctrl.send(BOTH, m.SplitComm(["gpu"], mesh, S1))
     fx, borrowed, reduced, out = Ref(10), Ref(11), Ref(12), Ref(13)
     factory = Factory((3,), torch.float32, torch.strided, "cpu")
-    define(ctrl, BOTH, [
-        m.RecordingFormal(fx, 0, S0),
-        m.BorrowCreate(borrowed, 7, fx, S0, S1),
-        m.BorrowFirstUse(7),
-        m.Reduce(reduced, borrowed, factory, mesh, S1, ["gpu"], ReduceOp.SUM, False, False, None),
-        m.BorrowLastUse(7),
-        m.BorrowDrop(7),
-        call(0, out, "torch.ops.aten.mul.Tensor", reduced, 2, stream=S1),
-        m.RecordingResult(out, 0, S1),
-    ], nresults=1, nformals=1)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            m.BorrowCreate(borrowed, 7, fx, S0, S1),
+            m.BorrowFirstUse(7),
+            m.Reduce(
+                reduced, borrowed, factory, mesh, S1, ["gpu"], ReduceOp.SUM, False, False, None
+            ),
+            m.BorrowLastUse(7),
+            m.BorrowDrop(7),
+            call(0, out, "torch.ops.aten.mul.Tensor", reduced, 2, stream=S1),
+            m.RecordingResult(out, 0, S1),
+        ],
+        nresults=1,
+        nformals=1,
+    )
     ctrl.send(BOTH, call(0, Ref(1), "remote_fns.per_rank", mesh, 3))
     for seq in (1, 2):  # borrows inside are new on every replay
         ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 + 10 * seq)], [Ref(1)]))
     ctrl.send(BOTH, fetch(3, Ref(20), stream=S1))
     ctrl.send(BOTH, fetch(4, Ref(30), stream=S1))
     got = values(ctrl.sync(timeout=60))
-    expected = 2 * ((torch.arange(3.) + 10) + (torch.arange(3.) + 20))
+    expected = 2 * ((torch.arange(3.0) + 10) + (torch.arange(3.0) + 20))
     for seq in (3, 4):
         for rank in BOTH:
             assert torch.equal(got[(seq, rank)], expected)
@@ -161,16 +197,19 @@ def test_chunked_definition(ctrl):
     assert ctrl.get_ref(0, Ref(2), S0).item() == 6.0
 
 
-@pytest.mark.parametrize("case, text", [
-    ("second-while-defining", "while r500 is being defined"),
-    ("gap-in-chunks", "chunk 2 arrived when 1 was expected"),
-    ("formal-outside", "recording_formal called outside of recording"),
-    ("too-few-arguments", "too few arguments"),
-    ("borrow-not-dropped", "all borrows created within recording must be dropped"),
-    ("status-between-chunks", "RequestStatus while recording r500 is being defined"),
-    ("status-inside", "request_status not allowed in recording"),
-    ("call-undefined", "not a completely defined recording"),
-])
+@pytest.mark.parametrize(
+    "case, text",
+    [
+        ("second-while-defining", "while r500 is being defined"),
+        ("gap-in-chunks", "chunk 2 arrived when 1 was expected"),
+        ("formal-outside", "recording_formal called outside of recording"),
+        ("too-few-arguments", "too few arguments"),
+        ("borrow-not-dropped", "all borrows created within recording must be dropped"),
+        ("status-between-chunks", "RequestStatus while recording r500 is being defined"),
+        ("status-inside", "request_status not allowed in recording"),
+        ("call-undefined", "not a completely defined recording"),
+    ],
+)
 def test_recording_misuse_is_fatal(client2, case, text):
     ctrl = dm.Controller(client2, world_size=2)
     create_streams(ctrl, BOTH, S0, S1)

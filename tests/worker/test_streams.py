@@ -46,8 +46,10 @@ def test_borrow_shares_storage_and_in_place_changes_come_back(ctrl):
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
     borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
     ctrl.send(BOTH, m.BorrowFirstUse(1))
-    ctrl.send(BOTH, call(1, None, "torch.ops.aten.sub_.Tensor", Ref(2), Ref(2), mutates=[Ref(2)],
-                         stream=S1))
+    ctrl.send(
+        BOTH,
+        call(1, None, "torch.ops.aten.sub_.Tensor", Ref(2), Ref(2), mutates=[Ref(2)], stream=S1),
+    )
     ctrl.send(BOTH, m.BorrowLastUse(1))
     ctrl.send(BOTH, m.BorrowDrop(1))
     ctrl.send(BOTH, fetch(2, Ref(1), stream=S0))
@@ -91,8 +93,9 @@ def test_borrow_spanning_flushes(ctrl):
     borrow(ctrl, BOTH, 7, Ref(2), Ref(1), S0, S1)
     ctrl.flush()
     ctrl.send(BOTH, m.BorrowFirstUse(7))
-    ctrl.send(BOTH, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 3, mutates=[Ref(2)],
-                         stream=S1))
+    ctrl.send(
+        BOTH, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 3, mutates=[Ref(2)], stream=S1)
+    )
     ctrl.sync()
     ctrl.send(BOTH, m.BorrowLastUse(7))
     ctrl.flush()
@@ -127,8 +130,17 @@ def test_four_streams_with_interleaved_borrows_do_not_deadlock(ctrl):
     for i in range(4):
         ctrl.send(BOTH, m.BorrowFirstUse(100 + i))
     for i in range(4):  # lane i+1 copies slowly what lane i lent it
-        ctrl.send(BOTH, call(10 + i, Ref(30 + i), "remote_fns.slow_copy", Ref(20 + i), 0.2,
-                             stream=streams[(i + 1) % 4]))
+        ctrl.send(
+            BOTH,
+            call(
+                10 + i,
+                Ref(30 + i),
+                "remote_fns.slow_copy",
+                Ref(20 + i),
+                0.2,
+                stream=streams[(i + 1) % 4],
+            ),
+        )
     for i in range(4):
         ctrl.send(BOTH, m.BorrowLastUse(100 + i))
     for i in range(4):
@@ -170,14 +182,17 @@ def test_lanes_raise_the_workers_thread_budget(ctrl, client2):
     assert all(final[a] == before[a] - 1 for a in ctrl.workers)  # minus the control lane
 
 
-@pytest.mark.parametrize("case, text", [
-    ("unknown-borrow", "unknown borrow 9"),
-    ("first-use-twice", "in state 'first-used' (expected 'created')"),
-    ("drop-before-last-use", "in state 'first-used' (expected 'last-used')"),
-    ("unknown-stream", "stream 5, which was never created"),
-    ("missing-tensor", "r42 is not on stream 0"),
-    ("last-use-of-deleted", "r2 is not on stream 1"),
-])
+@pytest.mark.parametrize(
+    "case, text",
+    [
+        ("unknown-borrow", "unknown borrow 9"),
+        ("first-use-twice", "in state 'first-used' (expected 'created')"),
+        ("drop-before-last-use", "in state 'first-used' (expected 'last-used')"),
+        ("unknown-stream", "stream 5, which was never created"),
+        ("missing-tensor", "r42 is not on stream 0"),
+        ("last-use-of-deleted", "r2 is not on stream 1"),
+    ],
+)
 def test_borrow_misuse_is_fatal(client2, case, text):
     ctrl = dm.Controller(client2, world_size=2)
     create_streams(ctrl, BOTH, S0, S1)
@@ -215,8 +230,9 @@ def _lanes_and_threads(token, dask_worker=None):
     from dask_monarch.protocol.names import PLUGIN_NAME, executor_prefix
 
     state = dask_worker.plugins[PLUGIN_NAME].ranks[token]
-    threads = sorted(t.name for t in threading.enumerate()
-                     if t.name.startswith(executor_prefix(token)))
+    threads = sorted(
+        t.name for t in threading.enumerate() if t.name.startswith(executor_prefix(token))
+    )
     return sorted(map(str, state.lanes)), threads, dask_worker.state.nthreads
 
 
@@ -225,8 +241,7 @@ def test_drop_stream_runs_after_the_streams_work_then_ends_its_lane(ctrl, client
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.sync()
     before = client2.run(_lanes_and_threads, ctrl.token)
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.sleep_then", 0.5, str(tmp_path / "ran"),
-                         stream=S1))
+    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.sleep_then", 0.5, str(tmp_path / "ran"), stream=S1))
     ctrl.send(BOTH, fetch(1, Ref(1), stream=S1))
     ctrl.drop_stream(BOTH, S1)  # queued behind the sleep: it must not cut it short
     ctrl.send(BOTH, call(2, Ref(2), "torch.ones", 2))
@@ -268,12 +283,16 @@ def test_errors_and_the_dashboard_name_a_named_stream(client2):
         ctrl.name_stream(S1, "comms")
         create_streams(ctrl, BOTH, S0, S1)
         ctrl.sync()
-        snapshot = client2.run(lambda dask_worker: dask_worker.plugins["dask_monarch"]
-                               .state_snapshot())
+        snapshot = client2.run(
+            lambda dask_worker: dask_worker.plugins["dask_monarch"].state_snapshot()
+        )
         for entries in snapshot.values():
             (mine,) = [e for e in entries if e["token"] == ctrl.token]
             assert {lane["stream"]: lane["name"] for lane in mine["lanes"]} == {
-                0: None, 1: "comms", "control": None}
+                0: None,
+                1: "comms",
+                "control": None,
+            }
         ctrl.send(BOTH, call(0, Ref(1), "__test_panic", stream=S1))
         with pytest.raises(dm.DeviceException, match=re.escape("stream 'comms' (1): ")):
             ctrl.sync(timeout=30)

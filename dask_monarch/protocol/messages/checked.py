@@ -168,8 +168,12 @@ def checked(cls: type) -> type:
     annotations = cls.__dict__.get("__annotations__", {})
     names = tuple(annotations)
     defaults = {n: cls.__dict__[n] for n in names if n in cls.__dict__}
-    base = namedtuple(cls.__name__, names, defaults=[defaults[n] for n in names if n in defaults],
-                      module=cls.__module__)
+    base = namedtuple(
+        cls.__name__,
+        names,
+        defaults=[defaults[n] for n in names if n in defaults],
+        module=cls.__module__,
+    )
     namespace = {"_tnew": _tuple_new}
     params = []
     for name in names:
@@ -178,12 +182,17 @@ def checked(cls: type) -> type:
         if name in defaults:
             namespace[f"{name}_default"] = defaults[name]
     body = "".join(f"    {n} = _check_{n}({n}, {cls.__name__ + '.' + n!r})\n" for n in names)
-    source = (f"def __new__(cls, {', '.join(params)}):\n{body}"
-              f"    return _tnew(cls, ({''.join(n + ', ' for n in names)}))\n")
+    source = (
+        f"def __new__(cls, {', '.join(params)}):\n{body}"
+        f"    return _tnew(cls, ({''.join(n + ', ' for n in names)}))\n"
+    )
     exec(source, namespace)
     namespace["__new__"].__qualname__ = f"{cls.__name__}.__new__"
-    attrs = {k: v for k, v in cls.__dict__.items()
-             if k not in ("__dict__", "__weakref__", "__annotations__") and k not in defaults}
+    attrs = {
+        k: v
+        for k, v in cls.__dict__.items()
+        if k not in ("__dict__", "__weakref__", "__annotations__") and k not in defaults
+    }
     attrs.update(
         __slots__=(),
         __new__=namespace["__new__"],

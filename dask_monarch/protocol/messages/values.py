@@ -111,8 +111,23 @@ def as_function(value: Any) -> ResolvableFunction:
 
 # Leaves that plain pickle handles and that cannot change after they are sent.
 _IMMUTABLE_LEAVES = (
-    type(None), bool, int, float, complex, str, bytes, Ref, StreamRef, torch.dtype,
-    torch.device, torch.layout, torch.memory_format, torch.Size, range, slice, type(Ellipsis),
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    Ref,
+    StreamRef,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    range,
+    slice,
+    type(Ellipsis),
 )
 
 
@@ -145,8 +160,9 @@ class ArgsKwargs(tuple):
     flat = property(itemgetter(3))
 
     @classmethod
-    def from_python(cls, args: Iterable[Any] = (),
-                    kwargs: dict[str, Any] | None = None) -> "ArgsKwargs":
+    def from_python(
+        cls, args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> "ArgsKwargs":
         if not kwargs and type(args) is tuple and all(type(a) in _FLAT_LEAVES for a in args):
             return _tuple_new(cls, (args, {}, None, True))
         kwargs = {} if kwargs is None else kwargs
@@ -324,21 +340,23 @@ def _broker_id(v: Any, where: str) -> tuple[str, int]:
     return (v[0], check_int(v[1], where))
 
 
-register_checks({
-    Ref: _ref,
-    StreamRef: _stream,
-    Ref | None: optional(_ref),
-    list[Ref]: list_of(_ref, {Ref}),
-    list[Ref | None]: list_of(optional(_ref), {Ref, type(None)}),
-    Slice: instance_of(Slice),
-    Factory: instance_of(Factory),
-    ArgsKwargs: instance_of(ArgsKwargs),
-    StreamCreationMode: instance_of(StreamCreationMode),
-    ResolvableFunction: _function,
-    ResolvableFunction | None: optional(_function),
-    Reduction: _reduction,
-    tuple[str, int]: _broker_id,
-})
+register_checks(
+    {
+        Ref: _ref,
+        StreamRef: _stream,
+        Ref | None: optional(_ref),
+        list[Ref]: list_of(_ref, {Ref}),
+        list[Ref | None]: list_of(optional(_ref), {Ref, type(None)}),
+        Slice: instance_of(Slice),
+        Factory: instance_of(Factory),
+        ArgsKwargs: instance_of(ArgsKwargs),
+        StreamCreationMode: instance_of(StreamCreationMode),
+        ResolvableFunction: _function,
+        ResolvableFunction | None: optional(_function),
+        Reduction: _reduction,
+        tuple[str, int]: _broker_id,
+    }
+)
 
 
 # --------------------------------------------------------------------------- params

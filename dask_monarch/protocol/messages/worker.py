@@ -47,16 +47,22 @@ def _message(v: Any, where: str) -> "WorkerMessage":
 def _exit_error(v: Any, where: str) -> tuple[str | None, str] | None:
     if v is None:
         return None
-    if not (isinstance(v, tuple) and len(v) == 2 and (v[0] is None or isinstance(v[0], str))
-            and isinstance(v[1], str)):
+    if not (
+        isinstance(v, tuple)
+        and len(v) == 2
+        and (v[0] is None or isinstance(v[0], str))
+        and isinstance(v[1], str)
+    ):
         raise TypeError(f"{where} must be None or a (source: str | None, message: str) tuple")
     return v
 
 
-register_checks({
-    list["WorkerMessage"]: list_of(_message),
-    tuple[str | None, str] | None: _exit_error,
-})
+register_checks(
+    {
+        list["WorkerMessage"]: list_of(_message),
+        tuple[str | None, str] | None: _exit_error,
+    }
+)
 
 
 @checked
@@ -438,11 +444,34 @@ class GetRefUnitTestsOnly:
 
 
 WORKER_MESSAGES: tuple[type, ...] = (
-    BackendNetworkInit, BackendNetworkPointToPointInit, CallFunction, CommandGroup, CreateStream,
-    CreateDeviceMesh, CreateRemoteProcessGroup, BorrowCreate, BorrowFirstUse, BorrowLastUse,
-    BorrowDrop, DeleteRefs, RequestStatus, Reduce, SplitComm, SplitCommForProcessGroup,
-    SendTensor, SendValue, SendResultOfActorCall, CallActorMethod, PipeRecv, CreatePipe, Exit,
-    DefineRecording, RecordingFormal, RecordingResult, CallRecording, SetRefUnitTestsOnly,
+    BackendNetworkInit,
+    BackendNetworkPointToPointInit,
+    CallFunction,
+    CommandGroup,
+    CreateStream,
+    CreateDeviceMesh,
+    CreateRemoteProcessGroup,
+    BorrowCreate,
+    BorrowFirstUse,
+    BorrowLastUse,
+    BorrowDrop,
+    DeleteRefs,
+    RequestStatus,
+    Reduce,
+    SplitComm,
+    SplitCommForProcessGroup,
+    SendTensor,
+    SendValue,
+    SendResultOfActorCall,
+    CallActorMethod,
+    PipeRecv,
+    CreatePipe,
+    Exit,
+    DefineRecording,
+    RecordingFormal,
+    RecordingResult,
+    CallRecording,
+    SetRefUnitTestsOnly,
     GetRefUnitTestsOnly,
 )
 WorkerMessage = Union[WORKER_MESSAGES]  # type: ignore[valid-type]
