@@ -6,6 +6,14 @@ be the group size) or, with ``"stack"``, exchanges chunks (all-to-all);
 ``out=`` writes into an existing tensor; ``reduce_`` works in place. The
 communicators are created on the ranks the first time a (mesh, stream, dims)
 is used.
+
+The compiler refuses collectives whose members disagree before dispatch
+(DESIGN decision 14), but none can come from here: each ``Reduce`` goes at
+once to every rank of the tensor's mesh, so every member of each group gets
+the same collectives, in the same order, with one factory. A tensor whose
+value on a rank does not have its handle's shape (a remote function that lied
+about its result) fails the result instead, and that rank takes part with
+zeros (docs/protocol.md §3.11).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ A move is always a copy (``SendTensor``): ranks that keep a shard make an
 eager deep copy, others receive it over the point-to-point communicator of
 the (source stream, destination stream) pair. Dims are matched by name and
 must agree in size; a destination dim the source lacks is a broadcast (one
-send per destination slice).
+send per destination slice). Each ``SendTensor`` goes at once to both ends of
+every pair, so the pre-dispatch check (DESIGN decision 14) never refuses one
+made here.
 """
 
 from __future__ import annotations

@@ -23,12 +23,17 @@ Borrows synchronise their two lanes inside the rank (one-shot channels), not
 through edges, which would make the graph cyclic.
 
 Which lane runs a message is decided per rank by :mod:`.routing`, in
-Monarch's per-rank mailbox order. A message it cannot route is a
-:class:`ProtocolError`: the valid prefix is submitted, then the controller
-fails with ``DeviceException`` naming the rank. So is a message whose ``seq``
-does not increase on its stream of a rank (failures are reported by seq: two
-messages with one seq would blur which one failed), and a stream beyond the
-``limits.lanes`` lanes a rank may hold (each lane is a thread on the worker).
+Monarch's per-rank mailbox order; :mod:`.precheck` then checks what the
+flush's collectives, sends, borrows and exits would wait on (DESIGN decision
+14). Only those messages pay for the check: the fast path (calls, fetches)
+does not. A message it cannot route, or a flush that would hang or whose
+ranks disagree on a collective, is a :class:`ProtocolError`: nothing of that
+flush is submitted (earlier flushes are), and the controller fails with
+``DeviceException`` naming the rank.
+So is a message whose ``seq`` does not increase on its stream of a rank
+(failures are reported by seq: two messages with one seq would blur which one
+failed), and a stream beyond the ``limits.lanes`` lanes a rank may hold (each
+lane is a thread on the worker).
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from .. import config
 from ..protocol import messages as m
 from ..protocol.names import executor_name
-from ..protocol.rules import FAMILY, ON_NAMED_STREAM
+from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL, DropLane
 from ..worker import run_segment
+from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
 
 __all__ = [
@@ -101,7 +107,7 @@ class _LaneTail:
 
 @dataclass
 class Plan:
-    """One flush: a graph to submit, lanes to create first, and maybe a protocol error."""
+    """One flush: a graph to submit, lanes to create first; or a protocol error and nothing."""
 
     graph: HighLevelGraph | None
     keys: list
@@ -119,7 +125,7 @@ class Plan:
 class Compiler:
     """Turns a controller's buffer into one graph per flush (see module docs)."""
 
-    def __init__(self, token: str, resources: list[str]):
+    def __init__(self, token: str, resources: list[str], done: dict | None = None):
         self.token = token
         self.resources = resources
         self.routers = [RankRouter(rank) for rank in range(len(resources))]
@@ -129,16 +135,23 @@ class Compiler:
         self.lane_counts = [0] * len(resources)  # streams each rank holds a lane for
         self.max_lanes = int(config.get("limits.lanes", 256))
         self.seqs: dict[tuple[int, Any], int] = {}  # (rank, stream) -> the newest seq sent
+        self.check = Precheck(len(resources), done)  # done: (rank, lane) -> segments run
+        self.refused: ProtocolError | None = None  # why a flush was refused (then broken)
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
 
-    def compile(self, buffer: list[tuple[tuple[int, ...], Any]]) -> Plan:
+    def compile(
+        self, buffer: list[tuple[tuple[int, ...], Any]], final: bool | tuple[int, int] = False
+    ) -> Plan:
+        """The plan of one flush; ``final``: nothing more will be sent before a wait on every
+        lane (``True``) or on one ``(rank, stream)``, so what waits for more is refused."""
         segments: list[Segment] = []
         open_lanes: dict[int, dict[Any, Segment]] = {}
         open_control: dict[int, Segment] = {}
         new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]] = {}
         routers = self.routers
+        check = self.check
         error = None
         count = 0
         rendezvous = False
@@ -165,19 +178,37 @@ class Compiler:
                                 rank, stream, open_lanes, open_control, segments, new_lanes
                             )
                         seg.steps.append(msg)
+                elif type(msg) is m.Reduce:  # one lane per rank, as above, and checked
+                    stream = int(msg.stream)
+                    for rank in ranks:
+                        per_rank = open_lanes.get(rank)
+                        seg = per_rank.get(stream) if per_rank else None
+                        if seg is None:
+                            router = routers[rank]
+                            if router.exited or stream not in router.streams:
+                                list(router.route(msg))  # raises the ProtocolError
+                            seg = self._lane(
+                                rank, stream, open_lanes, open_control, segments, new_lanes
+                            )
+                        check.reduce(rank, stream, msg)
+                        seg.steps.append(msg)
                 else:
+                    checked = type(msg) in CHECKED
                     for rank in ranks:
                         for lane, step, drains in routers[rank].route(msg):
                             if lane == CONTROL:
                                 seg = self._control(
                                     rank, open_control, open_lanes, segments, drains
                                 )
+                                check.control(rank, step)
                                 if type(step) is m.BackendNetworkInit:
                                     rendezvous = True
                             else:
                                 seg = self._lane(
                                     rank, lane, open_lanes, open_control, segments, new_lanes
                                 )
+                                if checked:
+                                    check.lane(rank, lane, step, seg.index)
                             seg.steps.append(step)
                             if type(step) is DropLane:  # its last step: close the segment
                                 dropped.append((rank, lane))
@@ -189,6 +220,16 @@ class Compiler:
                 for rank in ranks:
                     seqs[(rank, stream)] = seq
             count += 1
+        if error is None:
+            try:
+                check.settle()
+            except ProtocolError as e:
+                error = e
+            if error is None and final:
+                error = check.waiting(*final) if type(final) is tuple else check.waiting()
+        if error is not None:  # refused: nothing of this flush runs
+            self.refused = error
+            return Plan(None, [], {}, {}, {}, 0, error)
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
         for lane in dropped:  # after _plan: the tails hold their final keys

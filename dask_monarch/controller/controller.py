@@ -192,7 +192,7 @@ class Controller:
         )
         client.loop.add_callback(self._liveness.start)
         self._restore_gap = lower_client_gap(client)
-        self._compiler = Compiler(self.token, self.resources)
+        self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
@@ -257,12 +257,17 @@ class Controller:
 
     def flush(self) -> None:
         """Hand buffered messages to Dask now."""
+        self._flush(False)
+
+    def _flush(self, final: bool | tuple[int, int]) -> None:
+        """Flush; ``final`` before a wait: what would wait forever for more is refused (a wait
+        on every lane, ``True``, or on one ``(rank, stream)``; see ``Compiler.compile``)."""
         with self._flush_lock:
             with self._lock:
                 buffer, self._buffer = self._buffer, []
-            if buffer and self._broken is None:
+            if (buffer or final) and self._broken is None:
                 try:
-                    self._submit(buffer)
+                    self._submit(buffer, final)
                 except PayloadError as e:
                     self._break(DeviceException(e.cause, rank=e.rank))
                 except Exception as e:  # the flush may be partly submitted: never run on
@@ -275,11 +280,11 @@ class Controller:
         if self._broken is not None:
             raise self._broken
 
-    def _submit(self, buffer: list) -> None:
+    def _submit(self, buffer: list, final: bool | tuple[int, int] = False) -> None:
         """Compile ``buffer`` and hand it to Dask; whatever stops that half way breaks the
         controller (the compiler already counts the flush as sent)."""
         try:
-            self._hand_over(buffer)
+            self._hand_over(buffer, final)
         except BaseException as e:
             problem, log = client_problem(self._client), False  # the caller raises it
             if problem is None and isinstance(e, KeyboardInterrupt):
@@ -294,8 +299,8 @@ class Controller:
             if not isinstance(e, Exception):
                 raise
 
-    def _hand_over(self, buffer: list) -> None:
-        plan = self._compiler.compile(buffer)
+    def _hand_over(self, buffer: list, final: bool | tuple[int, int]) -> None:
+        plan = self._compiler.compile(buffer, final)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
         if plan.new_lanes:
@@ -353,9 +358,11 @@ class Controller:
         """Flush, wait until every rank ran everything sent so far, return what they reported.
 
         The controller messages (Status, FetchResult, RemoteFunctionFailed)
-        caused by what was sent since the last sync, in seq order.
+        caused by what was sent since the last sync, in seq order. What would
+        wait forever (a collective some member was never sent) breaks the
+        controller at once instead (DESIGN decision 14).
         """
-        self.flush()
+        self._flush(True)
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._progress:
             messages = self._reports.take_inbox()
@@ -396,7 +403,7 @@ class Controller:
             raise ValueError(f"rank {rank} has no stream {stream.id}")
         probe = next(self._probes)
         self._send_internal((rank,), stream, ReadRef(probe, GetRefUnitTestsOnly(ref, stream)))
-        self.flush()
+        self._flush((rank, stream.id))
         replies = self._reports.replies
         self._wait(
             lambda: probe in replies,

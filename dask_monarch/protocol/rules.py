@@ -1,11 +1,12 @@
-"""Protocol rules: where each worker message runs on a rank, and which refs it touches.
+"""Protocol rules: where each worker message runs on a rank, how it waits, and its refs.
 
 The compiler routes messages by these rules, the worker splits a recording's
 commands by them and the tracer of compiled functions reads refs by them, so
-the three cannot disagree. The borrow steps and the assembly of chunked
-``DefineRecording`` messages live here too: the compiler checks them on the
-client and the worker checks them again inside recordings, with one
-implementation and one set of error texts.
+the three cannot disagree; the compiler's pre-dispatch check models how each
+message waits on other lanes and ranks by them (:class:`Sync`). The borrow
+steps and the assembly of chunked ``DefineRecording`` messages live here too:
+the compiler checks them on the client and the worker checks them again
+inside recordings, with one implementation and one set of error texts.
 
 Each check raises ``fail(cause)``: the caller chooses the exception (the
 compiler's ``ProtocolError`` for a rank, the worker's ``FatalError``).
@@ -45,6 +46,25 @@ class Lanes:
     GROUP = "each inner message, by its own rule"
 
 
+class Sync:
+    """How a message waits on other lanes or ranks (plain strings, compared by identity).
+
+    The compiler's pre-dispatch check (:mod:`dask_monarch.controller.precheck`)
+    models exactly these waits; a message with ``NONE`` never waits on
+    another lane and costs the check nothing.
+    """
+
+    NONE = ""
+    GROUP = "meets every member of its communicator's group (a collective)"
+    PEER = "meets the rank it sends to or receives from (a point-to-point send)"
+    WORLD = "meets every rank of the controller (building a communicator)"
+    SIGNAL = "lets a wait on another lane of the rank go on (borrow create, last use)"
+    WAIT = "waits for a signal from another lane of the rank (borrow first use, drop)"
+    DRAIN = "waits until every lane of the rank ran what was sent before it"
+    REPLAY = "replays a recording's commands, which may wait"
+    INNER = "as each of its inner messages"
+
+
 class Rule(NamedTuple):
     """What the protocol says about one message type.
 
@@ -62,6 +82,7 @@ class Rule(NamedTuple):
     uses: tuple[str, ...] = ()
     defines: tuple[str, ...] = ()
     mutates: tuple[str, ...] = ()
+    sync: str = Sync.NONE  # one of Sync
 
 
 RULES: dict[type, Rule] = {
@@ -83,38 +104,62 @@ RULES: dict[type, Rule] = {
         ("call.mutates",),
     ),
     m.Reduce: Rule(
-        Lanes.NAMED_STREAM, "reduce", True, False, ("tensor", "out"), ("result",), ("out",)
+        Lanes.NAMED_STREAM,
+        "reduce",
+        True,
+        False,
+        ("tensor", "out"),
+        ("result",),
+        ("out",),
+        sync=Sync.GROUP,
     ),
-    m.SendTensor: Rule(Lanes.SEND, "send", True, False, ("tensor",), ("result",)),
+    m.SendTensor: Rule(Lanes.SEND, "send", True, False, ("tensor",), ("result",), sync=Sync.PEER),
     m.SetRefUnitTestsOnly: Rule(Lanes.NAMED_STREAM, "ref", True, defines=("reference",)),
     m.GetRefUnitTestsOnly: Rule(Lanes.NAMED_STREAM, "ref", True, uses=("value",)),
     m.RecordingFormal: Rule(Lanes.NAMED_STREAM, "recording", True, defines=("result",)),
     m.RecordingResult: Rule(Lanes.NAMED_STREAM, "recording", True, uses=("result",)),
-    m.BorrowCreate: Rule(Lanes.BORROW, "borrow", True, uses=("tensor",), defines=("result",)),
-    m.BorrowFirstUse: Rule(Lanes.BORROW, "borrow", True),
-    m.BorrowLastUse: Rule(Lanes.BORROW, "borrow", True),
-    m.BorrowDrop: Rule(Lanes.BORROW, "borrow", True),
+    m.BorrowCreate: Rule(
+        Lanes.BORROW, "borrow", True, uses=("tensor",), defines=("result",), sync=Sync.SIGNAL
+    ),
+    m.BorrowFirstUse: Rule(Lanes.BORROW, "borrow", True, sync=Sync.WAIT),
+    m.BorrowLastUse: Rule(Lanes.BORROW, "borrow", True, sync=Sync.SIGNAL),
+    m.BorrowDrop: Rule(Lanes.BORROW, "borrow", True, sync=Sync.WAIT),
     m.DeleteRefs: Rule(Lanes.EVERY_STREAM, "delete", True),
-    m.CommandGroup: Rule(Lanes.GROUP, "segment", True),  # a recording checks each inner one
+    # a recording checks each inner message of a group
+    m.CommandGroup: Rule(Lanes.GROUP, "segment", True, sync=Sync.INNER),
     m.RequestStatus: Rule(Lanes.EVERY_STREAM, "status", False),  # as a StatusProbe per lane
     m.CreateStream: Rule(Lanes.NEW_STREAM, "stream", False),
     m.CallRecording: Rule(
-        Lanes.RECORDING, "recording", False, uses=("actuals",), defines=("results",)
+        Lanes.RECORDING,
+        "recording",
+        False,
+        uses=("actuals",),
+        defines=("results",),
+        sync=Sync.REPLAY,
     ),
     m.DefineRecording: Rule(Lanes.CONTROL, "recording", False),
     m.CreateDeviceMesh: Rule(Lanes.CONTROL, "mesh", False),
     m.CreateRemoteProcessGroup: Rule(Lanes.CONTROL, "comm", False),
-    m.BackendNetworkInit: Rule(Lanes.CONTROL, "comm", False),
-    m.BackendNetworkPointToPointInit: Rule(Lanes.CONTROL, "comm", False),
-    m.SplitComm: Rule(Lanes.CONTROL, "comm", False),
-    m.SplitCommForProcessGroup: Rule(Lanes.CONTROL, "comm", False),
+    m.BackendNetworkInit: Rule(Lanes.CONTROL, "comm", False, sync=Sync.WORLD),
+    m.BackendNetworkPointToPointInit: Rule(Lanes.CONTROL, "comm", False, sync=Sync.WORLD),
+    m.SplitComm: Rule(Lanes.CONTROL, "comm", False, sync=Sync.GROUP),
+    m.SplitCommForProcessGroup: Rule(Lanes.CONTROL, "comm", False, sync=Sync.GROUP),
     m.CreatePipe: Rule(Lanes.CONTROL, "pipe", False),
-    m.Exit: Rule(Lanes.DRAIN, "exit", False),
+    m.Exit: Rule(Lanes.DRAIN, "exit", False, sync=Sync.DRAIN),
 }
 
 LANES: dict[type, str] = {t: rule.lanes for t, rule in RULES.items()}
-# The compiler's fast path: one lane per rank, the stream the message names.
-ON_NAMED_STREAM = frozenset(t for t, lanes in LANES.items() if lanes is Lanes.NAMED_STREAM)
+SYNC: dict[type, str] = {t: rule.sync for t, rule in RULES.items() if rule.sync}
+# Lane messages the pre-dispatch check looks at (control steps it sees all: they are rare).
+CHECKED = frozenset(
+    t
+    for t, rule in RULES.items()
+    if rule.sync and rule.lanes is not Lanes.CONTROL and rule.lanes is not Lanes.DRAIN
+)
+# The compiler's fast path: one lane per rank, the stream the message names, nothing to check.
+ON_NAMED_STREAM = frozenset(
+    t for t, lanes in LANES.items() if lanes is Lanes.NAMED_STREAM and t not in CHECKED
+)
 RUNS_USER_CODE = frozenset(t for t, rule in RULES.items() if rule.user_code)
 # What a segment's work is called, also for the steps the compiler adds.
 FAMILY: dict[type, str] = {

@@ -196,7 +196,9 @@ def test_protocol_errors_found_while_routing(messages, text):
     assert text in plan.error.cause and plan.error.rank == 0
 
 
-def test_valid_prefix_is_kept_before_a_protocol_error():
+def test_nothing_of_a_flush_with_a_protocol_error_is_submitted():
+    """A refused flush runs nothing, so nothing of it can be left waiting (issue 13)."""
     create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
-    _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.BorrowDrop(3)])
-    assert plan.messages == 2 and plan.graph is not None and plan.error is not None
+    compiler, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.BorrowDrop(3)])
+    assert plan.messages == 0 and plan.graph is None and plan.keys == []
+    assert plan.error is not None and compiler.refused is plan.error
