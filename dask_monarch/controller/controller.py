@@ -4,7 +4,16 @@ A :class:`Controller` claims ``world_size`` workers as ranks
 (:mod:`~dask_monarch.controller.placement`), buffers the messages it is given,
 compiles each flush into one Dask graph (:mod:`~dask_monarch.controller.compiler`)
 and reads every rank's reports from a stream the rank's worker serves
-(:mod:`~dask_monarch.controller.reports`).
+(:mod:`~dask_monarch.controller.reports`); :mod:`~dask_monarch.controller.watch`
+fails it when its client can no longer deliver its work.
+
+A failure stays inside its controller (DESIGN decision 12): a broken or
+closed controller never cancels anything through the scheduler. It drops its
+futures and hangs up its report streams; the scheduler then releases its
+tasks as unwanted, and whatever a worker already started returns at once on
+a released rank. (``Client.cancel`` would also cancel the dependents of each
+key, and one the controller no longer holds trips an assertion in the
+scheduler that drops the whole shared client: docs/dask.md §12.)
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from ..worker import construct_actor, register_actor
 from .compiler import Compiler, InternalStep
 from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
 from .reports import Reports
+from .watch import ClientWatch
 
 if TYPE_CHECKING:
     from ..protocol.messages import WorkerMessage
@@ -84,6 +94,7 @@ class Controller:
         self._actor_ids = itertools.count()
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
+        self._watch = ClientWatch(client, lambda: list(self._tails.values()), self._break)
 
         config.freeze_gc()
         self.workers = choose_workers(client, world_size, device, workers)
@@ -91,6 +102,7 @@ class Controller:
         client.sync(self._reports.subscribe, self.workers, client.connection_args,
                     callback_timeout=config.seconds("timeouts.claim"))
         tune_batched_comms(client, self.workers)
+        self._watch.start()
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
@@ -176,6 +188,8 @@ class Controller:
             self._reports.expect(plan.counts)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
+            if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
+                self._tails.clear()
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
 
@@ -345,14 +359,12 @@ class Controller:
         self._client.loop.add_callback(self._shutdown_async)
 
     async def _shutdown_async(self) -> None:
-        """Cancel queued work and hang up every report stream (workers then free our state)."""
-        futures = list(self._tails.values())
+        """Let go of our work and hang up every report stream (workers then free our state).
+
+        Only our references go: no ``Client.cancel`` (see the module docs).
+        """
+        self._watch.stop()
         self._tails.clear()
-        if futures:
-            try:
-                await self._client._cancel(futures)
-            except Exception as e:
-                logger.debug("controller %s could not cancel its queued work: %s", self.token, e)
         self._actors.clear()
         self._reports.hang_up()
 

@@ -69,8 +69,14 @@ class Reports:
             while True:
                 batch = await comm.read()
                 self.on_reports(rank, batch)
-        except (CommClosedError, OSError, asyncio.CancelledError) as e:
+        except (CommClosedError, OSError) as e:
             logger.debug("report stream of rank %d ended: %r", rank, e)
+        except asyncio.CancelledError:  # the client's event loop is going away, not the worker
+            with self.progress:
+                self.fail(DeviceException(
+                    "its Client was closed while the mesh was in use, so no report can arrive "
+                    "(exit meshes before closing their Client)"))
+            raise
         except Exception as e:  # a report we cannot read: the mesh cannot be trusted
             logger.exception("bad report from rank %d", rank)
             with self.progress:
