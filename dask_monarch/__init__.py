@@ -23,6 +23,7 @@ _NAMES = {
     "MonarchWorkerPlugin": "worker",
     "DeviceException": "exceptions",
     "RemoteException": "exceptions",
+    "LivenessWarning": "exceptions",
     "DeviceMesh": "mesh",
     "RemoteProcessGroup": "mesh",
     "device_mesh": "mesh",

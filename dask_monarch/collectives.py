@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from .borrows import first_use
 from .protocol import messages as m
 from .protocol.messages import ReduceOp
-from .tensor import Tensor, check_usable, contiguous, mutated_refs, placement
+from .tensor import Tensor, check_usable, contiguous, issue, mutated_refs, placement
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -28,6 +28,9 @@ REDUCTIONS: dict[str, ReduceOp | str] = {
     "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "band": ReduceOp.BAND,
     "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR, "stack": "stack",
 }
+
+# Bitwise reductions: gloo has them, NCCL does not (it would fail the collective on every rank).
+NCCL_UNSUPPORTED = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
@@ -50,6 +53,10 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     op = REDUCTIONS[reduction]
+    if op in NCCL_UNSUPPORTED and t.device.type == "cuda" and own._session.backend != "gloo":
+        raise ValueError(f"reduction {reduction!r} is not supported by NCCL, the backend of "
+                         f"CUDA tensors on {own!r}: reduce an integer sum instead, or set "
+                         "dask_monarch.backend to 'gloo' before creating the mesh")
     if len(names) > 1 and (op == "stack" or scatter):
         kind = "stack" if op == "stack" else "scatter"
         raise ValueError(f"{kind} is not valid for multiple dimensions {list(names)}")
@@ -90,11 +97,7 @@ def _reduce(t: Tensor, dims: str | Sequence[str], reduction: str, scatter: bool,
             stride, offset = contiguous(result_shape), 0
         handle = Tensor(result_shape, stride, offset, t.dtype, t.device, session, own, stream,
                         result, storage)
-        seq = session.new_seq()
-        session.invoke(seq, [h._ref.id for h in inputs], [result.id] + mutates)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(h._ref.id, h) for h in inputs], [handle])
+        issue(session, inputs, [result.id] + mutates, [handle])
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         session.send(own._ranks, m.Reduce(result, t._ref, factory, mesh_ref, stream_ref,
                                           list(dims), op, scatter, in_place,

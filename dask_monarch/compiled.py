@@ -53,6 +53,7 @@ class _Trace:
         self.mutated = mutated  # (formal index or None, outside ref id) changed in place
         self.messages = messages
         self.verified = False
+        self.streams: list = []  # the Streams it runs on: their lanes must outlive the user's
 
     def alive(self) -> bool:
         return all(ref() is not None and ref()._dropped is None for ref in self.captured)
@@ -154,8 +155,10 @@ class Compiled:
                 _define_recording(session, ref, ranks, capture.messages, len(outputs),
                                   len(formals))
             template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
-            return _Trace(ref, ranks, formals, outputs, template, out_spec, captured,
-                          list(mutated), capture.messages)
+            trace = _Trace(ref, ranks, formals, outputs, template, out_spec, captured,
+                           list(mutated), capture.messages)
+            trace.streams = session.streams_named(capture.messages)
+            return trace
 
 
 def compile(fn: Callable | None = None, *,

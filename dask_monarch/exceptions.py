@@ -1,4 +1,4 @@
-"""Exceptions that cross the API: user errors are values, broken meshes are not."""
+"""Exceptions and warnings that cross the API: user errors are values, broken meshes are not."""
 
 from __future__ import annotations
 
@@ -63,3 +63,25 @@ class DeviceException(Exception):
 
 def _rebuild_device(cause: str, rank: int | None) -> DeviceException:
     return DeviceException(cause, rank=rank)
+
+
+class LivenessWarning(UserWarning):
+    """A rank has completed no message for ``dask_monarch.timeouts.liveness``: it may be stuck.
+
+    Issued once per stall (``warnings.warn`` on the client, and logged on the
+    ``dask_monarch`` logger); the mesh keeps running. ``rank``, ``stream``,
+    ``seq`` and ``waiting_on`` describe the stalled lane (``stream`` is
+    ``"control"`` for a rank's control steps; ``seq`` the seq it is at, or the
+    last one it started); ``stalls`` holds one line per lane that stalled
+    with it.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, stream: object = None,
+                 seq: int | None = None, waiting_on: str = "",
+                 stalls: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stream = stream
+        self.seq = seq
+        self.waiting_on = waiting_on
+        self.stalls = stalls

@@ -12,10 +12,12 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 from torch.utils._pytree import tree_leaves
 
 from .borrows import first_use
 from .controller.session import MeshFuture, Session
+from .exceptions import RemoteException
 from .mesh import DeviceMesh
 from .protocol import messages as m
 from .stream import get_active_stream
@@ -58,9 +60,10 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     return fetch_value(mesh._session, rank, obj)
 
 
-def inspect(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> Any:
-    """``fetch_shard(obj, ...).result()``: the value on one rank, tensors on the CPU."""
-    return fetch_shard(obj, shard, **coords).result()
+def inspect(obj: Any, shard: dict[str, int] | None = None, *, timeout: float | None = None,
+            **coords: int) -> Any:
+    """``fetch_shard(obj, ...).result(timeout)``: the value on one rank, tensors on the CPU."""
+    return fetch_shard(obj, shard, **coords).result(timeout)
 
 
 def fetch_value(session: Session, rank: int, value: Any,
@@ -78,7 +81,29 @@ def fetch_value(session: Session, rank: int, value: Any,
             check_usable(h)
         first_use(session, handles)
         seq, future = session.expect_result([h._ref.id for h in handles], 1)
+        if function is None and handles:
+            future.check = _Declared(handles, rank, seq)
         session.send((rank,), m.SendValue(seq, None, [], function, args_kwargs, stream_ref))
         session.request_status()
     session.controller.flush()
     return future
+
+
+class _Declared:
+    """A fetched value's tensors must have the shapes and dtypes the client believes its
+    handles have: a remote function whose propagation lied is caught here, not later."""
+
+    def __init__(self, handles: list[Tensor], rank: int, seq: int) -> None:
+        self.declared = [(tuple(h.shape), h.dtype) for h in handles]
+        self.rank, self.seq = rank, seq
+
+    def __call__(self, value: Any) -> None:
+        got = [(tuple(t.shape), t.dtype) for t in tree_leaves(value)
+               if isinstance(t, torch.Tensor)]
+        for (shape, dtype), (real_shape, real_dtype) in zip(self.declared, got):
+            if shape != real_shape or dtype != real_dtype:
+                raise RemoteException(
+                    f"the value on rank {self.rank} has shape {real_shape} dtype {real_dtype}, "
+                    f"but the client believes shape {shape} dtype {dtype}: the function that "
+                    "made it returned something else than its propagation said (fix its "
+                    "propagate or its result)", rank=self.rank, seq=self.seq)

@@ -223,9 +223,13 @@ class DeviceMesh:
 
         return ActorMesh(self, name, cls, *args, **kwargs)
 
-    def exit(self) -> None:
-        """Wait for everything sent, release the ranks; raises a failure nobody fetched."""
-        self._session.exit()
+    def exit(self, timeout: float = 600) -> None:
+        """Wait for everything sent, release the ranks; raises a failure nobody fetched.
+
+        A TimeoutError after ``timeout`` seconds names the lanes still running
+        and what they wait on; the ranks are released either way.
+        """
+        self._session.exit(timeout)
 
     # -- display ------------------------------------------------------------------------------
 

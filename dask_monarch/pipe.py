@@ -47,13 +47,17 @@ class Pipe:
     def __monarch_ref__(self) -> m.Ref:
         return self.ref
 
-    def recv(self) -> Any:
-        """The next value from every rank's producer, as mesh tensors (blocks on the ranks)."""
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next value from every rank's producer, as mesh tensors.
+
+        Only the first call without ``propagate`` blocks (it learns what the
+        values look like from the first rank), for ``timeout`` seconds at most.
+        """
         if self._spec is None:
             peek = m.FunctionPath("dask_monarch.worker.pipe.peek")
             future = fetch_value(self._session, self.mesh._ranks[0], None, function=peek,
                                  args_kwargs=m.ArgsKwargs.from_python((self,)))
-            packed, treespec = future.result()
+            packed, treespec = future.result(timeout)
             treespec = treespec_loads(treespec)
             self._spec = tree_unflatten(
                 [None if (t := described_tensor(p)) is None else Spec((*t, None))

@@ -37,7 +37,7 @@ from .mesh import DeviceMesh, RemoteProcessGroup
 from .protocol import messages as m
 from .protocol.names import describe_output, described_tensor
 from .stream import Stream
-from .tensor import Tensor, mutated_refs, placement
+from .tensor import Tensor, issue, mutated_refs, placement
 
 logger = logging.getLogger("dask_monarch.remote_function")
 
@@ -168,13 +168,7 @@ def bind_outputs(spec: Any, mesh: DeviceMesh, stream: Stream, handles: list[Tens
             else:
                 out.append(leaf)
                 results.append(None)
-        seq = session.new_seq()
-        session.invoke(seq, [h._ref.id for h in handles],
-                       [r.id for r in results if r is not None] + mutates)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(h._ref.id, h) for h in handles],
-                         [o for o in out if isinstance(o, Tensor)])
+        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates, out)
         session.send(mesh._ranks, make(seq, results, mutates, stream_ref))
     return None if spec is None else tree_unflatten(out, treespec)
 

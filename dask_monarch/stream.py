@@ -1,7 +1,12 @@
 """Streams on the client, and the creation of borrows (docs/protocol.md §1.6).
 
 A :class:`Stream` is a named lane on every rank: work on different streams
-runs concurrently, work on one stream in order. Tensors belong to the stream
+runs concurrently, work on one stream in order. Its lane (a thread and a ref
+table per rank) is created the first time a mesh uses it and ends once the
+Stream object and every tensor on it are garbage, after everything it ran
+(:meth:`Session.stream_ref <dask_monarch.controller.session.Session.stream_ref>`);
+its name is what the dashboard and errors show. Create a stream once, not in
+every step. Tensors belong to the stream
 that made them; another stream uses them only through a borrow:
 :meth:`Stream.borrow` sends ``BorrowCreate``, :mod:`dask_monarch.borrows`
 the later steps (first use lazily, last use and drop on ``Borrow.drop``).
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from .borrows import Borrow, first_use
@@ -38,11 +44,11 @@ class Stream:
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
         """Make this the stream new work runs on, inside the ``with`` block."""
-        _active.append(self)
+        token = _active.set(self)
         try:
             yield self
         finally:
-            _active.pop()
+            _active.reset(token)
 
     def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
         """``t`` as seen from this stream, and the borrow that must be dropped to give it back.
@@ -51,7 +57,7 @@ class Stream:
         only this stream may touch it until the drop, and its changes are
         visible to ``t``'s stream afterwards. Sends ``BorrowCreate``.
         """
-        from .tensor import Tensor, check_usable
+        from .tensor import Tensor, check_usable, issue
 
         if not isinstance(t, Tensor):
             raise TypeError(f"only mesh tensors can be borrowed, got {type(t).__name__}")
@@ -68,18 +74,16 @@ class Stream:
             src, dst = session.stream_ref(t._stream), session.stream_ref(self)
             borrow_id, result = session.new_id(), session.new_ref()
             first_use(session, [t])
-            seq = session.new_seq()
-            session.invoke(seq, [t._ref.id], [result.id])
-            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             shape, stride, offset, dtype, device = t._mkey
             borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self,
                               result)
+            issue(session, [t], [result.id], [borrowed])
+            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             handle = Borrow(session, borrow_id, t, borrowed, mutable)
             borrowed._storage.borrow = handle
             capture = session.capture
             if capture is not None and capture.tracing:
                 capture.borrows.append(handle)
-                capture.note([(t._ref.id, t)], [borrowed])
             if mutable:
                 t._storage.lent_mutably = handle
             else:
@@ -91,12 +95,13 @@ class Stream:
 
 
 DEFAULT = Stream("main", _default=True)
-_active: list[Stream] = [DEFAULT]
+# Per thread and per asyncio task, like the active mesh (tensor.py).
+_active: ContextVar[Stream] = ContextVar("dask_monarch_active_stream", default=DEFAULT)
 
 
 def get_active_stream() -> Stream:
-    """The stream new work runs on (``main`` unless another one is active)."""
-    return _active[-1]
+    """The stream new work runs on (``main`` unless another one is active in this thread/task)."""
+    return _active.get()
 
 
 def drop_trace() -> str:

@@ -14,6 +14,10 @@ Handles that share storage (views, in-place results) share a
 :class:`~dask_monarch.borrows.StorageInfo`, which tracks aliases for
 mutation (every live alias of a mutated storage is poisoned together if the
 op fails) and borrows.
+
+The wrapper class, its checks, the active mesh and :func:`dispatch` stay in
+one module (a little over 400 lines): torch calls each of them from the
+others, and a split would only add an import cycle.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -215,11 +220,10 @@ def check_mutable(t: Tensor) -> None:
 
 # -- activation ------------------------------------------------------------------------------
 
-_active_meshes: list[DeviceMesh | None] = []
-
-
-def active_mesh() -> DeviceMesh | None:
-    return _active_meshes[-1] if _active_meshes else None
+# Per thread and per asyncio task: two threads (or tasks) may drive two meshes at once.
+_active_mesh: ContextVar[DeviceMesh | None] = ContextVar("dask_monarch_active_mesh",
+                                                         default=None)
+active_mesh: Callable[[], DeviceMesh | None] = _active_mesh.get
 
 
 def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Stream]:
@@ -274,12 +278,12 @@ def _has_mesh_tensor(args: tuple, kwargs: dict) -> bool:
 @contextlib.contextmanager
 def activate_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
     """Make ``mesh`` the active mesh (``None``: plain local torch) inside the block."""
-    _active_meshes.append(mesh)
+    token = _active_mesh.set(mesh)
     try:
         with _MeshMode():
             yield
     finally:
-        _active_meshes.pop()
+        _active_mesh.reset(token)
 
 
 class _NoMesh:
@@ -368,13 +372,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
             results.append(ref)
         if not results:
             results = [None]
-        seq = session.new_seq()
-        session.invoke(seq, [h._ref.id for h in handles],
-                       [r.id for r in results if r is not None] + mutates)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(h._ref.id, h) for h in handles],
-                         [o for o in outputs if isinstance(o, Tensor)])
+        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates,
+                    outputs)
         flat = not any(type(a) in (list, tuple) for a in ref_args)
         if ref_kwargs:
             flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
@@ -387,6 +386,18 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if plan.kind == "none":
         return None
     return outputs if plan.kind == "list" else tuple(outputs)
+
+
+def issue(session: Session, inputs: list[Tensor], defs: list[int], outputs: list = ()) -> int:
+    """The seq of a new message that reads ``inputs`` and defines ``defs``: registered in the
+    history, and noted by a trace in progress with the handles it makes (``outputs``)."""
+    seq = session.new_seq()
+    session.invoke(seq, [h._ref.id for h in inputs], defs)
+    capture = session.capture
+    if capture is not None and capture.tracing:
+        capture.note([(h._ref.id, h) for h in inputs],
+                     [o for o in outputs if isinstance(o, Tensor)])
+    return seq
 
 
 def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:

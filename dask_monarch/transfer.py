@@ -22,7 +22,7 @@ from .mesh import DeviceMesh
 from .protocol import messages as m
 from .protocol.ndslice import Slice
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, check_usable, contiguous
+from .tensor import Tensor, check_usable, contiguous, issue
 
 
 class MeshSliceTensor:
@@ -96,16 +96,12 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
         first_use(session, [t])
         result = session.new_ref()
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
-        seq = session.new_seq()
-        session.invoke(seq, [t._ref.id], [result.id])
+        shape = tuple(t.shape)
+        handle = Tensor(shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream,
+                        result)
+        issue(session, [t], [result.id], [handle])
         for from_ranks, to_ranks in pairs:
             ranks = tuple(sorted(set(from_ranks) | set(to_ranks)))
             session.send(ranks, m.SendTensor(result, from_ranks, to_ranks, t._ref, factory,
                                              src_ref, dst_ref))
-        shape = tuple(t.shape)
-        handle = Tensor(shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream,
-                        result)
-        capture = session.capture
-        if capture is not None and capture.tracing:
-            capture.note([(t._ref.id, t)], [handle])
         return handle

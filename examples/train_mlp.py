@@ -41,7 +41,7 @@ def train_on_mesh(mesh: dm.DeviceMesh, steps: int = 30, batch_size: int = 64,
                   features: int = 16, hidden: int = 32, lr: float = 0.2, fetch_every: int = 5):
     """Train data-parallel on ``mesh``; returns (step, mean loss) pairs and the final weights."""
     n = mesh.size(DIMS)
-    comms = dm.Stream("comms")
+    comms = dm.Stream("comms")  # once: a stream is a lane (a thread) on every rank
     losses = []
     with mesh.activate():
         seed = dm.random.manual_seed  # seeds every rank of the mesh

@@ -76,7 +76,6 @@ def mesh2(client2):
     yield from _user_mesh(client2, gpu=2)
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def pytest_configure(config):

@@ -81,12 +81,12 @@ def slow_copy(x, seconds):
     return x.clone()
 
 
-def per_rank(mesh, *shape, dtype=torch.float32):
+def per_rank(mesh, *shape, dtype=torch.float32, device=None):
     """A tensor that differs on every rank: arange + 10 * (rank + 1)."""
     n = 1
     for s in shape:
         n *= s
-    return (torch.arange(n) + 10 * (mesh.own_rank + 1)).to(dtype).reshape(shape)
+    return (torch.arange(n, device=device) + 10 * (mesh.own_rank + 1)).to(dtype).reshape(shape)
 
 
 def pg_collectives(x, pg, mesh):
@@ -166,3 +166,59 @@ def tensors_held(*after):
     from dask_monarch.worker.lane import current_lane
 
     return torch.tensor(sum(isinstance(v, torch.Tensor) for v in current_lane().env.values()))
+
+
+def current_stream_name():
+    """The device stream the calling lane runs in (worker/device.py), by name."""
+    from dask_monarch.worker.device import current_stream
+
+    stream = current_stream()
+    return None if stream is None else stream.name
+
+
+def device_log():
+    """What this rank's device was asked to do so far (a CPU rank's HostDevice log)."""
+    from dask_monarch.worker.lane import current_lane
+
+    return list(current_lane().rank.device.log)
+
+
+def gpu_uuid():
+    """The GPU this rank's stream runs on, as a host-wide name."""
+    from dask_monarch.worker.device import gpu_uuid as uuid
+
+    return uuid(torch.cuda.current_device())
+
+
+def current_cuda_stream_is_default():
+    return torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def cuda_allocated():
+    torch.cuda.synchronize()
+    return torch.tensor(torch.cuda.memory_allocated())
+
+
+def interrupt_main_then(x, seconds=1.0):
+    """What a terminal's Ctrl-C does to a worker: a SIGINT for its main thread."""
+    import _thread
+
+    _thread.interrupt_main()
+    time.sleep(seconds)
+    return x + 1
+
+
+def raise_keyboard_interrupt(x):
+    raise KeyboardInterrupt("interrupted inside a remote function")
+def exit_process(x, code=1):
+    """Kill this worker process at once (no cleanup, no exception): a lost worker."""
+    import os
+
+    os._exit(code)
+
+
+def allocate(x, mib):
+    """Hold ``mib`` MiB of touched memory for a while (trips a nanny's memory limit)."""
+    block = torch.ones(mib * 2**18)  # 4-byte floats
+    time.sleep(30)
+    return block.sum()

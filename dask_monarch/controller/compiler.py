@@ -12,7 +12,10 @@ pinned to its rank by a resource annotation and to its lane by the
 * a control step depends on the previous control step, and a lane segment
   that follows a control step in message order depends on it (DESIGN
   decision 5), so worker-level effects are in place before later messages;
-* ``Exit`` drains: it depends on every lane's tail.
+* ``Exit`` drains: it depends on every lane's tail;
+* a dropped stream's lane (``DropLane``, its last step) leaves the compiler's
+  lanes once planned; Exit still follows its tail until the controller has
+  seen it run (:meth:`Compiler.forget_dropped`).
 
 Messages for every stream of a rank (``DeleteRefs``, ``RequestStatus``) are
 fanned out to each lane; ``CallRecording`` to each lane its recording uses.
@@ -22,27 +25,40 @@ through edges, which would make the graph cyclic.
 Which lane runs a message is decided per rank by :mod:`.routing`, in
 Monarch's per-rank mailbox order. A message it cannot route is a
 :class:`ProtocolError`: the valid prefix is submitted, then the controller
-fails with ``DeviceException`` naming the rank.
+fails with ``DeviceException`` naming the rank. So is a message whose ``seq``
+does not increase on its stream of a rank (failures are reported by seq: two
+messages with one seq would blur which one failed), and a stream beyond the
+``limits.lanes`` lanes a rank may hold (each lane is a thread on the worker).
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import cloudpickle
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
+from .. import config
 from ..protocol import messages as m
 from ..protocol.names import executor_name
 from ..protocol.rules import FAMILY, ON_NAMED_STREAM
-from ..protocol.wire import CONTROL
+from ..protocol.wire import CONTROL, DropLane
 from ..worker import run_segment
 from .routing import InternalStep, ProtocolError, RankRouter
 
-__all__ = ["Compiler", "InternalStep", "Plan", "ProtocolError", "Segment", "segment_name"]
+__all__ = ["Compiler", "InternalStep", "PayloadError", "Plan", "ProtocolError", "Segment",
+           "segment_name"]
+
+# Messages that carry the seq failures are reported under: (seq, stream) (RequestStatus
+# repeats the last seq; recordings run on several streams and are checked among themselves).
+_SEQ_OF = {t: attrgetter("seq", "stream") for t in (m.CallFunction, m.SendValue, m.PipeRecv,
+                                                    m.SendResultOfActorCall)}
+_SEQ_OF[m.CallActorMethod] = attrgetter("call.seq", "call.stream")
+_SEQ_OF[m.CallRecording] = lambda msg: (msg.seq, None)
 
 # Families of bookkeeping steps: a segment is named after its other work, if any.
 _BOOKKEEPING = ("status", "stream", "delete")
@@ -81,11 +97,14 @@ class Plan:
     graph: HighLevelGraph | None
     keys: list
     tails: dict  # (rank, lane) -> key of the newest segment
-    new_lanes: dict[int, list[int]]  # rank -> stream ids to create before submitting
+    # rank -> (stream id, creation mode) of the lanes to create before submitting
+    new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]]
     counts: dict[tuple, int]  # (rank, lane) -> index of the newest segment
     messages: int
     error: ProtocolError | None = None
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
+    dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
+    segments: list = field(default_factory=list)  # what each task runs (lost-worker messages)
 
 
 class Compiler:
@@ -97,6 +116,10 @@ class Compiler:
         self.routers = [RankRouter(rank) for rank in range(len(resources))]
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
+        self.dropped: dict[tuple[int, Any], _LaneTail] = {}  # dropped lanes Exit still follows
+        self.lane_counts = [0] * len(resources)  # streams each rank holds a lane for
+        self.max_lanes = int(config.get("limits.lanes", 256))
+        self.seqs: dict[tuple[int, Any], int] = {}  # (rank, stream) -> the newest seq sent
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
@@ -105,13 +128,21 @@ class Compiler:
         segments: list[Segment] = []
         open_lanes: dict[int, dict[Any, Segment]] = {}
         open_control: dict[int, Segment] = {}
-        new_lanes: dict[int, list[int]] = {}
+        new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]] = {}
         routers = self.routers
         error = None
         count = 0
         rendezvous = False
+        dropped: list[tuple[int, Any]] = []
+        seqs = self.seqs
         for ranks, msg in buffer:
             try:
+                seq_of = _SEQ_OF.get(type(msg))
+                if seq_of is not None:
+                    seq, stream = seq_of(msg)
+                    for rank in ranks:
+                        if seq <= seqs.get((rank, stream), -1):
+                            self._bad_seq(rank, stream, seq, msg)
                 if type(msg) in ON_NAMED_STREAM:  # the hot path: one lane per rank, no fan-out
                     stream = int(msg.stream)
                     for rank in ranks:
@@ -136,21 +167,51 @@ class Compiler:
                                 seg = self._lane(rank, lane, open_lanes, open_control, segments,
                                                  new_lanes)
                             seg.steps.append(step)
+                            if type(step) is DropLane:  # its last step: close the segment
+                                dropped.append((rank, lane))
+                                del open_lanes[rank][lane]
             except ProtocolError as e:
                 error = e
                 break
+            if seq_of is not None:
+                for rank in ranks:
+                    seqs[(rank, stream)] = seq
             count += 1
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
+        for lane in dropped:  # after _plan: the tails hold their final keys
+            tail = self.dropped[lane] = self.lanes.pop(lane)
+            self.created.discard(lane)
+            self.lane_counts[lane[0]] -= 1  # a released lane no longer counts to the cap
+            plan.dropped[lane] = tail.next_index - 1
+        plan.segments = segments
         return plan
+
+    def forget_dropped(self, lane: tuple[int, Any]) -> None:
+        """The last segment of dropped ``lane`` ran: Exit need not follow it any more."""
+        self.dropped.pop(lane, None)
+
+
+    def _bad_seq(self, rank: int, stream: Any, seq: int, msg: Any) -> None:
+        where = "recordings" if stream is None else f"stream {int(stream)}"
+        raise ProtocolError(rank, f"{type(msg).__name__}.seq={seq} does not increase: {where} "
+                                  f"of this rank was already sent seq {self.seqs[(rank, stream)]}; "
+                                  "give every message a new, larger seq")
 
     def _lane(self, rank, lane, open_lanes, open_control, segments, new_lanes) -> Segment:
         per_rank = open_lanes.setdefault(rank, {})
         seg = per_rank.get(lane)
         if seg is None:
             if (rank, lane) not in self.created:
+                if self.lane_counts[rank] >= self.max_lanes:
+                    raise ProtocolError(rank, f"stream {lane} would be this rank's lane number "
+                                              f"{self.lane_counts[rank] + 1}, over the limit "
+                                              f"dask_monarch.limits.lanes={self.max_lanes} "
+                                              "(a lane is a thread on the worker): use fewer "
+                                              "streams, or raise the limit")
+                self.lane_counts[rank] += 1
                 self.created.add((rank, lane))
-                new_lanes.setdefault(rank, []).append(lane)
+                new_lanes.setdefault(rank, []).append((lane, self.routers[rank].streams[lane]))
             tail = self.lanes.setdefault((rank, lane), _LaneTail())
             after = [tail.key] if tail.key is not None else []
             control = self.lanes.get((rank, CONTROL))
@@ -169,7 +230,7 @@ class Compiler:
             seg = open_control[rank] = self._new(rank, CONTROL, tail, after, segments)
         if drains:
             seg.after.extend(
-                t.key for (r, lane), t in self.lanes.items()
+                t.key for (r, lane), t in [*self.lanes.items(), *self.dropped.items()]
                 if r == rank and lane != CONTROL and t.key is not None and t.key not in seg.after
             )
         open_lanes.pop(rank, None)  # later lane work must follow this control step
@@ -232,13 +293,43 @@ class _Payloads:
         for steps, payload in candidates:
             if all(a is b for a, b in zip(steps, seg.steps)):
                 return payload
-        payload = _dumps(seg.steps)
+        payload = _dumps(seg.steps, seg.rank)
         candidates.append((seg.steps, payload))
         return payload
 
 
-def _dumps(steps: list) -> bytes:
+class PayloadError(Exception):
+    """A step of a flush that cannot be serialised: the flush cannot be sent at all."""
+
+    def __init__(self, rank: int, step: Any, error: BaseException):
+        cause = (f"{type(step).__name__} {_describe(step)} cannot be serialised "
+                 f"({type(error).__name__}: {error}); nothing of this flush was sent")
+        super().__init__(f"rank {rank}: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+def _describe(step: Any) -> str:
+    seq = getattr(step, "seq", None)
+    ref = getattr(step, "reference", None)
+    return f"seq {seq}" if seq is not None else f"for {ref}" if ref is not None else ""
+
+
+def _dumps(steps: list, rank: int = 0) -> bytes:
     try:
         return pickle.dumps(steps, protocol=5)
     except Exception:  # closures or __main__ objects in a SetRef value, say
-        return cloudpickle.dumps(steps, protocol=5)
+        try:
+            return cloudpickle.dumps(steps, protocol=5)
+        except Exception as e:
+            raise PayloadError(rank, _culprit(steps), e) from e
+
+
+def _culprit(steps: list) -> Any:
+    """The first step that cannot be serialised on its own (the first step if none)."""
+    for step in steps:
+        try:
+            cloudpickle.dumps(step, protocol=5)
+        except Exception:
+            return getattr(step, "step", step)  # an InternalStep names what it carries
+    return steps[0]

@@ -4,8 +4,10 @@ A :class:`Controller` claims ``world_size`` workers as ranks
 (:mod:`~dask_monarch.controller.placement`), buffers the messages it is given,
 compiles each flush into one Dask graph (:mod:`~dask_monarch.controller.compiler`)
 and reads every rank's reports from a stream the rank's worker serves
-(:mod:`~dask_monarch.controller.reports`); :mod:`~dask_monarch.controller.watch`
-fails it when its client can no longer deliver its work.
+(:mod:`~dask_monarch.controller.reports`), on which its own heartbeat also
+asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`);
+:mod:`~dask_monarch.controller.watch` fails it when its client can no longer
+deliver its work.
 
 A failure stays inside its controller (DESIGN decision 12): a broken or
 closed controller never cancels anything through the scheduler. It drops its
@@ -18,6 +20,7 @@ scheduler that drops the whole shared client: docs/dask.md §12.)
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import pickle
@@ -33,12 +36,22 @@ from distributed import Client, wait
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
-from ..protocol.messages import WORKER_MESSAGES, ArgsKwargs, GetRefUnitTestsOnly, Ref, StreamRef
+from ..protocol.messages import (
+    WORKER_MESSAGES,
+    ArgsKwargs,
+    CommandGroup,
+    DefineRecording,
+    GetRefUnitTestsOnly,
+    Ref,
+    SetRefUnitTestsOnly,
+    StreamRef,
+)
 from ..protocol.ndslice import Slice
-from ..protocol.wire import ActorCall, ReadRef
+from ..protocol.wire import ActorCall, DropLane, ReadRef
 from ..worker import construct_actor, register_actor
-from .compiler import Compiler, InternalStep
-from .placement import add_lanes, choose_workers, claim_ranks, open_rendezvous, tune_batched_comms
+from .compiler import Compiler, InternalStep, PayloadError
+from .liveness import Liveness
+from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .reports import Reports
 from .watch import ClientWatch
 
@@ -47,13 +60,61 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dask_monarch.controller")
 
+SHUTDOWN_TIMEOUT = 2.0  # seconds a closing controller waits for the client's loop to let go
+CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
+
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
+# Messages whose fields may hold any Python value: checked at send (the others hold plain data
+# or arguments that ArgsKwargs already serialised when it was made).
+_ANY_VALUE = frozenset({SetRefUnitTestsOnly, CommandGroup, DefineRecording})
+_PLAIN = (type(None), bool, int, float, str, bytes)
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
 def live_controllers() -> list[Controller]:
     """The controllers of this process that are not closed (for progress displays)."""
     return [c for c in list(_live) if not c._closed]
+
+
+def client_problem(client: Client) -> str | None:
+    """Why ``client`` cannot carry a controller's work any more, or None (cheap: no I/O).
+
+    A client that lost its scheduler reconnects on its own, but the scheduler
+    forgot the client's tasks, so a mesh's work is gone either way.
+    """
+    status = client.status
+    if status in ("closing", "closed"):
+        return ("its distributed.Client was closed; close meshes (mesh.exit(), "
+                "Controller.close()) before their client")
+    comm = client.scheduler_comm
+    if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():
+        address = getattr(client.scheduler, "address", None) or "its scheduler"
+        return (f"lost the connection to the scheduler at {address} (the scheduler died or "
+                "the network failed): the mesh's work is gone; start a new mesh once the "
+                "scheduler is back")
+    return None
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit with controllers still open: release their ranks while the client can.
+
+    Runs before distributed's own exit hooks (registered earlier), so the
+    client still works; nothing is drained (call ``mesh.exit()`` for that).
+    """
+    open_ = [c for c in live_controllers() if c._broken is None]
+    if not open_:
+        return
+    logger.warning("dask_monarch: %d mesh%s still open at interpreter exit (%s): released "
+                   "without waiting for %s work; call mesh.exit() to wait for it",
+                   len(open_), "es were" if len(open_) > 1 else " was",
+                   ", ".join(f"controller {c.token}, {c.world_size} ranks" for c in open_),
+                   "their" if len(open_) > 1 else "its")
+    for controller in open_:
+        try:
+            controller.close(timeout=0)
+        except Exception as e:  # exiting anyway
+            logger.debug("closing %r at exit: %r", controller, e)
 
 Ranks = int | Iterable[int] | Slice
 
@@ -86,7 +147,9 @@ class Controller:
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
         self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
-        self._reports = Reports(self.token, self._progress, self._break_locked)
+        self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
+        self._reports = Reports(self.token, self._progress, self._break_locked,
+                                lambda: client_problem(client), client.scheduler)
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -94,14 +157,24 @@ class Controller:
         self._actor_ids = itertools.count()
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
-        self._watch = ClientWatch(client, lambda: list(self._tails.values()), self._break)
+        self._watch = ClientWatch(client, lambda: client_problem(client),
+                                  lambda: list(self._tails.values()), self._break)
 
         config.freeze_gc()
         self.workers = choose_workers(client, world_size, device, workers)
-        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device)
+        # 'auto': NCCL for CUDA tensors, gloo for CPU ones; 'gloo': gloo for both
+        self.backend = config.get("backend", "auto")
+        self.resources, self.devices = claim_ranks(client, self.token, self.workers, device,
+                                                   self.backend)
+        self._liveness = Liveness(
+            self.token, self.workers, self._reports, self._progress, self._break_locked,
+            interval=config.seconds("timeouts.heartbeat") or 0.0,
+            unresponsive=config.seconds("timeouts.unresponsive") or float("inf"),
+            liveness=config.seconds("timeouts.liveness") or float("inf"))
         client.sync(self._reports.subscribe, self.workers, client.connection_args,
                     callback_timeout=config.seconds("timeouts.claim"))
-        tune_batched_comms(client, self.workers)
+        client.loop.add_callback(self._liveness.start)
+        self._restore_gap = lower_client_gap(client)
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources)
         self._flush_size = int(config.get("flush.size"))
@@ -131,6 +204,8 @@ class Controller:
             raise RuntimeError("the controller is closed")
         if type(message) not in _WORKER_MESSAGE_TYPES:
             raise TypeError(f"expected a worker message, got {message!r}")
+        if type(message) in _ANY_VALUE:
+            _check_serialisable(message)
         try:
             ranks = self._rank_sets[ranks]
         except (KeyError, TypeError):
@@ -170,28 +245,70 @@ class Controller:
             with self._lock:
                 buffer, self._buffer = self._buffer, []
             if buffer and self._broken is None:
-                self._submit(buffer)
+                try:
+                    self._submit(buffer)
+                except PayloadError as e:
+                    self._break(DeviceException(e.cause, rank=e.rank))
+                except Exception as e:  # the flush may be partly submitted: never run on
+                    self._break(DeviceException(
+                        f"a flush of {len(buffer)} messages could not be submitted "
+                        f"({type(e).__name__}: {e}); create a new controller"))
         if self._broken is not None:
             raise self._broken
 
     def _submit(self, buffer: list) -> None:
+        """Compile ``buffer`` and hand it to Dask; whatever stops that half way breaks the
+        controller (the compiler already counts the flush as sent)."""
+        try:
+            self._hand_over(buffer)
+        except BaseException as e:
+            problem, log = client_problem(self._client), False  # the caller raises it
+            if problem is None and isinstance(e, KeyboardInterrupt):
+                problem = ("interrupted (KeyboardInterrupt) while handing a flush to Dask: the "
+                           "ranks' state is unknown; start a new mesh")
+            elif problem is None:
+                problem = f"handing a flush to Dask failed: {type(e).__name__}: {e}"
+                log = True  # the background flusher keeps it for the next call: say it now
+            self._break(DeviceException(problem), log=log)
+            if not isinstance(e, Exception):
+                raise
+
+    def _hand_over(self, buffer: list) -> None:
         plan = self._compiler.compile(buffer)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
         if plan.new_lanes:
-            add_lanes(self._client, self.token, self.workers, plan.new_lanes)
+            add_lanes(self._client, self.token, self.workers, plan.new_lanes, self._reports.names)
         self.messages_sent += plan.messages
         self.flushes += 1
         if plan.graph is not None:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
-            self._reports.expect(plan.counts)
+            self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
+        if plan.dropped:
+            self._dropping.update(plan.dropped)
+        if self._dropping:
+            self._retire_dropped()
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
+
+    def _retire_dropped(self) -> None:
+        """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
+        and names (the caller holds ``_flush_lock``)."""
+        with self._progress:
+            gone = self._reports.retire(self._dropping)
+        for lane in gone:
+            del self._dropping[lane]
+            self._tails.pop(lane, None)
+            self._compiler.forget_dropped(lane)
+        streams = {stream for _, stream in self._dropping}
+        for _, stream in gone:
+            if stream not in streams:
+                self._reports.names.pop(stream, None)
 
     def _flush_loop(self) -> None:
         """Flush once the buffer has been idle for a moment (a busy sender flushes itself)."""
@@ -221,9 +338,12 @@ class Controller:
         caused by what was sent since the last sync, in seq order.
         """
         self.flush()
-        self._wait(self._reports.caught_up, timeout, self._reports.pending)
+        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._progress:
             messages = self._reports.take_inbox()
+        if self._dropping:
+            with self._flush_lock:
+                self._retire_dropped()
         return sorted(messages, key=lambda msg: msg.seq)
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
@@ -237,7 +357,12 @@ class Controller:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"timed out after {timeout}s waiting for {pending()}")
-                self._progress.wait(remaining)
+                if self._closed:
+                    raise RuntimeError(f"the controller was closed while waiting for {pending()}")
+                if not self._progress.wait(min(remaining, CLIENT_CHECK_S)):
+                    problem = client_problem(self._client)  # no report can say this
+                    if problem is not None:
+                        self._break_locked(DeviceException(problem), log=False)
 
     def get_ref(self, rank: int, ref: Ref, stream: StreamRef, timeout: float = 60) -> Any:
         """The value ``ref`` holds on ``rank``'s ``stream`` after everything sent before.
@@ -256,7 +381,8 @@ class Controller:
         self.flush()
         replies = self._reports.replies
         self._wait(lambda: probe in replies, timeout,
-                   lambda: f"rank {rank} stream {stream.id} to reach the read of {ref}")
+                   lambda: f"rank {rank}, stream {stream.id} to reach the read of {ref} "
+                           f"({self._liveness.lane_status(rank, stream.id)})")
         with self._progress:
             reply = replies.pop(probe)
         if reply.state == "absent":
@@ -306,6 +432,27 @@ class Controller:
         step = ActorCall(tuple(broker_id), seq, method, ArgsKwargs.from_python(args, kwargs))
         self._send_internal(self._ranks(ranks), stream, step)
 
+    # -- streams ------------------------------------------------------------------------------
+
+    def name_stream(self, stream: StreamRef, name: str) -> None:
+        """Show ``stream`` as ``name`` on the dashboard and in errors (before it is created)."""
+        if type(stream) is not StreamRef or not isinstance(name, str):
+            raise TypeError("name_stream takes a StreamRef and a str")
+        self._reports.names[stream.id] = name
+
+    def drop_stream(self, ranks: Ranks, stream: StreamRef) -> None:
+        """End ``stream`` on ``ranks`` once everything sent to it so far has run there.
+
+        Its lane's refs, communicators and thread are freed on each rank.
+        Monarch's protocol has no such message (its streams live as long as
+        the mesh); the user API drops a :class:`dask_monarch.Stream` once it
+        and every tensor on it are garbage. A later message naming ``stream``
+        is a protocol error, and its id is not reused.
+        """
+        if type(stream) is not StreamRef:
+            raise TypeError(f"drop_stream takes a StreamRef, got {stream!r}")
+        self._send_internal(self._ranks(ranks), stream, DropLane())
+
     def _send_internal(self, ranks: tuple[int, ...], stream: StreamRef, step: Any) -> None:
         self._check_usable()
         with self._lock:
@@ -331,6 +478,27 @@ class Controller:
         """
         self._reports.listeners.append(listener)
 
+    def waiting_for(self) -> str:
+        """The lanes that have not run everything sent to them, and what each is doing.
+
+        The words of a LivenessWarning ("" when every lane has caught up); what
+        a blocking call that times out says.
+        """
+        with self._progress:
+            return self._liveness.pending()
+
+    def lanes(self) -> list[dict]:
+        """Every lane of every rank: what its latest heartbeat answer and the reports show.
+
+        Per lane: ``rank``, ``lane`` (stream id or ``"control"``) and the
+        fields of :class:`~dask_monarch.protocol.wire.LaneProgress` (``state``,
+        ``doing``, ``seq``, ``next_seq``, ``last_seq``, ``done_seq``, ``for_s``,
+        ``peers``, ``where``), ``segments_sent``/``segments_done``,
+        ``stalled_for`` (seconds without a completed message while work is
+        outstanding) and ``status`` (in words, as a LivenessWarning says it).
+        """
+        return self._liveness.lanes()
+
     def progress(self) -> dict:
         """Segments submitted and finished so far, and messages sent (cheap; any thread)."""
         with self._progress:
@@ -343,48 +511,79 @@ class Controller:
 
     @property
     def broken(self) -> DeviceException | None:
-        """The DeviceException that broke this controller, if any."""
+        """The DeviceException that broke this controller, if any (waiting loops poll it: a
+        client that lost its scheduler, or was closed, breaks the controller here)."""
+        if self._broken is None and not self._closed:
+            self._check_client()
         return self._broken
 
-    def _break(self, exc: DeviceException) -> None:
-        with self._progress:
-            self._break_locked(exc)
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (nothing sent after it runs)."""
+        return self._closed
 
-    def _break_locked(self, exc: DeviceException) -> None:
+    def _check_client(self) -> None:
+        """Fail at once when the client was closed or lost its scheduler: the work handed to
+        Dask is gone, and no report would ever say so (DESIGN decision 12)."""
+        problem = client_problem(self._client)
+        if problem is not None:  # the caller raises it at once
+            self._break(DeviceException(problem), log=False)
+
+    def _break(self, exc: DeviceException, log: bool = True) -> None:
+        with self._progress:
+            self._break_locked(exc, log)
+
+    def _break_locked(self, exc: DeviceException, log: bool = True) -> None:
         if self._broken is not None or self._closed:
             return
-        logger.warning("controller %s is broken: %s", self.token, exc)
+        if log:
+            logger.warning("controller %s is broken: %s", self.token, exc)
         self._broken = exc
         self._progress.notify_all()
-        self._client.loop.add_callback(self._shutdown_async)
+        self._restore_gap()
+        try:
+            self._client.loop.add_callback(self._shutdown_async)
+        except RuntimeError:  # the client's event loop is gone (a closed client)
+            self._reports.hang_up()
 
     async def _shutdown_async(self) -> None:
         """Let go of our work and hang up every report stream (workers then free our state).
 
         Only our references go: no ``Client.cancel`` (see the module docs).
         """
+        self._liveness.stop()
         self._watch.stop()
         self._tails.clear()
         self._actors.clear()
         self._reports.hang_up()
 
-    def close(self) -> None:
-        """Wait briefly for outstanding work, then release everything on every rank."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for outstanding work, then release every rank.
+
+        ``timeout`` defaults to ``dask_monarch.timeouts.close``; 0 releases at
+        once (after Ctrl-C, or at interpreter exit). Ends within about
+        ``timeout`` + 5 s whatever state the client is in.
+        """
         if self._closed:
             return
-        if self._broken is None:
+        if timeout is None:
+            timeout = config.seconds("timeouts.close")
+        if self._broken is None and timeout > 0:
             try:
-                self.sync(timeout=config.seconds("timeouts.close"))
+                self.sync(timeout=timeout)
             except Exception as e:
                 logger.info("closing controller %s without draining: %s", self.token, e)
         self._closed = True
         self._wake.set()
         with self._progress:
             self._progress.notify_all()
+        self._restore_gap()
         try:
-            self._client.sync(self._shutdown_async)
-        except Exception as e:
-            logger.debug("controller %s could not shut down cleanly: %s", self.token, e)
+            self._client.sync(self._shutdown_async, callback_timeout=2 * SHUTDOWN_TIMEOUT)
+        except Exception as e:  # a closed client: its loop may be gone, hang up from here
+            logger.debug("controller %s could not shut down on the client's loop: %r",
+                         self.token, e)
+            self._reports.hang_up()
 
     def __enter__(self) -> Controller:
         return self
@@ -395,3 +594,26 @@ class Controller:
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
         return f"<Controller {self.token}: {self.world_size} ranks, {state}>"
+
+
+def _check_serialisable(message: Any) -> None:
+    """Refuse a message that a flush could not pickle, before it joins the buffer.
+
+    Checked here, where the sender sees the error; a value changed after
+    ``send`` so that it no longer pickles fails the whole flush instead
+    (DeviceException naming the message).
+    """
+    if type(message) is SetRefUnitTestsOnly:
+        value = message.value
+        if type(value) in _PLAIN:
+            return
+        try:
+            cloudpickle.dumps(value, protocol=5)
+        except Exception as e:
+            raise TypeError(
+                f"SetRefUnitTestsOnly.value cannot be serialised for {message.reference}: "
+                f"{type(e).__name__}: {e}; send plain data, tensors or picklable objects") from e
+    else:  # a group or recording: check what it carries
+        for inner in getattr(message, "messages", None) or getattr(message, "commands", ()):
+            if type(inner) in _ANY_VALUE:
+                _check_serialisable(inner)

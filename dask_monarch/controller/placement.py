@@ -3,13 +3,16 @@
 The workers are chosen in a stable order (GPU workers first, then by rank
 resource and name in natural order), claimed as ranks, given lanes as flushes
 need them and, for the first collective, a store rendezvous. Each step is one
-``client.run`` on the workers concerned; the functions here hold no state, the
+``client.run`` on the workers concerned; the functions here hold no state (but
+who lowered a client's batched-send gap), the
 :class:`~dask_monarch.controller.Controller` keeps what they return.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed import Client
@@ -19,12 +22,15 @@ from ..worker import (
     claim_rank,
     create_lanes,
     describe_worker,
+    release_controller,
     set_rendezvous,
     start_rendezvous,
 )
 
 if TYPE_CHECKING:
-    from distributed import Scheduler, Worker
+    from distributed import Worker
+
+    from ..protocol.messages import StreamCreationMode
 
 
 def natural_key(text: str) -> tuple:
@@ -52,29 +58,53 @@ def choose_workers(client: Client, world_size: int, device: str,
     return sorted(info, key=order)[:world_size]
 
 
-def claim_ranks(client: Client, token: str, workers: list[str],
-                device: str) -> tuple[list[str], list[str]]:
+def claim_ranks(client: Client, token: str, workers: list[str], device: str,
+                backend: str) -> tuple[list[str], list[str]]:
     """Make ``workers[r]`` rank ``r`` of controller ``token``; returns their resources and devices.
 
     The resource is the one each rank's tasks are pinned with; the device is
     where the rank keeps its tensors (``device`` resolved on the worker).
     """
-    backend = config.get("backend", "auto")
     if backend not in ("auto", "gloo"):
         raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
     settings = {"device": device, "collective_timeout": config.seconds("timeouts.collective"),
                 "backend": backend}
     ranks = {address: rank for rank, address in enumerate(workers)}
     replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)
+    if backend != "gloo":
+        shared = _sharing_a_gpu([replies[a] for a in workers])
+        if shared:
+            client.run(release_controller, token, workers=workers)
+            raise ValueError(
+                f"ranks {shared[0]} and {shared[1]} ({workers[shared[0]]}, "
+                f"{workers[shared[1]]}) are on the same GPU, and NCCL needs a GPU per rank: give "
+                "each worker its own GPU (dask monarch worker, --monarch-gpu, a rotated "
+                "CUDA_VISIBLE_DEVICES), or set dask_monarch.backend to 'gloo'")
     return [replies[a]["resource"] for a in workers], [replies[a]["device"] for a in workers]
 
 
+def _sharing_a_gpu(replies: list[dict]) -> tuple[int, int] | None:
+    """Two ranks whose claims named the same GPU, if any."""
+    seen: dict[str, int] = {}
+    for rank, reply in enumerate(replies):
+        gpu = reply.get("gpu")
+        if gpu is not None:
+            if gpu in seen:
+                return seen[gpu], rank
+            seen[gpu] = rank
+    return None
+
+
 def add_lanes(client: Client, token: str, workers: list[str],
-              new_lanes: dict[int, list[int]]) -> None:
-    """Create the lanes (stream ids) a flush needs for the first time, by rank."""
+              new_lanes: dict[int, list[tuple[int, StreamCreationMode]]],
+              names: dict[int, str]) -> None:
+    """Create the lanes ``(stream id, creation mode)`` a flush needs for the first time, by
+    rank, with the names the dashboard and errors show (``names``: stream id -> name, where
+    one was given)."""
     client.run(
         _create_lanes_by_address, token,
-        {workers[r]: ids for r, ids in new_lanes.items()},
+        {workers[r]: [(i, mode, names.get(i)) for i, mode in lanes]
+         for r, lanes in new_lanes.items()},
         workers=[workers[r] for r in new_lanes],
     )
 
@@ -90,37 +120,47 @@ def open_rendezvous(client: Client, token: str, workers: list[str]) -> tuple[str
     return host, port
 
 
-def tune_batched_comms(client: Client, workers: list[str]) -> None:
-    """Lower Dask's batched-comm gaps to ``comm.batched-interval`` (null leaves them alone).
+def lower_client_gap(client: Client) -> Callable[[], None]:
+    """Lower the gap of ``client``'s own stream to the scheduler while a controller uses it.
 
-    The gaps on the client, the scheduler and the ranks' workers set the
-    latency floor of a flush.
+    Dask waits 10 ms between the batches a client sends; flushes ride on them,
+    so each controller lowers the gap to ``comm.batched-interval`` (null leaves
+    it alone). Only this process's client changes: the scheduler's and the
+    workers' gaps are the cluster's, shared by every client, and only a cluster
+    dask_monarch started lowers them (deployment/comm_gaps.py). Returns the
+    function that gives the gap back; the last controller of a client restores
+    Dask's value.
     """
     interval = config.seconds("comm.batched-interval")
-    if interval is None:
-        return
-    if client.scheduler_comm is not None:
-        client.scheduler_comm.interval = min(client.scheduler_comm.interval, interval)
-    client.run_on_scheduler(_tune_scheduler, interval, list(workers), client.id)
-    client.run(_tune_worker, interval, workers=list(workers))
+    comm = client.scheduler_comm
+    if interval is None or comm is None:
+        return lambda: None
+    with _gaps_lock:
+        entry = _client_gaps.get(id(comm))
+        if entry is None:
+            entry = _client_gaps[id(comm)] = [comm.interval, 0]
+            comm.interval = min(comm.interval, interval)
+        entry[1] += 1
+    returned = False
+
+    def restore() -> None:
+        nonlocal returned
+        with _gaps_lock:
+            if returned:
+                return
+            returned = True
+            entry[1] -= 1
+            if entry[1] == 0 and _client_gaps.get(id(comm)) is entry:
+                del _client_gaps[id(comm)]
+                comm.interval = entry[0]
+
+    return restore
 
 
-async def _create_lanes_by_address(token: str, by_address: dict[str, list[int]],
+_gaps_lock = threading.Lock()
+_client_gaps: dict[int, list] = {}  # id(a client's scheduler comm) -> [Dask's gap, controllers]
+
+
+async def _create_lanes_by_address(token: str, by_address: dict[str, list[tuple]],
                                    dask_worker: Worker | None = None) -> None:
     await create_lanes(token, by_address[dask_worker.address], dask_worker=dask_worker)
-
-
-def _tune_scheduler(interval: float, workers: list[str], client_id: str,
-                    dask_scheduler: Scheduler | None = None) -> None:
-    for address in workers:
-        comm = dask_scheduler.stream_comms.get(address)
-        if comm is not None:
-            comm.interval = min(comm.interval, interval)
-    comm = dask_scheduler.client_comms.get(client_id)
-    if comm is not None:
-        comm.interval = min(comm.interval, interval)
-
-
-def _tune_worker(interval: float, dask_worker: Worker | None = None) -> None:
-    comm = dask_worker.batched_stream
-    comm.interval = min(comm.interval, interval)

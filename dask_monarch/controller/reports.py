@@ -5,8 +5,11 @@ than through task results: a fetch costs no extra gather, and a lost worker
 shows up at once as a closed stream. A rank reports the segments it finished
 (``LaneDone``), controller messages (``Status``, ``RemoteFunctionFailed``, and
 fetched values, unpickled here into ``FetchResult``), what a probe read
-(``RefValue``), its exit (``Exited``) and failures that break the mesh
-(``Fatal``).
+(``RefValue``), its exit (``Exited``), failures that break the mesh
+(``Fatal``), values that a message without a seq failed (``ValueFailed``,
+for the listeners: the user API knows which seq defined the value) and its
+answers to the controller's heartbeat (``Heartbeat``, read by
+:mod:`~dask_monarch.controller.liveness`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import asyncio
 import logging
 import pickle
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +27,14 @@ from distributed.comm import Comm, connect
 from distributed.comm.core import CommClosedError
 
 from ..exceptions import DeviceException
-from ..protocol.messages import FetchResult, RemoteFunctionFailed, Status
-from ..protocol.wire import Exited, Fatal, Fetched, LaneDone, RefValue
+from ..protocol.liveness import lane_name
+from ..protocol.messages import FetchResult, FunctionPath, RemoteFunctionFailed, Status
+from ..protocol.rules import RULES
+from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue, ValueFailed
 
 logger = logging.getLogger("dask_monarch.controller")
+
+SCHEDULER_GRACE_S = 0.2  # a report stream ended: did the client lose its scheduler meanwhile?
 
 
 class Reports:
@@ -37,10 +46,14 @@ class Reports:
     """
 
     def __init__(self, token: str, progress: threading.Condition,
-                 fail: Callable[[DeviceException], None]) -> None:
+                 fail: Callable[[DeviceException], None],
+                 client_problem: Callable[[], str | None] = lambda: None,
+                 scheduler: Any = None) -> None:
         self.token = token
+        self.scheduler = scheduler  # the client's scheduler rpc: why a worker was lost
         self.progress = progress
         self.fail = fail
+        self.client_problem = client_problem  # why the client lost its scheduler, if it did
         self.expected: dict[tuple[int, Any], int] = {}  # (rank, lane) -> newest segment
         self.done: dict[tuple[int, Any], int] = {}  # (rank, lane) -> last finished segment
         self.inbox: list = []  # controller messages not yet returned by a sync
@@ -48,6 +61,13 @@ class Reports:
         self.listeners: list[Callable[[Any], None]] = []
         self.exited: set[int] = set()
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
+        self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
+        self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
+        self.names: dict[int, str] = {}  # stream id -> the name the user gave it
+        self.retired = 0  # segments of dropped lanes, no longer in expected/done
+        # (rank, lane) -> [(index, steps)] of segments submitted and maybe not yet run: a lost
+        # worker's message says what it was running (pruned as flushes come)
+        self.in_flight: dict[tuple[int, Any], deque] = {}
 
     # -- the streams --------------------------------------------------------------------------
 
@@ -73,32 +93,62 @@ class Reports:
             logger.debug("report stream of rank %d ended: %r", rank, e)
         except asyncio.CancelledError:  # the client's event loop is going away, not the worker
             with self.progress:
-                self.fail(DeviceException(
-                    "its Client was closed while the mesh was in use, so no report can arrive "
-                    "(exit meshes before closing their Client)"))
+                self.fail(DeviceException(self.client_problem() or (
+                    "the client's event loop stopped (was its Client closed?), so no report "
+                    "can arrive; close meshes before their client")))
             raise
         except Exception as e:  # a report we cannot read: the mesh cannot be trusted
             logger.exception("bad report from rank %d", rank)
             with self.progress:
                 self.fail(DeviceException(f"unreadable report from its worker: {e!r}", rank=rank))
             return
+        if self.comms.get(rank) is not comm:  # hung up on purpose
+            return
+        # Workers close when they lose the scheduler: a lost scheduler is not a lost rank.
+        problem = self.client_problem()
+        if problem is None:
+            await asyncio.sleep(SCHEDULER_GRACE_S)
+            problem = self.client_problem()
+        why = await self._memory_kill(address) if problem is None else ""
         with self.progress:  # a no-op once the controller is closed
-            self.fail(DeviceException(
+            self.fail(DeviceException(problem) if problem is not None else DeviceException(
                 f"lost connection to its worker {address} "
-                "(the worker died, restarted or was removed)", rank=rank))
+                f"({why or 'the worker died, restarted or was removed'}){self.running(rank)}",
+                rank=rank))
+
+    async def _memory_kill(self, address: str) -> str:
+        """Why the worker at ``address`` went, if its nanny killed it for its memory."""
+        if self.scheduler is None:
+            return ""
+        try:  # the nanny logs this event before it terminates the worker (docs/dask.md)
+            events = await asyncio.wait_for(
+                self.scheduler.events(topic="worker-restart-memory"), 2.0)
+        except Exception as e:
+            logger.debug("no memory events from the scheduler: %r", e)
+            return ""
+        for _, event in reversed(list(events or ())):
+            if isinstance(event, dict) and event.get("worker") == address:
+                return (f"its nanny killed it for exceeding its memory limit: it used "
+                        f"{event.get('rss', 0) / 2**20:.0f} MiB (see distributed.worker.memory."
+                        "terminate and the worker's memory_limit)")
+        return ""
 
     def hang_up(self) -> None:
         """Abort every report stream (the workers then free this controller's state)."""
         comms = list(self.comms.values())
         self.comms.clear()
         for comm in comms:
-            comm.abort()
+            try:
+                comm.abort()
+            except Exception as e:  # its event loop is gone: the process's exit closes it
+                logger.debug("aborting a report stream: %r", e)
 
     # -- what they say ------------------------------------------------------------------------
 
     def on_reports(self, rank: int, batch: list) -> None:
         """Apply one batch of ``rank``'s reports, then hand its controller messages to listeners."""
-        delivered = []
+        delivered = []  # for the inbox and the listeners, in arrival order
+        seqless = False  # a ValueFailed is among them: for the listeners only
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -110,6 +160,9 @@ class Reports:
                     delivered.append(_fetch_result(item))
                 elif t is Status or t is RemoteFunctionFailed:
                     delivered.append(item)
+                elif t is ValueFailed:  # not a controller message (no seq)
+                    delivered.append(item)
+                    seqless = True
                 elif t is RefValue:
                     if item.probe > 0:
                         self.replies[item.probe] = item
@@ -122,16 +175,44 @@ class Reports:
                         self.fail(DeviceException(
                             f"Exit with an error from {source or 'an unknown source'}: {text}",
                             rank=item.rank))
-            self.inbox.extend(delivered)
+                elif t is Heartbeat:
+                    self.beats[item.rank] = item
+                    self.answered[item.rank] = time.monotonic()
+            self.inbox.extend([x for x in delivered if type(x) is not ValueFailed]
+                              if seqless else delivered)
             self.progress.notify_all()
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)
 
-    def expect(self, counts: dict[tuple[int, Any], int]) -> None:
-        """A flush was submitted: ``counts`` gives each of its lanes' newest segment."""
+    def expect(self, counts: dict[tuple[int, Any], int], segments: list = ()) -> None:
+        """A flush was submitted: ``counts`` gives each of its lanes' newest segment,
+        ``segments`` (compiler Segments) what they run."""
         with self.progress:
             self.expected.update(counts)
+            done, in_flight = self.done, self.in_flight
+            for seg in segments:
+                key = (seg.rank, seg.lane)
+                queue = in_flight.get(key)
+                if queue is None:
+                    queue = in_flight[key] = deque()
+                last = done.get(key, -1)
+                while queue and queue[0][0] <= last:
+                    queue.popleft()
+                queue.append((seg.index, seg.steps))
+
+    def running(self, rank: int) -> str:
+        """What ``rank``'s lanes were running or about to run (the caller holds ``progress``):
+        the first unfinished segment of each lane, by the seqs and functions in it."""
+        parts = []
+        for (r, lane), queue in sorted(self.in_flight.items(), key=str):
+            last = self.done.get((r, lane), -1)
+            first = next((steps for index, steps in queue if index > last), None) if r == rank \
+                else None
+            if first:
+                where = "control steps" if lane == "control" else f"stream {lane}"
+                parts.append(f"{where}: {describe(first)}")
+        return f"; it was running {'; '.join(parts)}" if parts else ""
 
     def ranks_idle(self) -> bool:
         """Every segment submitted so far has run (takes ``progress``; any thread)."""
@@ -143,27 +224,48 @@ class Reports:
         done = self.done
         return all(done.get(lane, -1) >= index for lane, index in self.expected.items())
 
-    def pending(self) -> str:
-        """The lanes that have not run everything yet, for a timeout's message."""
-        pending = [
-            f"rank {rank} {'control steps' if lane == 'control' else f'stream {lane}'} "
-            f"(ran {self.done.get((rank, lane), -1) + 1} of {index + 1} segments)"
-            for (rank, lane), index in sorted(self.expected.items(), key=str)
-            if self.done.get((rank, lane), -1) < index
-        ]
-        return ", ".join(pending)
+    def describe(self, lane: Any) -> str:
+        """``stream 'comms' (3)``, ``stream 3`` without a name, or ``control steps``."""
+        return lane_name(lane, self.names.get(lane))
 
     def segments(self) -> tuple[int, int]:
         """Segments submitted and segments finished (the caller holds ``progress``)."""
-        expected = sum(index + 1 for index in self.expected.values())
+        expected = sum(index + 1 for index in self.expected.values()) + self.retired
         done = sum(min(self.done.get(lane, -1), index) + 1
-                   for lane, index in self.expected.items())
+                   for lane, index in self.expected.items()) + self.retired
         return expected, done
+
+    def retire(self, dropping: dict[tuple[int, Any], int]) -> list[tuple[int, Any]]:
+        """Forget the dropped lanes of ``dropping`` whose last segment ran; returns them
+        (the caller holds ``progress``)."""
+        gone = [lane for lane, index in dropping.items() if self.done.get(lane, -1) >= index]
+        for lane in gone:
+            self.retired += self.expected.pop(lane, -1) + 1
+            self.done.pop(lane, None)
+        return gone
 
     def take_inbox(self) -> list:
         """The controller messages since the last call (the caller holds ``progress``)."""
         messages, self.inbox = self.inbox, []
         return messages
+
+
+def describe(steps: list, most: int = 3) -> str:
+    """A segment's work for an error message: the messages in it that run user code (else all),
+    by seq and function."""
+    users = [s for s in steps if getattr(RULES.get(type(s)), "user_code", False)]
+    names = []
+    for step in users or steps:
+        fn = getattr(step, "function", None)
+        seq = getattr(step, "seq", None)
+        what = type(step).__name__
+        if type(fn) is FunctionPath:
+            what = f"{what} of {fn.path}"
+        elif fn is not None:
+            what = f"{what} of a pickled function"
+        names.append(what if seq is None else f"{what} (seq {seq})")
+    more = f" and {len(names) - most} more messages" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _fetch_result(item: Fetched) -> FetchResult | RemoteFunctionFailed:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..protocol import messages as m
 from ..protocol.rules import LANES, Borrows, Lanes, RecordingChunks, stream_of, streams_named
-from ..protocol.wire import CONTROL, StatusProbe
+from ..protocol.wire import CONTROL, DropLane, StatusProbe
 
 
 class ProtocolError(Exception):
@@ -41,7 +41,9 @@ class RankRouter:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.streams: dict[int, None] = {}  # insertion-ordered set of stream ids
+        # the rank's streams in creation order, with the mode each was created in
+        self.streams: dict[int, m.StreamCreationMode] = {}
+        self.dropped: set[int] = set()  # streams ended by drop_stream: their ids stay unused
         self.borrows = Borrows(self.error)
         self.recordings: dict[int, tuple[int, ...]] = {}  # complete recording -> its streams
         self.chunks = RecordingChunks(self.error)
@@ -52,6 +54,8 @@ class RankRouter:
 
     def stream(self, ref: m.StreamRef, what: str) -> int:
         if ref.id not in self.streams:
+            if ref.id in self.dropped:
+                raise self.error(f"{what} names stream {ref.id}, which was dropped")
             raise self.error(f"{what} names stream {ref.id}, which was never created on this rank")
         return ref.id
 
@@ -88,7 +92,10 @@ class RankRouter:
             for inner in msg.messages:
                 yield from self.route(inner)
         elif lanes is Lanes.NEW_STREAM:
-            self.streams[msg.id.id] = None
+            if msg.id.id in self.dropped:
+                raise self.error(f"CreateStream of stream {msg.id.id}, which was dropped "
+                                 "(a new stream needs a new id)")
+            self.streams[msg.id.id] = msg.stream_creation
             yield msg.id.id, msg, False
         elif lanes is Lanes.CONTROL:
             if t is m.DefineRecording:
@@ -98,7 +105,11 @@ class RankRouter:
             self.exited = True
             yield CONTROL, msg, True
         elif t is InternalStep:
-            yield self.stream(m.StreamRef(msg.stream), type(msg.step).__name__), msg.step, False
+            stream = self.stream(m.StreamRef(msg.stream), type(msg.step).__name__)
+            if type(msg.step) is DropLane:  # the lane's last step: nothing may follow it
+                del self.streams[stream]
+                self.dropped.add(stream)
+            yield stream, msg.step, False
         else:
             raise self.error(f"{t.__name__} is not a worker message")
 

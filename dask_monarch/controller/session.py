@@ -15,11 +15,14 @@ on the user's thread; one lock keeps them apart.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import gc
 import itertools
 import os
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +32,8 @@ from distributed import Client
 from ..exceptions import DeviceException, RemoteException
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
+from ..protocol.rules import streams_named
+from ..protocol.wire import ValueFailed
 from .controller import Controller
 from .history import History
 
@@ -47,20 +52,34 @@ class MeshFuture(concurrent.futures.Future):
         self._session = session
         self.seq = seq
         self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
+        self.check: Any = None  # called with the value before result() returns it
 
     def result(self, timeout: float | None = None) -> Any:
-        self._session.controller.flush()
+        """The value; waits ``timeout`` seconds at most (None: until it resolves).
+
+        Never waits past a broken mesh (its DeviceException is raised) or an
+        exited one; a TimeoutError names the lanes still running and what they
+        wait on, as a LivenessWarning does.
+        """
+        controller = self._session.controller
+        controller.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return super().result(timeout=0.05)
+                value = super().result(timeout=0.05)
+                if self.check is not None:
+                    self.check(value)
+                return value
             except concurrent.futures.TimeoutError:
-                broken = self._session.controller.broken
+                broken = controller.broken
                 if broken is not None:
                     raise broken from None
+                if controller.closed and not self.done():
+                    raise RuntimeError(f"the mesh was exited before the fetch of seq {self.seq} "
+                                       "resolved") from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the fetch of seq {self.seq} did not resolve within "
-                                       f"{timeout}s") from None
+                                       f"{timeout}s: {_waiting_for(controller)}") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -103,13 +122,16 @@ class Session:
 
     def __init__(self, client: Client, world_size: int) -> None:
         self.controller = Controller(client, world_size)
+        self.backend = self.controller.backend  # 'auto' (NCCL for CUDA tensors) or 'gloo'
         self.world = tuple(range(world_size))
         self.lock = threading.RLock()
         self.history = History()
         self._ids = itertools.count(1)
         self._seq = 0
         self._status_requested_at = 0
-        self._streams: dict[Any, m.StreamRef] = {}
+        self._streams: dict[int, m.StreamRef] = {}  # id(Stream) -> its ref, while it lives
+        self._stream_objects: dict[int, weakref.ref] = {}  # stream ref id -> the Stream
+        self._dead_streams: list[m.StreamRef] = []  # garbage Streams not yet dropped on the ranks
         self._meshes: dict[tuple, m.Ref] = {}
         self._network = False
         self._comms: set = set()
@@ -144,7 +166,8 @@ class Session:
         if self.capture is not None:
             self.capture.add(ranks, message)
             return
-        if len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES:
+        if ((len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES)
+                and not _gc_state.collecting):  # a finalizer's message goes before the deletes
             self._flush_deletes()
         self.controller.send(ranks, message)
         if self._seq - self._status_requested_at > STATUS_EVERY:
@@ -162,6 +185,7 @@ class Session:
             self._pending_bytes += nbytes
 
     def _flush_deletes(self) -> None:
+        """Send the pending deletes, then drop the streams that became garbage."""
         pending, self._pending_deletes = self._pending_deletes, []
         self._pending_bytes = 0
         by_ranks: dict[tuple, list[m.Ref]] = defaultdict(list)
@@ -171,11 +195,18 @@ class Session:
             for ranks, refs in by_ranks.items():
                 self.controller.send(ranks, m.DeleteRefs(refs))
             self.history.drop(r.id for refs in by_ranks.values() for r in refs)
+            if self._dead_streams:
+                if _gc_state.collecting:
+                    # Called by a finalizer of the collection that found the stream dead: an
+                    # undropped Borrow's last steps (Borrow.__del__) name it and must go first.
+                    self._pending_bytes = DELETE_BYTES  # the next send drops it
+                else:
+                    self._drop_dead_streams()
 
     def flush_pending(self) -> None:
         """Hand everything buffered so far to the controller (internal steps that bypass the
         capture must not overtake it)."""
-        if self._pending_deletes and self.capture is None:
+        if (self._pending_deletes or self._dead_streams) and self.capture is None:
             self._flush_deletes()
 
     def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
@@ -189,7 +220,7 @@ class Session:
 
     def request_status(self) -> None:
         """Ask every rank to report progress up to the last seq issued (deletes go first)."""
-        if self._pending_deletes and self.capture is None:
+        if (self._pending_deletes or self._dead_streams) and self.capture is None:
             self._flush_deletes()
         self._status_requested_at = self._seq
         self.controller.send(self.world, m.RequestStatus(max(self._seq - 1, 0)))
@@ -197,12 +228,48 @@ class Session:
     # -- lazily created state on the ranks ----------------------------------------------------
 
     def stream_ref(self, stream: Any) -> m.StreamRef:
-        """The ref of ``stream`` (anything with a ``creation_mode``), created on first use."""
-        ref = self._streams.get(stream)
+        """The ref of ``stream`` (a :class:`dask_monarch.Stream`), created on first use.
+
+        The session holds streams weakly: once a Stream and every tensor on it
+        are garbage, its lane is dropped on the ranks (:meth:`_stream_died`).
+        """
+        ref = self._streams.get(id(stream))
         if ref is None:
-            ref = self._streams[stream] = m.StreamRef(self.new_id())
+            ref = m.StreamRef(self.new_id())
+            key = id(stream)
+            self._stream_objects[ref.id] = weakref.ref(
+                stream, functools.partial(self._stream_died, key, ref))
+            self._streams[key] = ref
+            name = getattr(stream, "name", None)
+            if isinstance(name, str):
+                self.controller.name_stream(ref, name)
             self.send_setup(self.world, m.CreateStream(ref, stream.creation_mode))
         return ref
+
+    def _stream_died(self, key: int, ref: m.StreamRef, _: weakref.ref) -> None:
+        """A Stream became garbage (any thread, maybe inside a GC): drop its lane soon, after
+        the deletes of its tensors (the next send does it)."""
+        if self._streams.get(key) is ref:
+            del self._streams[key]
+        self._stream_objects.pop(ref.id, None)
+        if not self.closed:
+            self._dead_streams.append(ref)
+            self._pending_bytes = DELETE_BYTES
+
+    def _drop_dead_streams(self) -> None:
+        dead, self._dead_streams = self._dead_streams, []
+        for ref in dead:
+            self.controller.drop_stream(self.world, ref)
+            # its communicators went with it on the ranks (stream ids are never reused)
+            self._comms = {k for k in self._comms if ref.id not in k[1:3]}
+
+    def streams_named(self, messages: Iterable[tuple[tuple[int, ...], Any]]) -> list[Any]:
+        """The live Stream objects ``messages`` name (a recording holds them: it replays on
+        their lanes, which must outlive the user's handles)."""
+        ids = {s.id for _, msg in messages for one in m.flatten_groups([msg])
+               for s in streams_named(one)}
+        found = (self._stream_objects.get(i) for i in ids)
+        return [stream for stream in (w() for w in found if w is not None) if stream is not None]
 
     def mesh_ref(self, names: tuple[str, ...], ranks: Slice) -> m.Ref:
         """The ref of the mesh ``names`` over ``ranks``, created on its ranks on first use."""
@@ -272,6 +339,10 @@ class Session:
                 self._failed(msg)
             elif t is m.Status:
                 self._progress(msg)
+            elif t is ValueFailed:  # fails the seq that defined the value, and its users
+                seq = self.history.definer.get(msg.ref)
+                if seq is not None:
+                    self._failed(m.RemoteFunctionFailed(seq, msg.rank, msg.error))
 
     def _failed(self, msg: m.RemoteFunctionFailed) -> None:
         inv = self.history.invocations.get(msg.seq)
@@ -335,7 +406,8 @@ class Session:
                         raise broken
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks")
+                        raise TimeoutError(f"mesh.exit() waited {timeout}s for the ranks: "
+                                           f"{_waiting_for(self.controller)}")
                     self._completion.wait(min(remaining, 0.1))
             unobserved = next(iter(self._unobserved.values()), None)
         finally:
@@ -343,6 +415,28 @@ class Session:
             self.controller.close()
         if unobserved is not None:
             raise unobserved
+
+
+def _waiting_for(controller: Controller) -> str:
+    """What a timed-out wait says: the lanes still running and what each waits on."""
+    lanes = controller.waiting_for()
+    if lanes:
+        return f"waiting for {lanes}"
+    return "every rank has run everything sent to it, but its reports have not arrived"
+
+
+class _GCState:
+    """Whether a cyclic collection is running (its finalizers may send messages)."""
+
+    collecting = False
+
+    @classmethod
+    def track(cls, phase: str, info: dict) -> None:
+        cls.collecting = phase == "start"
+
+
+_gc_state = _GCState
+gc.callbacks.append(_GCState.track)
 
 
 def _user_frame() -> tuple[str, int, str] | None:

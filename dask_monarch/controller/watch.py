@@ -33,15 +33,19 @@ _REASONS = {
 class ClientWatch:
     """Break a controller once its client or its tail futures can no longer deliver its work.
 
-    ``tails`` gives the futures of the newest segment of each lane (any
-    thread may replace them); ``fail`` breaks the controller (it takes the
-    controller's lock, and does nothing once the controller is broken or
-    closed). Start and stop it from any thread.
+    ``problem`` says why the client cannot carry work any more (closed, or
+    its scheduler lost), or None; ``tails`` gives the futures of the newest
+    segment of each lane (any thread may replace them); ``fail`` breaks the
+    controller (it does nothing once the controller is broken or closed; a
+    lost client is not logged there: whoever waits raises it, and scripts
+    that close their client first should end with one message, not many).
+    Start and stop it from any thread.
     """
 
-    def __init__(self, client: Client, tails: Callable[[], list],
-                 fail: Callable[[DeviceException], None]) -> None:
+    def __init__(self, client: Client, problem: Callable[[], str | None],
+                 tails: Callable[[], list], fail: Callable[..., None]) -> None:
         self.client = client
+        self.problem = problem
         self.tails = tails
         self.fail = fail
         self._erred: set = set()  # keys seen erred once: a Fatal report gets a tick to win
@@ -58,23 +62,18 @@ class ClientWatch:
 
     def check(self) -> None:
         """Fail the controller if its client or one of its tail futures says its work is lost."""
-        cause = self.cause()
+        problem = self.problem()
+        if problem is not None:
+            self._callback.stop()
+            self.fail(DeviceException(problem), log=False)
+            return
+        cause = self.lost_work()
         if cause is not None:
             self._callback.stop()
             self.fail(cause)
 
-    def cause(self) -> DeviceException | None:
-        client = self.client
-        status = client.status
-        if status in ("closing", "closed"):
-            return DeviceException(
-                "its Client was closed while the mesh was in use; the mesh's work is lost "
-                "(exit meshes before closing their Client)")
-        if status != "running":
-            return DeviceException(
-                f"the client lost its connection to the scheduler "
-                f"{getattr(client.scheduler, 'address', '')} "
-                f"(the scheduler died or the network dropped); the mesh's work is lost")
+    def lost_work(self) -> DeviceException | None:
+        """Why a tail future says its work will never be reported, or None."""
         for future in self.tails():
             state = future.status
             if state == "cancelled":

@@ -5,6 +5,7 @@
     dask-monarch run train.py --lr 0.1                       # an embedded LocalMeshCluster
     dask-monarch run --ranks 4 --device cpu train.py
     dask-monarch run --scheduler-file sched.json train.py    # an existing Dask cluster
+    dask-monarch run --tls-temporary train.py                # everything over tls://
     dask-monarch info --scheduler-file sched.json            # its ranks: workers, resources, GPUs
     dask-monarch worker tcp://sched:8786 --first-rank 0      # a rank worker per GPU of this node
 
@@ -72,14 +73,33 @@ def cli() -> None:
               help="Level of the dask_monarch loggers in this process (workers: the dask "
                    "config 'logging', or dask_monarch.logs.forward_worker_logs).")
 @click.option("-q", "--quiet", is_flag=True, help="No information lines on stderr.")
+@click.option("--tls-ca-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="TLS: the CA certificate (with --tls-cert and --tls-key): every comm of the "
+                   "embedded cluster, or to the existing one, is tls://.")
+@click.option("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="TLS: this process's certificate (the embedded cluster's too).")
+@click.option("--tls-key", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="TLS: the private key of --tls-cert.")
+@click.option("--tls-temporary", is_flag=True,
+              help="Embedded cluster: TLS with a throw-away certificate made now "
+                   "(distributed.Security.temporary(); needs the 'cryptography' package).")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(ranks: int | None, device: str, scheduler_address: str | None,
         scheduler_file: str | None, dashboard_address: str, progress: bool | None,
-        as_module: bool, log_level: str | None, quiet: bool, script: str,
+        as_module: bool, log_level: str | None, quiet: bool, tls_ca_file: str | None,
+        tls_cert: str | None, tls_key: str | None, tls_temporary: bool, script: str,
         args: tuple[str, ...]) -> None:
     if scheduler_address and scheduler_file:
         raise click.UsageError("give --scheduler-address or --scheduler-file, not both")
+    tls_files = (tls_ca_file, tls_cert, tls_key)
+    if any(tls_files) and not all(tls_files):
+        raise click.UsageError("give --tls-ca-file, --tls-cert and --tls-key together")
+    if tls_temporary and any(tls_files):
+        raise click.UsageError("give --tls-temporary or the --tls-* files, not both")
+    if tls_temporary and (scheduler_address or scheduler_file):
+        raise click.UsageError("--tls-temporary makes a certificate that only an embedded "
+                               "cluster trusts: give the --tls-* files of the existing cluster")
     if not as_module and not os.path.isfile(script):
         raise click.UsageError(f"no such script: {script}")
     if log_level:
@@ -95,10 +115,11 @@ def run(ranks: int | None, device: str, scheduler_address: str | None,
     if progress is None:
         progress = sys.stderr.isatty()
     try:
+        security = runner.security_for(tls_ca_file, tls_cert, tls_key, tls_temporary)
         code = runner.run(script, args, as_module=as_module, ranks=ranks, device=device,
                           scheduler_address=scheduler_address, scheduler_file=scheduler_file,
                           dashboard_address=dashboard_address or None, progress=progress,
-                          say=say)
+                          say=say, security=security)
     except runner.SetupError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)

@@ -16,7 +16,19 @@ Every setting that matters for torch ranks is chosen here, not inherited:
   Python loop, and a scheduler sharing its GIL answers late (measured: chain
   hops of 250 ms instead of 10 ms while the client sends messages);
 * with a dashboard, the scheduler preloads :mod:`dask_monarch.dashboard`, so
-  ``<dashboard>/monarch/`` shows every mesh, rank and stream.
+  ``<dashboard>/monarch/`` shows every mesh, rank and stream;
+* Dask's batched-send gaps of its scheduler and workers are lowered to
+  ``dask_monarch.comm.batched-interval`` from the start (:mod:`.comm_gaps`):
+  this cluster is dask_monarch's own, so no controller has to change them;
+* the scheduler runs in a session of its own, so a terminal's Ctrl-C reaches
+  the client, not the scheduler, which stays up until the client has closed
+  (it also ends if this process dies: it watches its stdin); the rank workers
+  ignore SIGINT (:mod:`dask_monarch.worker.signals`).
+* ``security=Security(...)`` (or ``True``: ``Security.temporary()``) runs every
+  comm over ``tls://``: scheduler, workers, client and the controllers' report
+  streams (docs/security.md);
+* a cluster that fails to start stops what it started (scheduler process,
+  workers) before raising.
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ import time
 from typing import Any
 
 import psutil
-from distributed import Scheduler, SpecCluster
+from distributed import Scheduler, Security, SpecCluster
+from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
+from .. import config
 from .workers import RankNanny, rank_worker_options, visible_gpus
 
 logger = logging.getLogger("dask_monarch.cluster")
@@ -46,16 +60,31 @@ class SchedulerProcess(SubprocessScheduler):
 
     The scheduler unpickles task graphs, so it gets the client's ``sys.path``
     (an in-process scheduler would have it too); its log lines are forwarded
-    to the ``dask_monarch.cluster`` logger, as a full pipe would block it.
+    to the ``dask_monarch.cluster`` logger, as a full pipe would block it. It
+    runs in a session of its own (a terminal's Ctrl-C is the client's to
+    handle: the scheduler must outlive the client's close) and ends when this
+    process does (:mod:`.lifeline`).
     """
 
+    def __init__(self, *args: Any, security: Security | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.security = security
+
     async def _start(self) -> None:
+        options = dict(self.scheduler_kwargs)
+        preload = list(options.get("preload") or [])
+        argv = list(options.get("preload_argv") or [[] for _ in preload])
+        options["preload"] = [*preload, "dask_monarch.deployment.lifeline"]
+        options["preload_argv"] = [*argv, []]
         cmd = [sys.executable, "-m", "dask", "spec", "--spec",
-               json.dumps({"cls": "distributed.Scheduler", "opts": self.scheduler_kwargs})]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        self.process = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE,
-                                                            env=env)
+               json.dumps({"cls": "distributed.Scheduler", "opts": options})]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+               **tls_environment(self.security)}
+        self.process = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True)
         self._logs = asyncio.ensure_future(self._forward_logs())
+        self._watch = asyncio.ensure_future(self._watch_process(self.process))
         scheduler_file = self.scheduler_kwargs["scheduler_file"]
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline and self.process.returncode is None:
@@ -73,9 +102,9 @@ class SchedulerProcess(SubprocessScheduler):
 
         A killed scheduler leaves its scheduler file behind: it is removed here.
         """
-        logs = getattr(self, "_logs", None)
-        if logs is not None:
-            logs.cancel()
+        for task in (getattr(self, "_logs", None), getattr(self, "_watch", None)):
+            if task is not None:
+                task.cancel()
         process, self.process = self.process, None
         if process is not None:
             if process.returncode is None:
@@ -88,6 +117,19 @@ class SchedulerProcess(SubprocessScheduler):
             os.remove(self.scheduler_kwargs["scheduler_file"])
         await ProcessInterface.close(self)
 
+    @property
+    def lost(self) -> bool:
+        """The scheduler process ended without being closed (killed, crashed)."""
+        return self.status == Status.failed
+
+    async def _watch_process(self, process: asyncio.subprocess.Process) -> None:
+        """A scheduler that dies is marked failed: closing the cluster then skips it."""
+        code = await process.wait()
+        if self.process is process and self.status == Status.running:
+            logger.warning("the scheduler process of %s ended on its own (exit code %s)",
+                           self.address, code)
+            self.status = Status.failed
+
     async def _forward_logs(self) -> None:
         stream = self.process.stderr if self.process else None
         while stream is not None:
@@ -97,12 +139,52 @@ class SchedulerProcess(SubprocessScheduler):
             logger.debug("scheduler: %s", line.decode(errors="replace").rstrip())
 
 
+# Security fields -> the Dask config a process reads them from (a Security object cannot go
+# through the scheduler's JSON spec; in-memory PEM text works there as it does in the object).
+_TLS_CONFIG = {
+    "tls_ca_file": "DASK_DISTRIBUTED__COMM__TLS__CA_FILE",
+    "tls_ciphers": "DASK_DISTRIBUTED__COMM__TLS__CIPHERS",
+    "tls_client_cert": "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT",
+    "tls_client_key": "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY",
+    "tls_scheduler_cert": "DASK_DISTRIBUTED__COMM__TLS__SCHEDULER__CERT",
+    "tls_scheduler_key": "DASK_DISTRIBUTED__COMM__TLS__SCHEDULER__KEY",
+    "tls_worker_cert": "DASK_DISTRIBUTED__COMM__TLS__WORKER__CERT",
+    "tls_worker_key": "DASK_DISTRIBUTED__COMM__TLS__WORKER__KEY",
+}
+
+
+def tls_environment(security: Security | None) -> dict[str, str]:
+    """Environment variables that give a subprocess the TLS settings of ``security``."""
+    if security is None:
+        return {}
+    env = {var: getattr(security, field) for field, var in _TLS_CONFIG.items()
+           if getattr(security, field, None)}
+    env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = str(bool(security.require_encryption))
+    return env
+
+
+def uses_tls(security: Security | None) -> bool:
+    """Whether ``security`` asks for TLS; refuses encryption required without certificates."""
+    if security is None:
+        return False
+    has_certs = bool(security.tls_ca_file and security.tls_scheduler_cert
+                     and security.tls_worker_cert and security.tls_client_cert)
+    if security.require_encryption and not has_certs:
+        raise ValueError(
+            "security requires encryption but has no CA file and scheduler, worker and client "
+            "certificates: give them (Security(tls_ca_file=..., tls_scheduler_cert=..., ...)) "
+            "or use Security.temporary() (security=True)")
+    return has_certs
+
+
 class LocalMeshCluster(SpecCluster):
     """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
 
     ``device="cuda"`` starts one worker per GPU (``n_ranks=None``: all of
     them), ``"cpu"`` CPU ranks, ``"auto"`` CUDA if there are enough GPUs for
-    ``n_ranks``, else CPU. A context manager, like every Dask cluster.
+    ``n_ranks``, else CPU. ``security``: a :class:`distributed.Security` with
+    certificates, or ``True`` for ``Security.temporary()``; every comm is then
+    ``tls://``. A context manager, like every Dask cluster.
     """
 
     def __init__(self, n_ranks: int | None = None, device: str = "auto", *,
@@ -110,7 +192,8 @@ class LocalMeshCluster(SpecCluster):
                  dashboard_address: str | None = "127.0.0.1:0", scheduler_port: int = 0,
                  silence_logs: int = logging.WARNING, asynchronous: bool = False,
                  scheduler_process: bool = True, profile: bool = False,
-                 worker_options: dict | None = None, **kwargs: Any) -> None:
+                 worker_options: dict | None = None, security: Security | bool | None = None,
+                 **kwargs: Any) -> None:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):
@@ -126,31 +209,78 @@ class LocalMeshCluster(SpecCluster):
                 raise ValueError(f"n_ranks={n_ranks} but only {len(gpus)} GPUs are visible")
         elif n_ranks is None:
             raise ValueError("n_ranks is required for CPU ranks (no GPU to count)")
+        if security is True:
+            security = Security.temporary()
+        elif security is False:
+            security = None
+        tls = uses_tls(security)
         self.n_ranks = n_ranks
         self.device = device
         cores = os.cpu_count() or 1
         threads = torch_threads or max(1, cores // n_ranks)
         if memory_limit == "auto":
             memory_limit = MEMORY_LIMIT // n_ranks
+        gap = config.seconds("comm.batched-interval")
         workers = {}
         for i in range(n_ranks):
             options = rank_worker_options(
                 f"rank{i}", rank=i, torch_threads=threads, memory_limit=memory_limit,
                 gpus=gpus if device == "cuda" else None, gpu_index=i, host="127.0.0.1",
-                profile=profile, silence_logs=silence_logs)
+                profile=profile, silence_logs=silence_logs, batched_interval=gap)
+            if security is not None:
+                options["security"] = security
             workers[f"rank{i}"] = {"cls": RankNanny, "options": {**options,
                                                                   **(worker_options or {})}}
-        scheduler_options = {"host": "127.0.0.1", "port": scheduler_port,
-                             "dashboard_address": dashboard_address}
-        if dashboard_address is not None:  # the /monarch/ page (a preload reaches a subprocess)
-            scheduler_options["preload"] = ["dask_monarch.dashboard"]
+        scheduler_options: dict[str, Any] = {"host": "127.0.0.1", "port": scheduler_port,
+                                             "dashboard_address": dashboard_address}
+        if tls:
+            scheduler_options["protocol"] = "tls"
+        preloads = {}  # module -> argv (a preload reaches a scheduler subprocess too)
+        if dashboard_address is not None:  # the /monarch/ page
+            preloads["dask_monarch.dashboard"] = []
+        if gap is not None:
+            preloads["dask_monarch.deployment.comm_gaps"] = [f"--batched-interval={gap}s"]
+        if preloads:
+            scheduler_options["preload"] = list(preloads)
+            scheduler_options["preload_argv"] = list(preloads.values())
         if scheduler_process:
             scheduler = {"cls": SchedulerProcess,
-                         "options": {"scheduler_kwargs": scheduler_options}}
+                         "options": {"scheduler_kwargs": scheduler_options,
+                                     "security": security}}
         else:
-            scheduler = {"cls": Scheduler, "options": scheduler_options}
+            scheduler = {"cls": Scheduler, "options": {**scheduler_options,
+                                                       "security": security}}
         super().__init__(workers=workers, scheduler=scheduler, silence_logs=silence_logs,
-                         asynchronous=asynchronous, name="LocalMeshCluster", **kwargs)
+                         asynchronous=asynchronous, name="LocalMeshCluster", security=security,
+                         **kwargs)
+
+    async def _close(self) -> None:
+        """Close as Dask does; whatever that leaves running after a failed start is stopped.
+
+        A start that failed half-way (e.g. a comm refused) makes Dask's close
+        raise before it reaches the scheduler: its process would outlive us.
+        """
+        try:
+            await super()._close()
+        finally:
+            for worker in list(self.workers.values()):
+                if getattr(worker, "process", None) is not None:
+                    with contextlib.suppress(Exception):
+                        await worker.close(timeout=5)
+            scheduler = self.scheduler
+            if isinstance(scheduler, SchedulerProcess) and scheduler.process is not None:
+                await scheduler.close()
+
+    async def _close(self) -> None:
+        """Close as SpecCluster does; with its scheduler process gone (killed, crashed), close
+        the workers without asking it (which would wait 30 s per request to connect)."""
+        scheduler = self.scheduler
+        lost = isinstance(scheduler, SchedulerProcess) and scheduler.lost
+        if lost:
+            self.shutdown_scheduler = False
+        await super()._close()
+        if lost:
+            await scheduler.close()
 
     def __repr__(self) -> str:
         return (f"LocalMeshCluster({self.n_ranks} {self.device} ranks, "

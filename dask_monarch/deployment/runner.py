@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from types import CodeType
 
-    from distributed import Client
+    from distributed import Client, Security
 
 EXIT_ERROR = 1
 EXIT_REMOTE = 3
 EXIT_DEVICE = 4
 EXIT_INTERRUPTED = 130
+INTERRUPTED_CLOSE_S = 2  # after Ctrl-C the client and the cluster each get this long to close
 
 
 class SetupError(Exception):
@@ -52,26 +53,29 @@ class SetupError(Exception):
 def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int | None = None,
         device: str = "auto", scheduler_address: str | None = None,
         scheduler_file: str | None = None, dashboard_address: str | None = None,
-        progress: bool = False, say: Callable[[str], None] = lambda text: None) -> int:
+        progress: bool = False, say: Callable[[str], None] = lambda text: None,
+        security: Security | None = None) -> int:
     """Run ``script`` on an existing cluster, or on an embedded one; return its exit status.
 
     With ``scheduler_address`` or ``scheduler_file`` the cluster exists (wait
     for ``ranks`` workers); otherwise a LocalMeshCluster of ``ranks``
     ``device`` ranks starts here and closes at the end. ``say`` receives the
-    information lines (where the cluster and its dashboard are).
+    information lines (where the cluster and its dashboard are). ``security``
+    (:func:`security_for`): every comm is ``tls://``.
     """
     from ..observability.progress import ProgressLine
     from .cluster_info import dashboard_note
 
     with contextlib.ExitStack() as stack:
         if scheduler_address or scheduler_file:
-            client = _connect(scheduler_address, scheduler_file, ranks)
+            client = _connect(scheduler_address, scheduler_file, ranks, security)
             stack.enter_context(client)
             say(f"using the cluster at {client.scheduler.address} "
                 f"({len(client.scheduler_info()['workers'])} workers)"
                 + dashboard_note(client.dashboard_link))
         else:
-            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address))
+            client = stack.enter_context(_embedded_client(ranks, device, dashboard_address,
+                                                          security))
             cluster = client.cluster
             say(f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
                 f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link))
@@ -83,11 +87,46 @@ def run(script: str, args: Sequence[str], *, as_module: bool = False, ranks: int
         finally:
             if line is not None:
                 line.stop()
-        _close_controllers(drain=code != EXIT_INTERRUPTED)
+        if code != EXIT_INTERRUPTED:
+            _close_controllers()
+            return code
+        with _second_interrupt_exits():  # the cluster closes now, quietly and promptly
+            _quiet_dask(client, embedded=client.cluster is not None)
+            _close_controllers(drain=False)
+            for close in (client.close, getattr(client.cluster, "close", None)):
+                if close is not None:
+                    try:
+                        close(timeout=INTERRUPTED_CLOSE_S)
+                    except Exception as e:  # exiting anyway: the processes end with us
+                        logging.getLogger("dask_monarch.cli").debug("closing: %r", e)
     return code
 
 
-def _connect(address: str | None, scheduler_file: str | None, ranks: int | None) -> Client:
+def security_for(ca_file: str | None, cert: str | None, key: str | None,
+                 temporary: bool = False) -> Security | None:
+    """The TLS settings of ``--tls-ca-file/--tls-cert/--tls-key`` or ``--tls-temporary``.
+
+    One certificate serves every role (scheduler, workers, client), as
+    ``Security.temporary()`` does; None when no TLS option was given.
+    """
+    from distributed import Security
+
+    if temporary:
+        try:
+            return Security.temporary()
+        except ImportError as e:
+            raise SetupError(f"--tls-temporary: {e}") from None
+    if not (ca_file or cert or key):
+        return None
+    if not (ca_file and cert and key):
+        raise SetupError("TLS needs a CA file, a certificate and its key together")
+    return Security(tls_ca_file=ca_file, tls_client_cert=cert, tls_client_key=key,
+                    tls_scheduler_cert=cert, tls_scheduler_key=key, tls_worker_cert=cert,
+                    tls_worker_key=key, require_encryption=True)
+
+
+def _connect(address: str | None, scheduler_file: str | None, ranks: int | None,
+             security: Security | None = None) -> Client:
     from distributed import Client
 
     from .. import config
@@ -101,9 +140,10 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
             time.sleep(0.2)
     try:
         if scheduler_file is not None:
-            client = Client(scheduler_file=scheduler_file, set_as_default=True)
+            client = Client(scheduler_file=scheduler_file, set_as_default=True,
+                            security=security)
         else:
-            client = Client(address, set_as_default=True)
+            client = Client(address, set_as_default=True, security=security)
     except OSError as e:
         where = address or f"the address in {scheduler_file}"
         raise SetupError(f"cannot reach the scheduler at {where}: {e}") from None
@@ -119,7 +159,8 @@ def _connect(address: str | None, scheduler_file: str | None, ranks: int | None)
 
 
 @contextlib.contextmanager
-def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None) -> Iterator:
+def _embedded_client(ranks: int | None, device: str, dashboard_address: str | None,
+                     security: Security | None = None) -> Iterator:
     from distributed import Client
 
     from .. import config
@@ -132,7 +173,8 @@ def _embedded_client(ranks: int | None, device: str, dashboard_address: str | No
         ranks = int(config.get("cli.cpu-ranks", 2))
         device = "cpu" if device == "auto" else device
     try:
-        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address)
+        cluster = LocalMeshCluster(ranks, device=device, dashboard_address=dashboard_address,
+                                   security=security)
     except ValueError as e:
         raise SetupError(str(e)) from None
     with cluster, Client(cluster, set_as_default=True) as client:
@@ -144,19 +186,59 @@ def _close_controllers(drain: bool = True) -> None:
 
     A controller drains its outstanding work first (up to
     ``dask_monarch.timeouts.close``), as the script's own ``close`` would;
-    after Ctrl-C nothing drains and the workers free the state when this
-    process's report streams close.
+    after Ctrl-C nothing drains: each releases its ranks at once (on a shared
+    cluster too), before the client and the cluster close.
     """
     from ..controller.controller import live_controllers
 
-    if not drain:  # the cluster closes under the controllers: that is expected, not news
+    if not drain:  # whatever breaks while closing after Ctrl-C is expected, not news
         logging.getLogger("dask_monarch.controller").setLevel(logging.ERROR)
-        return
     for controller in live_controllers():
         try:
-            controller.close()
+            controller.close(timeout=None if drain else 0)
         except Exception as e:  # already reported by the controller; exit anyway
             logging.getLogger("dask_monarch.cli").info("closing %r: %s", controller, e)
+
+
+def _quiet_dask(client: Client, embedded: bool) -> None:
+    """After Ctrl-C, the cluster's own shutdown chatter (closed comms, cancelled tasks) is
+    not the user's news: one line said what happened. The workers of an embedded cluster
+    (they write to this terminal) are quieted too; a shared cluster's are left alone."""
+    _quiet_loggers()
+    if embedded:
+        try:
+            client.run(_quiet_loggers)
+        except Exception as e:  # only cosmetic
+            logging.getLogger("dask_monarch.cli").debug("quieting the workers: %r", e)
+
+
+def _quiet_loggers() -> None:
+    for name in ("distributed", "tornado", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def _second_interrupt_exits() -> Iterator[None]:
+    """While the cluster closes after Ctrl-C, a second Ctrl-C exits at once.
+
+    The embedded scheduler then ends with this process (it watches its
+    stdin) and the rank workers with their nannies' pipes.
+    """
+    import signal
+
+    def exit_now(signum: int, frame: Any) -> None:
+        os.write(2, b"dask-monarch: interrupted again; exiting without closing the cluster\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    try:
+        previous = signal.signal(signal.SIGINT, exit_now)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # -- running the script in this process ------------------------------------------------------
@@ -172,6 +254,7 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
     """
     stderr = stderr or sys.stderr
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    path = script
     try:
         if as_module:
             sys.path.insert(0, os.getcwd())  # as python -m does, before looking it up
@@ -187,14 +270,28 @@ def run_script(script: str, args: Sequence[str], *, as_module: bool = False,
         _exec_main(code, path)
     except SystemExit as e:
         return _exit_status(e.code, stderr)
-    except KeyboardInterrupt:
-        traceback.print_exc(file=stderr)
+    except KeyboardInterrupt as e:
+        where = _script_frame(e, path)
+        stderr.write(f"dask-monarch: interrupted (Ctrl-C){where}; releasing the ranks and "
+                     "stopping\n")
+        stderr.flush()
         return EXIT_INTERRUPTED
     except BaseException as e:
         return report_exception(e, stderr)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
+
+
+def _script_frame(exc: BaseException, path: str) -> str:
+    """`` at train.py:12`` for the script's innermost frame in ``exc``'s traceback, or ''."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if os.path.abspath(code.co_filename) == os.path.abspath(path):
+            where = f" at {os.path.basename(path)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def _module_code(name: str) -> CodeType:

@@ -90,15 +90,20 @@ def rotated(gpus: list[str], index: int) -> str:
 def rank_worker_options(name: str, *, rank: int | None, torch_threads: int,
                         memory_limit: int | str | None, gpus: list[str] | None = None,
                         gpu_index: int = 0, host: str | None = None, profile: bool = False,
-                        silence_logs: int = logging.WARNING) -> dict:
-    """The :class:`RankNanny` options of one rank worker (see the module docstring)."""
+                        silence_logs: int = logging.WARNING,
+                        batched_interval: float | None = None) -> dict:
+    """The :class:`RankNanny` options of one rank worker (see the module docstring).
+
+    ``batched_interval`` lowers the gap of the worker's stream to the scheduler
+    (only on clusters dask_monarch starts: :mod:`.comm_gaps`).
+    """
     env = {"OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = rotated(gpus, gpu_index)
     options = {
         "name": name,
         "nthreads": 1,
-        "plugins": {MonarchWorkerPlugin()},
+        "plugins": {MonarchWorkerPlugin(batched_interval=batched_interval)},
         "memory_limit": memory_limit,
         "env": env,
         "config": {

@@ -4,7 +4,9 @@ The scheduler's HTTP server serves (docs/dask.md §5):
 
 * ``/monarch/`` — an HTML page that polls the JSON below with plain
   JavaScript (no CDN, works offline): per controller (mesh) and rank, the
-  streams and what each runs or waits on (e.g. a borrow), refs and tensor
+  streams and what each runs or waits on (e.g. a borrow, or the peers of a
+  collective that are not there, in the words of a ``LivenessWarning``:
+  :mod:`dask_monarch.protocol.liveness`), refs and tensor
   memory, the last completed seq, messages per second, recent errors with
   their tracebacks;
 * ``/monarch/state.json`` — one snapshot, gathered from the rank workers
@@ -20,14 +22,22 @@ into its scheduler; on other deployments use ``dask scheduler --preload
 dask_monarch.dashboard`` (or ``plugins/dask_monarch_scheduler.py``), or list
 ``dask_monarch.dashboard`` in ``distributed.scheduler.http.routes``.
 Settings: ``dask_monarch.dashboard.*``.
+
+What it publishes: anyone who can open the dashboard can read it, so unless
+``dask_monarch.dashboard.show-details`` is true (in the scheduler's config)
+a controller is named by :func:`public_id` (a hash: its token lets a client
+act on its ranks) and error texts keep their tracebacks but not the
+exception messages (:func:`redact`), which may quote argument values.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -36,6 +46,7 @@ import dask.config
 from distributed.http.utils import RequestHandler, get_handlers, redirect
 
 from .. import config
+from ..protocol.liveness import explain, from_snapshot
 from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER
 
 if TYPE_CHECKING:
@@ -88,6 +99,45 @@ class Rates:
 _rates = Rates()  # one per process: a process holds one scheduler outside tests
 
 
+def public_id(token: str) -> str:
+    """What the page calls controller ``token`` when details are hidden (stable, not secret)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+_TRACEBACK_LINE = re.compile(r"^(\s|Traceback \(most recent call last\):$|During handling of "
+                             r"the above exception|The above exception was the direct cause|$)")
+_EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
+HIDDEN = "<message hidden: dask_monarch.dashboard.show-details is false>"
+
+
+def redact(text: str | None) -> str | None:
+    """``text`` (a traceback) with every exception message replaced by :data:`HIDDEN`.
+
+    Frames and source lines stay (they show where); the messages, which may
+    quote argument values, go. A message of several lines goes entirely.
+    """
+    if not text:
+        return text
+    out: list[str] = []
+    for line in text.splitlines():
+        if _TRACEBACK_LINE.match(line):
+            out.append(line)
+            continue
+        name = _EXCEPTION_NAME.match(line)
+        head = f"{name.group(1)}: {HIDDEN}" if name else HIDDEN
+        if not out or out[-1] != head and not out[-1].endswith(HIDDEN):
+            out.append(head)
+    return "\n".join(out)
+
+
+def _hide_details(rank: dict) -> None:
+    rank["token"] = public_id(rank["token"])
+    if isinstance(rank.get("failed"), str):
+        rank["failed"] = redact(rank["failed"])
+    for error in rank.get("errors", ()):
+        error["error"] = redact(error["error"])
+
+
 def rank_workers(scheduler: Scheduler) -> list[str]:
     """Addresses of the workers that advertise a dask_monarch rank resource."""
     return [address for address, ws in scheduler.workers.items()
@@ -115,6 +165,7 @@ async def collect(scheduler: Scheduler) -> dict:
     timeout = config.seconds("dashboard.worker-timeout") or 5.0
     window = config.seconds("dashboard.rate-window") or 5.0
     addresses = rank_workers(scheduler)
+    show_details = bool(config.get("dashboard.show-details", False))
     answers = await asyncio.gather(*(_ask(scheduler, a, timeout) for a in addresses))
     controllers: dict[str, dict] = {}
     workers = []
@@ -125,6 +176,8 @@ async def collect(scheduler: Scheduler) -> dict:
                         "resources": dict(ws.resources) if ws is not None else {},
                         "nthreads": ws.nthreads if ws is not None else None})
         for rank in ranks:
+            if not show_details:
+                _hide_details(rank)
             token = rank["token"]
             rank["worker"], rank["worker_name"] = address, name
             rank["rate"] = _rates.rate((address, token, rank["rank"]), rank["time"],
@@ -137,6 +190,7 @@ async def collect(scheduler: Scheduler) -> dict:
             entry["ranks"].append(rank)
     _rates.forget_old()
     for entry in controllers.values():
+        _describe_lanes(entry["ranks"])
         ranks = sorted(entry["ranks"], key=lambda r: r["rank"])
         rates = [r["rate"] for r in ranks if r["rate"] is not None]
         entry.update(
@@ -158,6 +212,16 @@ async def collect(scheduler: Scheduler) -> dict:
         "workers": sorted(workers, key=lambda w: w["name"]),
         "controllers": sorted(controllers.values(), key=lambda c: c["token"]),
     }
+
+
+def _describe_lanes(ranks: list[dict]) -> None:
+    """Give every busy lane of one mesh its ``status``: what a LivenessWarning would say."""
+    progress = {r["rank"]: {lane["stream"]: from_snapshot(lane) for lane in r["lanes"]}
+                for r in ranks}
+    for r in ranks:
+        for lane in r["lanes"]:
+            p = progress[r["rank"]][lane["stream"]]
+            lane["status"] = explain(r["rank"], p, progress.get) if p.state != "idle" else ""
 
 
 class StateJSON(RequestHandler):

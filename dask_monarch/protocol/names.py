@@ -18,6 +18,8 @@ PLUGIN_NAME = "dask_monarch"
 # state snapshot.
 REPORTS_HANDLER = "dask_monarch_reports"
 STATE_HANDLER = "dask_monarch_state"
+# What a controller writes on a rank's report stream to ask for a wire.Heartbeat.
+HEARTBEAT_OP = "dask_monarch_heartbeat"
 
 # -- rank resources ------------------------------------------------------------------------
 

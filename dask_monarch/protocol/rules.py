@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from torch.utils._pytree import tree_flatten
 
 from . import messages as m
-from .wire import ReadRef, StatusProbe
+from .wire import DropLane, ReadRef, StatusProbe
 
 Fail = Callable[[str], Exception]
 
@@ -109,6 +109,7 @@ RUNS_USER_CODE = frozenset(t for t, rule in RULES.items() if rule.user_code)
 # What a segment's work is called, also for the steps the compiler adds.
 FAMILY: dict[type, str] = {
     **{t: rule.family for t, rule in RULES.items()}, ReadRef: "ref", StatusProbe: "status",
+    DropLane: "stream",
 }
 
 

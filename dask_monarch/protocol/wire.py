@@ -42,6 +42,11 @@ class ActorCall(NamedTuple):
     args_kwargs: Any
 
 
+class DropLane(NamedTuple):
+    """The last step of a stream's lane (:meth:`Controller.drop_stream`): free its refs, its
+    communicators and its thread, after everything the stream ran before."""
+
+
 # --------------------------------------------------------------------------- reports
 
 
@@ -58,6 +63,15 @@ class Fatal(NamedTuple):
 
     rank: int
     cause: str
+
+
+class ValueFailed(NamedTuple):
+    """A message without a seq (``Reduce``, ``SendTensor``) failed ``ref`` on ``rank``; the
+    user API fails the seq that defined ``ref`` (a :class:`RemoteFunctionFailed` for it)."""
+
+    rank: int
+    ref: int
+    error: str
 
 
 class Fetched(NamedTuple):
@@ -83,3 +97,41 @@ class Exited(NamedTuple):
 
     rank: int
     error: Any
+
+
+class LaneProgress(NamedTuple):
+    """What one lane is doing, as the worker's event loop sees it (a heartbeat, the dashboard).
+
+    ``state`` is ``idle``, ``running`` or ``waiting``; ``doing`` names what it
+    runs or waits on ("" while a call runs); ``seq`` is the seq of the message
+    it waits in, when that message has one, and ``next_seq`` otherwise the
+    first seq after it in the running segment (the one the wait holds back);
+    ``for_s`` how long it has been in
+    this state; ``peers`` the ``(rank, lane)`` pairs a wait needs (the other
+    members of a collective, the other end of a send or copy); ``where`` the
+    innermost frame outside dask_monarch and torch of a call that runs long.
+    """
+
+    lane: Any
+    state: str
+    doing: str
+    seq: int | None
+    next_seq: int | None
+    last_seq: int
+    done_seq: int
+    segments: int
+    for_s: float
+    peers: tuple
+    where: str
+
+
+class Heartbeat(NamedTuple):
+    """The answer to the controller's heartbeat ``beat``: every lane of ``rank``.
+
+    Answered from the worker's event loop, never from a lane, so a rank whose
+    lanes are all blocked still answers; one that does not is frozen or cut off.
+    """
+
+    rank: int
+    beat: int
+    lanes: tuple  # of LaneProgress

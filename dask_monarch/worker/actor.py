@@ -1,4 +1,6 @@
-"""Actor calls: methods of per-rank actors fed with tensors from a stream (§3.23).
+"""Actor calls: methods of per-rank actors fed with tensors from a stream.
+
+Semantics: docs/protocol.md §3.23.
 
 ``Controller.spawn_actor`` creates one instance per rank with Dask's own
 actors (``Client.submit(cls, actor=True)``, pinned to the rank's worker), so
@@ -75,7 +77,7 @@ def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | N
         raise
     except DependentError as e:
         dependent_failure(lane, results or (), call.mutates, e.root)
-    except Exception as e:
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, call.seq, results or (), call.mutates, e)
 
 

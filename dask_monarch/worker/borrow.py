@@ -1,13 +1,18 @@
-"""Borrows: a tensor crosses from one stream to another of the same rank (§3.7-§3.10).
+"""Borrows: a tensor crosses from one stream to another of the same rank.
+
+Semantics: docs/protocol.md §3.7-§3.10.
 
 Both ends live on one worker, so the four steps synchronise through two
-in-process one-shot channels, plus CUDA events on GPU (DESIGN decision 5):
+in-process one-shot channels, plus the device's events (DESIGN decisions 5
+and 15, ``worker/device.py``):
 
-* ``BorrowCreate`` (lender lane) puts ``(value, event)`` into the first-use channel;
-* ``BorrowFirstUse`` (borrower lane) blocks until it is there, makes its CUDA
-  stream wait on the event, and binds the *same* object (shared storage);
-* ``BorrowLastUse`` (borrower lane) removes the binding and puts an event into
-  the last-use channel;
+* ``BorrowCreate`` (lender lane) records an event on the lender's stream and
+  puts ``(value, event)`` into the first-use channel;
+* ``BorrowFirstUse`` (borrower lane) blocks until it is there, makes its
+  stream wait on the event, keeps the block from reuse while its stream may
+  read it, and binds the *same* object (shared storage);
+* ``BorrowLastUse`` (borrower lane) removes the binding and puts an event
+  recorded on its stream into the last-use channel;
 * ``BorrowDrop`` (lender lane) blocks until it is there and waits on the event.
 
 Happens-before: lender work before the create precedes borrower work after
@@ -24,8 +29,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
 from ..protocol.messages import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse
 from .errors import FatalError, SeqError
 from .lane import Lane
@@ -36,13 +39,14 @@ _MISSING = object()
 class Borrow:
     """The two one-shot channels of one borrow."""
 
-    __slots__ = ("id", "result", "from_stream", "value", "created", "lent_event",
+    __slots__ = ("id", "result", "from_stream", "to_stream", "value", "created", "lent_event",
                  "last_used", "returned_event")
 
     def __init__(self, borrow_id: int):
         self.id = borrow_id
         self.result: int | None = None
         self.from_stream: Any = None
+        self.to_stream: Any = None
         self.value: Any = None  # the lent object: alive until the drop
         self.created = threading.Event()
         self.lent_event = None
@@ -65,20 +69,6 @@ def _borrow(lane: Lane, borrow_id: int) -> Borrow:
         return borrow
 
 
-def _record(lane: Lane):
-    """A CUDA event marking the lane's work so far (None on CPU)."""
-    if lane.device is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(lane.cuda_stream)
-    return event
-
-
-def _wait_event(lane: Lane, event) -> None:
-    if event is not None:
-        lane.cuda_stream.wait_event(event)
-
-
 def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
     """Lend ``tensor`` to ``to_stream`` (lender lane; never blocks).
 
@@ -92,7 +82,8 @@ def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
         lane.recording.dependent(value)
     borrow = _borrow(lane, msg.borrow)
     borrow.result, borrow.from_stream, borrow.value = msg.result.id, lane.label, value
-    borrow.lent_event = _record(lane)
+    borrow.to_stream = msg.to_stream.id
+    borrow.lent_event = lane.rank.device.record(lane.stream)
     borrow.created.set()
 
 
@@ -100,9 +91,11 @@ def borrow_first_use(lane: Lane, msg: BorrowFirstUse) -> None:
     """Bind the lent object on the borrower lane; blocks until the lender ran the create."""
     borrow = _borrow(lane, msg.borrow)
     lane.rank.wait(lane, borrow.created, f"borrow {msg.borrow} (the lender's BorrowCreate)")
-    _wait_event(lane, borrow.lent_event)
+    device = lane.rank.device
+    device.wait(lane.stream, borrow.lent_event)
     if borrow.result in lane.env:
         raise FatalError(f"Duplicate write to reference r{borrow.result} (borrow {msg.borrow})")
+    device.keep(borrow.value, lane.stream)
     lane.env[borrow.result] = borrow.value
 
 
@@ -112,15 +105,19 @@ def borrow_last_use(lane: Lane, msg: BorrowLastUse) -> None:
     if lane.env.pop(borrow.result, _MISSING) is _MISSING:
         raise FatalError(f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on stream "
                          f"{lane.label}")
-    borrow.returned_event = _record(lane)
+    borrow.returned_event = lane.rank.device.record(lane.stream)
     borrow.last_used.set()
 
 
 def borrow_drop(lane: Lane, msg: BorrowDrop) -> None:
     """End the borrow on the lender lane; blocks until the borrower passed its last use."""
     borrow = _borrow(lane, msg.borrow)
-    lane.rank.wait(lane, borrow.last_used, f"borrow {msg.borrow} (the borrower's BorrowLastUse)")
-    _wait_event(lane, borrow.returned_event)
+    if not borrow.last_used.is_set():
+        to = borrow.to_stream
+        lane.rank.wait(lane, borrow.last_used,
+                       f"borrow {msg.borrow} (the BorrowLastUse on stream {to})",
+                       peers=((lane.rank.rank, to),))
+    lane.rank.device.wait(lane.stream, borrow.returned_event)
     with lane.rank.lock:
         lane.rank.borrows.pop(_key(lane, msg.borrow), None)
     borrow.value = None

@@ -1,8 +1,8 @@
 """The hot path of a call: resolve the function, resolve arguments, bind results.
 
-Semantics: monarch-semantics §1.4 (paths), §2.2 (arguments), §2.3 (results).
+Semantics: docs/protocol.md §1.4 (paths), §2.2 (arguments), §2.3 (results).
 Functions are cached per path (and per pickled payload); flat argument lists
-skip the pytree walk (dask-notes §12: the walk costs more than a small op).
+skip the pytree walk (docs/dask.md §12: the walk costs more than a small op).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
 from .errors import DependentError, FatalError, RefNotFound, SeqError
+from .restricted import RestrictedPickleError
+from .restricted import loads as restricted_loads
 
 TEST_PANIC = "__test_panic"
 
@@ -40,7 +42,7 @@ def resolve_function(function: FunctionPath | Cloudpickle) -> Callable:
         return fn
     fn = _by_pickle.get(function.bytes)
     if fn is None:
-        if not dask.config.get("dask_monarch.functions.allow-pickled", True):
+        if not pickled_code_allowed():
             raise InvalidRemoteFunction(
                 "invalid remote function: pickled functions are disabled by "
                 "dask_monarch.functions.allow-pickled"
@@ -52,6 +54,21 @@ def resolve_function(function: FunctionPath | Cloudpickle) -> Callable:
     return fn
 
 
+def pickled_code_allowed() -> bool:
+    """``dask_monarch.functions.allow-pickled``: may pickles sent to this worker hold code?"""
+    return bool(dask.config.get("dask_monarch.functions.allow-pickled", True))
+
+
+def load_arguments(payload: bytes) -> tuple[tuple, dict]:
+    """A pickled ``(args, kwargs)`` payload; plain data only unless pickled code is allowed."""
+    if pickled_code_allowed():
+        return pickle.loads(payload)
+    try:
+        return restricted_loads(payload)
+    except RestrictedPickleError as e:
+        raise InvalidRemoteFunction(f"invalid remote function arguments: {e}") from None
+
+
 def check_panic(function: FunctionPath | Cloudpickle | None) -> None:
     """The ``__test_panic`` path is a fatal error, for testing the fatal-error plumbing."""
     if type(function) is FunctionPath and function.path == TEST_PANIC:
@@ -60,11 +77,42 @@ def check_panic(function: FunctionPath | Cloudpickle | None) -> None:
 
 def _resolve_path(path: str) -> Callable:
     allow = dask.config.get("dask_monarch.functions.allow", None)
-    if allow is not None and not any(path == m or path.startswith(m + ".") for m in allow):
+    if allow is not None and not _allowed(path, allow):
         raise InvalidRemoteFunction(
             f"invalid remote function: {path} is not in the allow-list "
             f"dask_monarch.functions.allow={list(allow)}"
         )
+    fn = _walk(path)
+    if allow is not None:  # the path may walk out of an allowed module (torch.os.getpid)
+        home = _home_module(fn)
+        if home is None or not _allowed(home, allow):
+            raise InvalidRemoteFunction(
+                f"invalid remote function: {path} resolves to {fn!r} from module {home}, "
+                f"which is not in the allow-list dask_monarch.functions.allow={list(allow)}; "
+                "name the function by its own module's path and allow that module"
+            )
+    return fn
+
+
+def _allowed(name: str, allow: list[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in allow)
+
+
+def _home_module(obj: Any) -> str | None:
+    """The module that defines ``obj`` (what the allow-list checks), or None if unknown."""
+    module = getattr(obj, "__module__", None)
+    if module is None:  # a method descriptor (torch.Tensor.add) or a bound builtin
+        owner = getattr(obj, "__objclass__", None) or getattr(obj, "__self__", None)
+        if isinstance(owner, type):
+            module = owner.__module__
+        elif owner is not None:
+            module = getattr(owner, "__name__", None) or type(owner).__module__
+    if module is None:
+        module = type(obj).__module__
+    return module if isinstance(module, str) else None
+
+
+def _walk(path: str) -> Callable:
     if "." not in path:
         raise InvalidRemoteFunction(
             f"invalid remote function: invalid function path {path}: paths must be fully qualified"
@@ -91,7 +139,7 @@ def resolve_args(lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = 
                  ) -> tuple[tuple, dict]:
     """Arguments with every Ref replaced: mesh, then listed process group, then stream value."""
     if args_kwargs._payload is not None:
-        args, kwargs = pickle.loads(args_kwargs._payload)
+        args, kwargs = load_arguments(args_kwargs._payload)
         flat = False
     else:
         args, kwargs, flat = args_kwargs._args, args_kwargs._kwargs, args_kwargs.flat

@@ -1,4 +1,6 @@
-"""Collectives and point-to-point sends over torch.distributed (§3.11-§3.15, §3.19).
+"""Collectives and point-to-point sends over torch.distributed.
+
+Semantics: docs/protocol.md §3.11-§3.15, §3.19.
 
 Monarch does these with NCCL only; here CPU tensors go over gloo and CUDA
 tensors over NCCL (:mod:`.groups`). The controller starts a TCPStore on rank
@@ -21,8 +23,12 @@ to run at once; keep collectives of different streams off the same GPU
 resources or give each stream's work a consistent order across ranks.
 
 A rank whose input errored still takes part with zeros (its peers never
-hang); Reduce and SendTensor report nothing. A failure inside a collective
-(a peer gone, a timeout) is fatal: the controller fails with DeviceException.
+hang); Reduce and SendTensor report nothing. An input whose shape or dtype is
+not the ``factory`` the client declared (a wrong ``propagate``, say) would
+make peers receive garbage or abort gloo: it is a fresh failure of the result
+(reported as :class:`~dask_monarch.protocol.wire.ValueFailed`) and the rank
+takes part with zeros of the declared shape. A failure inside a collective (a
+peer gone, a timeout) is fatal: the controller fails with DeviceException.
 """
 
 from __future__ import annotations
@@ -38,17 +44,22 @@ from ..protocol.messages import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
     CreateRemoteProcessGroup,
+    Factory,
     Reduce,
     ReduceOp,
     SendTensor,
     SplitComm,
     SplitCommForProcessGroup,
 )
+from ..protocol.wire import ValueFailed
 from . import groups
 from .errors import FatalError, SeqError
 from .lane import Lane
 
 _MISSING = object()
+# (stack?, scatter?) -> the collective a Reduce is
+_KINDS = {(False, False): "all-reduce", (False, True): "reduce-scatter",
+          (True, False): "all-gather", (True, True): "all-to-all"}
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
 # torch 2.13 renamed all_gather_into_tensor (the old name warns with a FutureWarning)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,10 +76,12 @@ class Comms:
         self.prefix = ""
         self.world = None
         self.splits: dict[tuple, Any] = {}  # (mesh, stream, dims) -> group
+        self.members: dict[tuple, tuple[str, tuple]] = {}  # same key -> (ranks text, peers)
         self.p2p: dict[tuple[int, int], Any] = {}
         self.remote_defs: dict[int, tuple[int, tuple[str, ...]]] = {}  # group ref -> (mesh, dims)
         self.remote: dict[tuple[int, Any], Any] = {}  # (group ref, stream) -> group
         self.handoffs: dict[Any, tuple[threading.Event, list]] = {}
+        self.dropped: set[int] = set()  # streams dropped on this rank (their p2p may go)
         self.lock = threading.Lock()
 
     @property
@@ -79,19 +92,43 @@ class Comms:
     def timeout(self) -> float:
         return float(self.state.settings.get("collective_timeout") or 60.0)
 
-    def group(self, key: str, ranks: list[int]):
-        """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix."""
+    def group(self, key: str, ranks: list[int], what: str, lane: Lane):
+        """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix.
+
+        Its rendezvous blocks ``lane`` until every member's control steps
+        reach the same message (``what``): the lane shows it as waiting on them.
+        """
         state = self.state
         cuda = None
-        if state.device is not None:
+        if state.torch_device is not None:
             cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
-        return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
-                                host=self.host, timeout=self.timeout, cuda=cuda)
+        peers = tuple((r, lane.label) for r in ranks if r != state.rank)
+        lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
+        try:
+            return groups.new_group(self.store, f"{self.prefix}{key}/", ranks, state.rank,
+                                    host=self.host, timeout=self.timeout, cuda=cuda)
+        finally:
+            lane.set_running()
 
     def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
         with self.lock:
             return self.handoffs.setdefault(key, (threading.Event(), []))
+
+    def release_stream(self, stream: int) -> None:
+        """Free the communicators of a dropped ``stream``.
+
+        Its Reduce and process-group communicators go at once: every rank ran
+        the stream's collectives before its last step. A point-to-point
+        communicator goes once both its streams were dropped here.
+        """
+        self.dropped.add(stream)
+        gone = [self.splits.pop(k) for k in [k for k in self.splits if k[1] == stream]]
+        gone += [self.remote.pop(k) for k in [k for k in self.remote if k[1] == stream]]
+        gone += [self.p2p.pop(k) for k in [k for k in self.p2p if stream in k
+                                           and all(s in self.dropped for s in k)]]
+        for pg in gone:
+            groups.release_group(pg)
 
     def close(self) -> None:
         for pg in [self.world, *self.splits.values(), *self.p2p.values(), *self.remote.values()]:
@@ -154,9 +191,13 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
                                   host, port, comms.timeout)
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))
-    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world)
-    warm_up = torch.ones(1, device=lane.rank.device or "cpu")
+    comms.world = _fatal_call("BackendNetworkInit", comms.group, "world", world,
+                              "BackendNetworkInit", lane)
+    warm_up = torch.ones(1, device=lane.rank.torch_device or "cpu")
+    lane.set_waiting(f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
+                     peers=tuple((r, lane.label) for r in world if r != lane.rank.rank))
     _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
+    lane.set_running()
 
 
 def split_comm(lane: Lane, msg: SplitComm) -> None:
@@ -179,7 +220,11 @@ def split_comm(lane: Lane, msg: SplitComm) -> None:
         raise FatalError(f"SplitComm: mesh r{msg.device_mesh.id} has no dims {unknown}")
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"split/{msg.device_mesh.id}/{msg.stream.id}/{','.join(dims)}/{_ranks_key(ranks)}"
-    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks)
+    comms.splits[key] = _fatal_call("SplitComm", comms.group, name, ranks,
+                                    f"SplitComm of stream {msg.stream.id}", lane)
+    me = lane.rank.rank
+    comms.members[key] = (_ranks_text(ranks),
+                          tuple((r, msg.stream.id) for r in ranks if r != me))
 
 
 def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None:
@@ -190,11 +235,16 @@ def point_to_point_init(lane: Lane, msg: BackendNetworkPointToPointInit) -> None
         return
     world = list(range(lane.rank.world_size))
     comms.p2p[key] = _fatal_call("BackendNetworkPointToPointInit", comms.group,
-                                 f"p2p/{key[0]}/{key[1]}", world)
+                                 f"p2p/{key[0]}/{key[1]}", world,
+                                 f"BackendNetworkPointToPointInit of streams {key[0]}->{key[1]}",
+                                 lane)
 
 
 def create_remote_process_group(lane: Lane, msg: CreateRemoteProcessGroup) -> None:
-    """Remember a process group over some dims of a mesh (§3.14); fatal on a duplicate id."""
+    """Remember a process group over some dims of a mesh; fatal on a duplicate id.
+
+    Semantics: docs/protocol.md §3.14.
+    """
     comms = comms_of(lane.rank)
     if msg.device_mesh.id not in lane.rank.meshes:
         raise FatalError(f"CreateRemoteProcessGroup r{msg.result.id}: unknown device mesh "
@@ -220,7 +270,9 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
     mesh = lane.rank.meshes[mesh_id]
     ranks = mesh.ranks_for_dims(list(dims)) if dims else mesh.all_ranks
     name = f"pg/{key[0]}/{key[1]}/{_ranks_key(ranks)}"
-    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks)
+    comms.remote[key] = _fatal_call("SplitCommForProcessGroup", comms.group, name, ranks,
+                                    f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
+                                    lane)
 
 
 def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
@@ -240,27 +292,71 @@ def _ranks_key(ranks: list[int]) -> str:
     return "-".join(map(str, ranks))
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
 # -- stream messages -------------------------------------------------------------------------
 
 
 def _input(lane: Lane, ref, what: str):
     value = lane.env.get(ref.id, _MISSING)
     if value is _MISSING:
-        raise FatalError(f"{what}: r{ref.id} is not on stream {lane.label}")
+        raise FatalError(f"{what}: r{ref.id} is not on {lane.title}")
     return value
 
 
+class ValueMismatch(Exception):
+    """A tensor is not what the client declared it to be (shape or dtype)."""
+
+
+def _declared(lane: Lane, value: Any, factory: Factory, what: str, ref) -> SeqError | None:
+    """The fresh failure of an input that does not match its declared ``factory``, else None.
+
+    Reported once, naming the op, the rank and both metadata; the caller
+    takes part with ``factory.zeros()`` so that its peers never see garbage.
+    """
+    if type(value) is SeqError:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dtype is factory.dtype and tuple(value.shape) == factory.size:
+            return None
+        actual = f"shape {tuple(value.shape)} dtype {value.dtype}"
+    else:
+        actual = f"a {type(value).__name__}, not a tensor"
+    exc = ValueMismatch(
+        f"{what} on rank {lane.rank.rank}: r{ref.id} is {actual}, but the client declared shape "
+        f"{factory.size} dtype {factory.dtype} (the function that made it returned something "
+        "else than its propagation said: fix its propagate or its result); this rank took part "
+        "with zeros of the declared shape"
+    )
+    if lane.recording is not None:
+        return lane.recording.fresh_error(lane.rank, exc)
+    error = SeqError.from_exception(lane.last_seq, exc)
+    lane.rank.record_error(error)
+    return error
+
+
+def _report_mismatch(lane: Lane, error: SeqError, result) -> None:
+    if lane.recording is None:
+        lane.rank.report(ValueFailed(lane.rank.rank, result.id, error.error))
+
+
 def reduce(lane: Lane, msg: Reduce) -> None:
-    """A collective over the mesh dims (§3.11); every member takes part, even with an error.
+    """A collective over the mesh dims; every member takes part, even with an error.
+
+    Semantics: docs/protocol.md §3.11.
 
     An errored input is replaced by zeros from the factory (``out`` is then
     ignored) and the result is a valid tensor; nothing is reported. Missing
     inputs, a missing communicator and failures inside the collective are fatal.
     """
     dims = tuple(sorted(msg.dims))
-    pg = comms_of(lane.rank).splits.get((msg.mesh.id, lane.label, dims))
+    comms = comms_of(lane.rank)
+    key = (msg.mesh.id, lane.label, dims)
+    pg = comms.splits.get(key)
     if pg is None:
-        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream {lane.label} "
+        raise FatalError(f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: {lane.title} "
                          "has no communicator for them (SplitComm was not sent)")
     value = _input(lane, msg.tensor, "Reduce")
     out = _input(lane, msg.out, "Reduce out") if msg.out is not None else None
@@ -270,9 +366,29 @@ def reduce(lane: Lane, msg: Reduce) -> None:
         value, out = msg.factory.zeros(), None
     if type(out) is SeqError:
         out = None
-    lane.set_running(f"reduce {msg.reduction!r} over {list(dims)}")
+    mismatch = _declared(lane, value, msg.factory, f"Reduce {msg.reduction!r} over {list(dims)}",
+                         msg.tensor)
+    if mismatch is not None:
+        value, out = msg.factory.zeros(), None
+    members, peers = comms.members[key]
+    op = getattr(msg.reduction, "value", msg.reduction)
+    kind = _KINDS[(op == "stack", bool(msg.scatter))]
+    lane.set_waiting(f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks "
+                     f"{members}", peers=peers)
     output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
+    lane.set_running()
+    if mismatch is not None:
+        _report_mismatch(lane, mismatch, msg.result)
+        lane.env[msg.result.id] = mismatch
+        for ref in (msg.out, msg.tensor if msg.in_place else None):
+            if ref is not None:
+                lane.env[ref.id] = mismatch
+        return
     lane.env[msg.result.id] = output
+
+
+
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -293,6 +409,9 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
             return output
     else:
         op = _TORCH_OPS[msg.reduction]
+        if msg.reduction in _BITWISE and value.is_cuda and groups.uses_nccl(pg):
+            raise FatalError(f"Reduce {msg.reduction.name}: NCCL (the backend of CUDA tensors "
+                             "here) has no bitwise reductions; use dask_monarch.backend: gloo")
         if msg.scatter:  # reduce-scatter: shape[1:]
             if msg.in_place:
                 raise FatalError("Reduce: an in-place scatter is not possible (the shape shrinks)")
@@ -319,25 +438,40 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
 
 
 def send_tensor(lane: Lane, msg: SendTensor) -> None:
-    """Copy tensors between two equally sized rank slices, paired in row-major order (§3.19).
+    """Copy tensors between two equally sized rank slices, paired in row-major order.
+
+    Semantics: docs/protocol.md §3.19.
 
     A sender sends its tensor (zeros if it errored); a receiver binds a fresh
     buffer and receives into it. A rank sending to itself binds a deep copy
     (an error is copied as the error); when the two streams differ, the copy
-    crosses from the sending lane to the receiving lane inside the rank.
+    crosses from the sending lane to the receiving lane inside the rank, as a
+    hand-off: an event recorded on the sender's stream, waited on by the
+    receiver's, which also keeps the copy's block from reuse. A rank that both
+    sends and receives issues the two as one grouped call (NCCL would deadlock
+    on a pairwise exchange issued as two).
     """
     state = lane.rank
     me = state.rank
     sending = lane.label == msg.from_stream.id and me in msg.from_ranks
     receiving = lane.label == msg.to_stream.id and me in msg.to_ranks
     if not sending and not receiving:
-        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on stream {lane.label}")
+        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on {lane.title}")
+    if len(msg.from_ranks) != len(msg.to_ranks):
+        raise FatalError(f"SendTensor of r{msg.tensor.id}: from_ranks has {len(msg.from_ranks)} "
+                         f"ranks but to_ranks has {len(msg.to_ranks)}; ranks pair one to one, so "
+                         "both slices must have the same size")
     to_rank = msg.to_ranks.get(msg.from_ranks.index(me)) if sending else None
     from_rank = msg.from_ranks.get(msg.to_ranks.index(me)) if receiving else None
     comms = comms_of(state)
     value = _input(lane, msg.tensor, "SendTensor") if sending else None
     if type(value) is SeqError and lane.recording is not None:
         lane.recording.dependent(value)
+    if sending:
+        mismatch = _declared(lane, value, msg.factory, f"SendTensor to rank {to_rank}", msg.tensor)
+        if mismatch is not None:
+            _report_mismatch(lane, mismatch, msg.result)
+            value = mismatch  # sent as zeros of the declared shape, bound as the error
     handoff_key = msg.result.id if lane.recording is None else (lane.recording.seq, msg.result.id)
 
     if to_rank == me:  # a copy that stays on this rank: never shares storage with the source
@@ -346,12 +480,16 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             lane.env[msg.result.id] = copy
         else:
             event, box = comms.handoff(handoff_key)
-            box.append(copy)
+            box.append((copy, state.device.record(lane.stream)))
             event.set()
     if from_rank == me and not sending:
         event, box = comms.handoff(handoff_key)
-        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}")
-        lane.env[msg.result.id] = box[0]
+        state.wait(lane, event, f"the copy of r{msg.tensor.id} from stream {msg.from_stream.id}",
+                   peers=((me, msg.from_stream.id),))
+        copy, copied = box[0]
+        state.device.wait(lane.stream, copied)
+        state.device.keep(copy, lane.stream)
+        lane.env[msg.result.id] = copy
         with comms.lock:
             comms.handoffs.pop(handoff_key, None)
 
@@ -364,18 +502,29 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
         raise FatalError(f"SendTensor from stream {msg.from_stream.id} to {msg.to_stream.id}: no "
                          "communicator (BackendNetworkPointToPointInit was not sent)")
     tag = msg.result.id % (2**31 - 1)
-    lane.set_running(f"send r{msg.tensor.id}" if remote_send else f"receive r{msg.result.id}")
+    if remote_send and remote_recv:
+        what = (f"send r{msg.tensor.id} to rank {to_rank} and receive r{msg.result.id} from "
+                f"rank {from_rank}")
+        peers = ((to_rank, msg.to_stream.id), (from_rank, msg.from_stream.id))
+    elif remote_send:
+        what = f"send r{msg.tensor.id} to rank {to_rank} (stream {msg.to_stream.id})"
+        peers = ((to_rank, msg.to_stream.id),)
+    else:
+        what = f"receive r{msg.result.id} from rank {from_rank} (stream {msg.from_stream.id})"
+        peers = ((from_rank, msg.from_stream.id),)
+    lane.set_waiting(what, peers=peers)
 
     def exchange():
-        works = []
+        send = recv = None
         if remote_send:
             tensor = msg.factory.zeros() if type(value) is SeqError else value.contiguous()
-            works.append(pg.send([tensor], to_rank, tag))
+            send = (tensor, to_rank)
         if remote_recv:
             buffer = msg.factory.empty()
             lane.env[msg.result.id] = buffer
-            works.append(pg.recv([buffer], from_rank, tag))
-        for work in works:
+            recv = (buffer, from_rank)
+        for work in groups.point_to_point(pg, send, recv, tag):
             work.wait()
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
+    lane.set_running()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import messages as m
-from ..protocol.wire import ActorCall, ReadRef, StatusProbe
+from ..protocol.wire import ActorCall, DropLane, ReadRef, StatusProbe
 from . import actor, borrow, comm, handlers, pipe, recording
 from .errors import FatalError
 from .lane import Lane
@@ -31,7 +31,10 @@ def handle(lane: Lane, message: Any) -> None:
 
 
 def command_group(lane: Lane, msg: m.CommandGroup) -> None:
-    """Handle each message in order; the first fatal error stops the rest (§3.4)."""
+    """Handle each message in order; the first fatal error stops the rest.
+
+    Semantics: docs/protocol.md §3.4.
+    """
     for message in msg.messages:
         handle(lane, message)
 
@@ -42,6 +45,7 @@ HANDLERS: dict[type, Handler] = {
     m.SendValue: handlers.send_value,
     m.DeleteRefs: handlers.delete_refs,
     m.CreateStream: handlers.create_stream,
+    DropLane: handlers.drop_lane,
     StatusProbe: handlers.status_probe,
     m.SetRefUnitTestsOnly: handlers.set_ref,
     m.GetRefUnitTestsOnly: handlers.read_ref,

@@ -1,4 +1,4 @@
-"""The worker's two error classes (monarch-semantics §4.1).
+"""The worker's two error classes (docs/protocol.md §4.1).
 
 User errors are values: a fresh failure makes one :class:`SeqError` that every
 slot it poisons shares by identity; using a poisoned slot raises

@@ -19,7 +19,7 @@ from .lane import Lane
 
 
 def fail_call(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref],
-              exc: Exception) -> SeqError:
+              exc: BaseException) -> SeqError:
     """A fresh failure: one SeqError, reported once, poisoning results and mutates."""
     if lane.recording is not None:
         error = lane.recording.fresh_error(lane.rank, exc)
@@ -33,7 +33,7 @@ def fail_call(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequ
 
 
 def call_failed(lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref],
-                exc: Exception) -> None:
+                exc: BaseException) -> None:
     """A call raised: a dependent failure reuses its root, anything else is fresh."""
     if isinstance(exc, DependentError):
         dependent_failure(lane, results, mutates, exc.root)

@@ -3,25 +3,27 @@
 A worker process may hold ranks of many meshes, but ``init_process_group``
 works once per process, so every group here is built directly over a
 prefixed store: a ``ProcessGroup`` whose CPU backend is gloo and, on GPU
-workers, whose CUDA backend is NCCL (dask-notes §12). The group is entered in
+workers, whose CUDA backend is NCCL (docs/dask.md §12). The group is entered in
 torch's global-to-group rank table so that user functions can call
 ``dist.send(t, dst, group=pg)`` with controller ranks; ``dist.get_rank(pg)``
 still wants a default group, so use ``pg.rank()`` and ``pg.size()``.
 
-These are private torch APIs, kept in this one module; ``tests/test_groups.py``
-pins the torch versions they are known to work with.
+These are private torch APIs, kept in this one module; the collective and
+send tests (``tests/worker/test_collectives.py``) exercise every one of them
+on the installed torch.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-SUPPORTED_TORCH = ("2.4", "2.14")  # inclusive range of tested minor versions
+logger = logging.getLogger("dask_monarch.worker")
 
 
 def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
@@ -77,5 +79,35 @@ def release_group(pg: dist.ProcessGroup) -> None:
     c10d._world.pg_group_ranks.pop(pg, None)
     try:
         pg.shutdown()
-    except Exception:
-        pass
+    except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
+        logger.debug("shutting down process group %r: %r", pg, e)
+
+
+def point_to_point(pg: dist.ProcessGroup, send: tuple[torch.Tensor, int] | None,
+                   recv: tuple[torch.Tensor, int] | None, tag: int) -> list:
+    """Start a send and/or a receive on ``pg`` (peers in group ranks); returns their works.
+
+    A rank that does both issues them as one grouped call on CUDA tensors, as
+    ``batch_isend_irecv`` does: NCCL runs a send and a receive issued apart in
+    order on one stream, so two ranks exchanging large tensors would each wait
+    in its send for the other's receive.
+    """
+    if send is not None and recv is not None and send[0].is_cuda:
+        ops = [dist.P2POp(dist.isend, send[0], dist.get_global_rank(pg, send[1]), pg, tag),
+               dist.P2POp(dist.irecv, recv[0], dist.get_global_rank(pg, recv[1]), pg, tag)]
+        return dist.batch_isend_irecv(ops)
+    works = []
+    if send is not None:
+        works.append(pg.send([send[0]], send[1], tag))
+    if recv is not None:
+        works.append(pg.recv([recv[0]], recv[1], tag))
+    return works
+
+
+def uses_nccl(pg: dist.ProcessGroup) -> bool:
+    """Whether CUDA tensors in ``pg`` go through NCCL (False: gloo, or no CUDA backend)."""
+    try:
+        return pg._get_backend(torch.device("cuda")).name() == "nccl"
+    except (RuntimeError, AttributeError) as e:  # no CUDA backend on this group
+        logger.debug("group %r has no CUDA backend: %r", pg, e)
+        return False

@@ -2,7 +2,7 @@
 
 Borrows, collectives, recordings, pipes and actors have their handlers in
 their own modules; :mod:`.dispatch` maps each message type to its handler.
-Semantics: monarch-semantics §3; error model §4.1.
+Semantics: docs/protocol.md §3; error model §4.1.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..protocol.messages import (
     SetRefUnitTestsOnly,
     Status,
 )
-from ..protocol.wire import Exited, Fetched, ReadRef, RefValue, StatusProbe
+from ..protocol.wire import DropLane, Exited, Fetched, ReadRef, RefValue, StatusProbe
 from . import calls
 from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
@@ -44,12 +44,12 @@ def call(lane: Lane, seq: int, function: ResolvableFunction, args_kwargs: ArgsKw
         calls.bind_results(lane.env, results, value)
     except FatalError:
         raise
-    except Exception as e:
+    except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill a rank
         call_failed(lane, seq, results, mutates, e)
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
-    """Call a function on the stream and bind its results (§3.3).
+    """Call a function on the stream and bind its results (docs/protocol.md §3.3).
 
     Fresh failures (bad path, missing ref, the function raising, a result
     count mismatch) are reported once and poison results and mutates; an
@@ -65,7 +65,7 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
 
 
 def send_value(lane: Lane, msg: SendValue) -> None:
-    """Compute a value and send it to the controller, or into a pipe (§3.20).
+    """Compute a value and send it to the controller, or into a pipe (docs/protocol.md §3.20).
 
     Without a function the single positional argument is the value. The
     value is pickled here, so later changes on the stream cannot leak into
@@ -93,7 +93,7 @@ def send_value(lane: Lane, msg: SendValue) -> None:
         raise
     except DependentError as e:
         dependent_failure(lane, (), msg.mutates, e.root)
-    except Exception as e:
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, msg.seq, (), msg.mutates, e)
 
 
@@ -109,8 +109,17 @@ def create_stream(lane: Lane, msg: CreateStream) -> None:
     lane.create(msg.stream_creation)
 
 
+def drop_lane(lane: Lane, step: DropLane) -> None:
+    """The last step of a dropped stream (Controller.drop_stream): the compiler chains it
+    after everything the stream ran, so its refs, communicators and thread can go now."""
+    lane.rank.drop_lane(lane)
+
+
 def status_probe(lane: Lane, probe: StatusProbe) -> None:
-    """This stream drained everything before a ``RequestStatus``; the last one answers (§3.6)."""
+    """This stream drained everything before a ``RequestStatus``; the last one answers.
+
+    Semantics: docs/protocol.md §3.6.
+    """
     if lane.rank.arrive(probe.probe, probe.lanes):
         lane.rank.report(Status(probe.seq + 1, lane.rank.rank))
 
@@ -140,7 +149,7 @@ _ABSENT = object()
 
 
 def create_device_mesh(lane: Lane, msg: CreateDeviceMesh) -> None:
-    """Store the worker-side mesh (§3.2); fatal if this rank is not in it."""
+    """Store the worker-side mesh (docs/protocol.md §3.2); fatal if this rank is not in it."""
     state = lane.rank
     try:
         state.meshes[msg.result.id] = DeviceMesh(msg.names, msg.ranks, state.rank)
@@ -149,7 +158,9 @@ def create_device_mesh(lane: Lane, msg: CreateDeviceMesh) -> None:
 
 
 def exit_(lane: Lane, msg: Exit) -> None:
-    """Everything sent before has run: release the controller's state on this rank (§3.22).
+    """Everything sent before has run: release the controller's state on this rank.
+
+    Semantics: docs/protocol.md §3.22.
 
     The Dask worker keeps running; an error passed to Exit goes back to the
     controller, which raises it.

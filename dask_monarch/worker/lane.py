@@ -1,4 +1,4 @@
-"""A stream's lane on one rank: a single-thread executor, its own ref table, its CUDA stream.
+"""A stream's lane on one rank: a single-thread executor, its own ref table, its device stream.
 
 Dask runs a lane's segments through the ``executor`` annotation; the compiler
 chains consecutive segments of a lane with graph edges, so a lane holds at
@@ -7,7 +7,7 @@ Each segment carries its index: a segment seen twice (Dask re-running work
 after a lost worker) is refused, never re-executed.
 
 Why lanes cannot starve each other: the worker runs at most ``nthreads``
-tasks across *all* executors (dask-notes §12). The plugin raises
+tasks across *all* executors (docs/dask.md §12). The plugin raises
 ``nthreads`` by one for every lane it creates and the chain edges keep at most
 one task per lane executing, so a task whose lane is free always finds a
 thread: a lane blocked in a borrow wait or a collective holds only its own
@@ -22,6 +22,8 @@ cancels work Dask owns, so no task is left holding an execution slot.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..protocol.messages import StreamCreationMode
+from ..protocol.wire import CONTROL, LaneProgress, StatusProbe
 from .calls import lookup
 from .errors import ReplayRefused, SeqError
 
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
 
 
 _current = threading.local()
+WHERE_AFTER_S = 1.0  # a call running this long is located (its innermost user frame)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_A_SEQ = (StatusProbe,)  # steps whose ``seq`` field is not a message's own seq
+_OUTER = (f"{os.sep}distributed{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
 
 
 def current_lane() -> Lane:
@@ -49,26 +56,40 @@ class Lane:
     """The executor, ref table and progress of one stream (or the control steps) of a rank."""
 
     def __init__(self, rank: RankState, label: Any, executor_name: str,
-                 device: torch.device | None):
+                 mode: StreamCreationMode = StreamCreationMode.UseDefaultStream,
+                 name: str | None = None):
         self.rank = rank
         self.label = label  # stream id, or wire.CONTROL
+        self.name = name  # the name the user gave the stream (dm.Stream("comms")), if any
         self.executor_name = executor_name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=executor_name)
-        self.device = device  # a CUDA device, or None on CPU
         self.env: dict[int, Any] = {}
-        self.mode: StreamCreationMode | None = None
-        self.cuda_stream = None
+        self.mode = mode
+        # Made with the lane, before any segment: every step, the first segment's too, runs in it.
+        self.stream = rank.device.stream(str(label), mode)
         self.next_index = 0
         self.recording = None  # the ReplayState while a CallRecording replays on this lane
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""
+        self.seq: int | None = None  # the seq of the message a wait is in, if it has one
+        self.running: list | None = None  # the steps of the segment being run
+        self.peers: tuple = ()  # (rank, lane) pairs the current wait needs
+        self.since = 0.0  # when the current wait began
         self.last_seq = -1  # the newest seq a handler started (set by the handlers)
         self.done_seq = -1  # last_seq when the lane last finished a segment
         self.steps = 0
         self.segments = 0
         self.busy_since = 0.0
         self.busy_seconds = 0.0
+
+    @property
+    def title(self) -> str:
+        """How errors and logs name the lane: ``stream 'comms' (7)``, ``stream 7``, ``control
+        steps``."""
+        if self.label == CONTROL:
+            return "control steps"
+        return f"stream {self.name!r} ({self.label})" if self.name else f"stream {self.label}"
 
     # -- values -------------------------------------------------------------------------------
 
@@ -84,29 +105,80 @@ class Lane:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def create(self, mode: StreamCreationMode) -> None:
-        """``CreateStream``: a fresh, empty stream (re-creating an id replaces it)."""
+        """``CreateStream``: a fresh, empty stream (re-creating an id replaces it).
+
+        The device stream was made with the lane, in the mode the controller
+        announced; a re-creation in another mode switches to a new device
+        stream at once, for the rest of this segment too.
+        """
         self.env.clear()
-        self.mode = mode
-        if self.device is not None:
-            if mode is StreamCreationMode.CreateNewStream:
-                self.cuda_stream = torch.cuda.Stream(device=self.device)
-            else:
-                self.cuda_stream = torch.cuda.default_stream(self.device)
+        if mode is not self.mode:
+            self.mode = mode
+            self.stream = self.rank.device.stream(str(self.label), mode)
+            self.rank.device.switch(self.stream)
 
     def claim_index(self, index: int) -> None:
         """Segments run exactly once and in order; anything else is a replay."""
         if index != self.next_index:
             raise ReplayRefused(
-                f"stream {self.label}: segment {index} arrived when {self.next_index} was expected "
+                f"{self.title}: segment {index} arrived when {self.next_index} was expected "
                 "(Dask re-ran work, e.g. after a lost worker); refusing to execute it twice"
             )
         self.next_index += 1
 
-    def set_waiting(self, what: str) -> None:
+    def set_waiting(self, what: str, seq: int | None = None, peers: tuple = ()) -> None:
+        """The lane blocks on ``what`` (in message ``seq``, if it has one), needing ``peers``.
+
+        ``what`` reads after "waiting on": name the thing and whose move it
+        waits for ("borrow 3 (the lender's BorrowCreate)"); liveness warnings,
+        timeouts and the dashboard show it as is.
+        """
+        self.seq, self.peers, self.since = seq, peers, time.monotonic()
         self.state, self.doing = "waiting", what
 
     def set_running(self, what: str = "") -> None:
         self.state, self.doing = "running", what
+
+    def progress(self, now: float) -> LaneProgress:
+        """What the lane is doing (read from the event loop, never locks; see :meth:`snapshot`)."""
+        state, doing = self.state, self.doing
+        if state == "waiting":
+            seq = self.seq
+            if seq is None and self.recording is not None:
+                seq = self.recording.seq
+            following = self.next_seq() if seq is None else None
+            return LaneProgress(self.label, state, doing, seq, following, self.last_seq,
+                                self.done_seq, self.segments, round(now - self.since, 3),
+                                self.peers, "")
+        for_s = round(now - self.busy_since, 3) if state != "idle" else 0.0
+        located = state == "running" and not doing and for_s >= WHERE_AFTER_S
+        where = self.where() if located else ""
+        return LaneProgress(self.label, state, doing, None, None, self.last_seq, self.done_seq,
+                            self.segments, for_s, (), where)
+
+    def next_seq(self) -> int | None:
+        """The first seq of the running segment that the lane has not started, if any."""
+        last = self.last_seq
+        for step in self.running or ():
+            seq = getattr(step, "seq", None)
+            if type(seq) is int and seq > last and type(step) not in _NOT_A_SEQ:
+                return seq
+        return None
+
+    def where(self) -> str:
+        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+        prefix = f"{self.executor_name}_"  # ThreadPoolExecutor names its threads <prefix>_<i>
+        ident = next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            if any(part in name for part in _OUTER):  # below the segment: no user code ran
+                break
+            if not name.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in name:
+                return f"in {code.co_name} ({name}:{frame.f_lineno})"
+            frame = frame.f_back
+        return ""
 
     def storages(self) -> dict[int, int]:
         """The tensors' storages this lane's table holds: data pointer -> bytes."""
@@ -127,12 +199,20 @@ class Lane:
         values = list(self.env.values())
         if storages is None:
             storages = self.storages()
-        state = self.state
+        now = time.monotonic()
+        progress = self.progress(now)
+        state = progress.state
         return {
             "stream": self.label,
+            "name": self.name,
             "state": state,
-            "doing": self.doing,
-            "busy_for": round(time.monotonic() - self.busy_since, 3) if state != "idle" else 0,
+            "doing": progress.doing,
+            "busy_for": round(now - self.busy_since, 3) if state != "idle" else 0,
+            "seq": progress.seq,
+            "next_seq": progress.next_seq,
+            "for_s": progress.for_s,
+            "peers": [list(peer) for peer in progress.peers],
+            "where": progress.where,
             "last_seq": self.last_seq,
             "done_seq": self.done_seq,
             "refs": len(values),
@@ -147,3 +227,10 @@ class Lane:
         """Drop the stream's values (on release). The executor is the plugin's to retire:
         Dask may already have handed it work, which must still run (and return at once)."""
         self.env.clear()
+
+    def retire(self) -> None:
+        """The stream was dropped (its last step runs now, on this lane's thread): free its
+        refs and let the thread end after this segment. Blocks freed here go back to the
+        allocator on this lane's device stream, in order after its queued work."""
+        self.env.clear()
+        self.executor.shutdown(wait=False)

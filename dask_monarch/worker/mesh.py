@@ -1,4 +1,4 @@
-"""The worker-side device mesh (monarch-semantics §2.4): what UDFs see for a mesh ref."""
+"""The worker-side device mesh (docs/protocol.md §2.4): what UDFs see for a mesh ref."""
 
 from __future__ import annotations
 

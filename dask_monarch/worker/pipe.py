@@ -1,4 +1,6 @@
-"""Pipes: a producer per rank feeding a stream through a bounded buffer (§3.20, §3.21).
+"""Pipes: a producer per rank feeding a stream through a bounded buffer.
+
+Semantics: docs/protocol.md §3.20, §3.21.
 
 Monarch dropped pipes; they are how data loaders feed a mesh, so they are
 here. ``CreatePipe`` starts ``function(pipe, *args, **kwargs)`` on every rank
@@ -21,7 +23,7 @@ import logging
 import multiprocessing
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as tmp
 
@@ -31,6 +33,9 @@ from . import calls
 from .errors import FatalError, format_exception
 from .failures import fail_call
 from .lane import Lane, current_lane
+
+if TYPE_CHECKING:
+    from .device import Device
 
 logger = logging.getLogger("dask_monarch.worker.pipe")
 POLL_S = 0.05
@@ -49,17 +54,34 @@ class _Close:
     """The worker read the producer's last value: the producer may exit."""
 
 
+class _HandOff:
+    """A value a producer thread made, with the event its stream recorded after making it.
+
+    (A producer process's tensors come through torch's IPC, which synchronises
+    them on the receiving thread's current stream: the lane's.)
+    """
+
+    __slots__ = ("value", "event")
+
+    def __init__(self, value: Any, event: Any):
+        self.value, self.event = value, event
+
+
 class PipeEnd:
     """What the producer function gets: its coordinates, and the two directions of the pipe."""
 
-    def __init__(self, ranks: dict[str, int], sizes: dict[str, int], out_queue, in_queue):
+    def __init__(self, ranks: dict[str, int], sizes: dict[str, int], out_queue, in_queue,
+                 device: Device | None = None):
         self.ranks = ranks
         self.sizes = sizes
         self._out = out_queue
         self._in = in_queue
+        self._device = device  # a producer thread shares the rank's device: values are hand-offs
 
     def send(self, value: Any) -> None:
         """Hand a value to the stream; blocks while ``max_messages`` values wait."""
+        if self._device is not None:
+            value = _HandOff(value, self._device.record_current())
         self._out.put(value)
 
     def recv(self) -> Any:
@@ -67,7 +89,7 @@ class PipeEnd:
         return self._in.get()
 
 
-def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue) -> None:
+def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue, device=None) -> None:
     """Run a producer to its end; its failure travels down the pipe as a value.
 
     The producer then waits for the worker to read that last value: tensors
@@ -76,7 +98,7 @@ def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue) -> None:
     """
     try:
         fn = calls.resolve_function(function)
-        fn(PipeEnd(ranks, sizes, out_queue, in_queue), *args, **kwargs)
+        fn(PipeEnd(ranks, sizes, out_queue, in_queue, device), *args, **kwargs)
         out_queue.put(_Ended())
     except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
         out_queue.put(_Failed(format_exception(e)))
@@ -105,7 +127,8 @@ class Pipe:
         self.out_queue, self.in_queue = make_queue(msg.max_messages), make_queue()
         producer = producer_type(
             target=_produce, daemon=True, name=f"monarch-pipe-{msg.key}",
-            args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue))
+            args=(msg.function, args, kwargs, ranks, sizes, self.out_queue, self.in_queue,
+                  state.device if in_thread else None))
         producer.start()
         self.process = None if in_thread else producer  # a thread cannot be terminated
 
@@ -115,7 +138,8 @@ class Pipe:
             return self.held.pop()
         if self.ended is not None:
             raise PipeFailed(self.ended)
-        lane.set_waiting(f"pipe {self.key!r}")
+        lane.set_waiting(f"pipe {self.key!r} (its producer on this rank has not sent a value)",
+                         seq=lane.last_seq if lane.last_seq >= 0 else None)
         try:
             while True:
                 try:
@@ -123,7 +147,7 @@ class Pipe:
                     break
                 except queue.Empty:
                     if self.state.abort.is_set():
-                        raise FatalError(f"stream {lane.label} stopped waiting for pipe "
+                        raise FatalError(f"{lane.title} stopped waiting for pipe "
                                          f"{self.key!r}: {self.state.failed or 'released'}"
                                          ) from None
                     if self.process is not None and not self.process.is_alive():
@@ -138,6 +162,11 @@ class Pipe:
                           if isinstance(value, _Failed)
                           else f"the producer of pipe {self.key!r} has finished")
             raise PipeFailed(self.ended)
+        if type(value) is _HandOff:
+            device = self.state.device
+            device.wait(lane.stream, value.event)
+            device.keep(value.value, lane.stream)
+            value = value.value
         return value
 
     def send(self, value: Any) -> None:
@@ -205,5 +234,5 @@ def pipe_recv(lane: Lane, msg: PipeRecv) -> None:
         calls.bind_results(lane.env, msg.results, value)
     except FatalError:
         raise
-    except Exception as e:
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
         fail_call(lane, msg.seq, msg.results, (), e)

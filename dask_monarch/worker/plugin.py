@@ -16,14 +16,16 @@ import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from distributed import WorkerPlugin, get_worker
 from distributed.batched import BatchedSend
 from distributed.comm.core import CommClosedError
+from distributed.protocol.serialize import ToPickle
 
 from ..protocol.names import (
+    HEARTBEAT_OP,
     PLUGIN_NAME,
     REPORTS_HANDLER,
     RESOURCE_CAPACITY,
@@ -32,6 +34,13 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+from .calls import InvalidRemoteFunction, pickled_code_allowed
+from .signals import ignore_sigint
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from ..protocol.messages import StreamCreationMode
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -48,13 +57,23 @@ class MonarchWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, report_interval: str | None = None):
+    def __init__(self, report_interval: str | None = None,
+                 batched_interval: float | None = None):
         self.report_interval = report_interval  # None: dask_monarch.comm.report-interval
+        # The gap of the worker's own batched stream to the scheduler, lowered only on workers
+        # dask_monarch started (LocalMeshCluster: deployment/comm_gaps.py); None leaves Dask's.
+        if batched_interval is not None and batched_interval < 0:
+            raise ValueError(f"batched_interval cannot be negative, got {batched_interval}")
+        self.batched_interval = batched_interval
 
     async def setup(self, worker) -> None:
         from .. import config
 
         self.worker = worker
+        ignore_sigint(worker)
+        if self.batched_interval is not None:
+            stream = worker.batched_stream
+            stream.interval = min(stream.interval, self.batched_interval)
         if self.report_interval is None:  # read here: the worker's config, not the client's
             self.report_interval = config.get("comm.report-interval", "0.5ms")
         self.ranks: dict = {}  # controller token -> RankState
@@ -109,22 +128,27 @@ class MonarchWorkerPlugin(WorkerPlugin):
         if token in self.ranks:
             raise ValueError(f"controller {token} already claimed this worker")
         resource = await self.ensure_resource()
-        device = await asyncio.to_thread(_pick_device, settings.get("device", "auto"))
         from .. import config
+        from .device import gpu_uuid, pick_device  # imports torch
         from .rank import RankState  # imports torch and the handlers
+
+        device = await asyncio.to_thread(pick_device, settings.get("device", "auto"))
 
         config.freeze_gc()
         state = RankState(self, token, rank, world_size, device, settings)
         self.ranks[token] = state
         self._register(state.control)
         return {"resource": resource, "device": str(device or "cpu"), "pid": os.getpid(),
-                "address": self.worker.address, "name": str(self.worker.name)}
+                "address": self.worker.address, "name": str(self.worker.name),
+                "gpu": gpu_uuid(device.index) if device is not None else None}
 
-    def add_lanes(self, token: str, stream_ids: list[int]) -> None:
-        """Create lanes before any task names their executor (DESIGN decision 2)."""
+    def add_lanes(self, token: str,
+                  lanes: list[tuple[int, StreamCreationMode, str | None]]) -> None:
+        """Create lanes ``(stream id, creation mode, name)`` and their device streams before any
+        task names their executor (DESIGN decision 2); the name is the dashboard's."""
         state = self.ranks[token]
-        for stream_id in stream_ids:
-            lane = state.add_lane(stream_id)
+        for stream_id, mode, name in lanes:
+            lane = state.add_lane(stream_id, mode, name)
             if lane is not None:
                 self._register(lane)
 
@@ -133,6 +157,18 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.worker.executors[lane.executor_name] = lane.executor
         self.extra_threads += 1
         self.worker.state.nthreads += 1
+
+    def remove_lane(self, state, lane) -> None:
+        """A dropped stream's lane ran its last step: forget it, give its thread back (on the
+        loop). No task names its executor any more; a released rank already gave it back."""
+        if state.lanes.get(lane.label) is lane:
+            del state.lanes[lane.label]
+        if self.worker.executors.get(lane.executor_name) is lane.executor:
+            self.worker.executors = {  # a new dict: Worker.close may iterate the old one
+                k: v for k, v in self.worker.executors.items() if k != lane.executor_name
+            }
+            self.extra_threads -= 1
+            self.worker.state.nthreads -= 1
 
     def forget(self, state) -> None:
         """Drop a released rank state; each lane's thread goes back once its work returned.
@@ -202,7 +238,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
         The controller opens this stream right after claiming the worker. Its
         end (``Controller.close``, or a notebook kernel that died) releases
-        everything the controller held on this worker.
+        everything the controller held on this worker. The controller's
+        heartbeats arrive on it too; each is answered here, on the event loop,
+        with what every lane is doing (:meth:`RankState.heartbeat`), so a rank
+        whose lanes are all blocked still answers.
         """
         state = self.ranks.get(token)
         if state is None:
@@ -212,9 +251,13 @@ class MonarchWorkerPlugin(WorkerPlugin):
         stream.start(comm)
         state.attach(stream)
         try:
-            await comm.read()  # returns or raises when the controller closes the stream
-        except (CommClosedError, OSError):
-            pass
+            while True:  # heartbeats, until the controller closes the stream
+                msg = await comm.read()
+                if type(msg) is not dict or msg.get("op") != HEARTBEAT_OP:
+                    break
+                stream.send(ToPickle(state.heartbeat(msg.get("beat", 0))))
+        except (CommClosedError, OSError) as e:
+            logger.debug("controller %s hung up its report stream: %r", token, e)
         finally:
             state._stream = None
             if not state.released:
@@ -229,14 +272,6 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
 def _nothing() -> None:
     pass
-
-
-def _pick_device(kind: str):
-    import torch
-
-    if kind == "cpu" or not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 # -- functions run through Client.run (async: they never block the worker's event loop) ------
@@ -270,8 +305,11 @@ async def claim_rank(token: str, ranks: dict[str, int], world_size: int, setting
     return await _plugin(dask_worker).claim(token, rank, world_size, settings)
 
 
-async def create_lanes(token: str, stream_ids: list[int], dask_worker=None) -> None:
-    _plugin(dask_worker).add_lanes(token, stream_ids)
+async def create_lanes(token: str, lanes: list[tuple[int, StreamCreationMode, str | None]],
+                       dask_worker: Worker | None = None) -> None:
+    """Create controller ``token``'s lanes ``(stream id, creation mode, name)`` on this
+    worker."""
+    _plugin(dask_worker).add_lanes(token, lanes)
 
 
 async def start_rendezvous(token: str, dask_worker=None) -> tuple[str, int]:
@@ -296,7 +334,8 @@ async def register_actor(token: str, broker_id: tuple, keys: dict[str, str],
     register(_plugin(dask_worker).ranks[token], broker_id, actor)
 
 
-async def release_controller(token: str, dask_worker=None) -> bool:
+async def release_controller(token: str, dask_worker: Worker | None = None) -> bool:
+    """Release controller ``token``'s rank on this worker (a claim the controller gave up)."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         return False
@@ -311,7 +350,14 @@ async def release_controller(token: str, dask_worker=None) -> bool:
 
 
 def construct_actor(payload: bytes) -> Any:
-    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)."""
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task).
+
+    The class travels pickled: refused where pickled code is (docs/security.md).
+    """
+    if not pickled_code_allowed():
+        raise InvalidRemoteFunction(
+            "actor classes travel pickled, and pickled code is disabled by "
+            "dask_monarch.functions.allow-pickled on this worker")
     cls, args, kwargs = cloudpickle.loads(payload)
     return cls(*args, **kwargs)
 

@@ -8,6 +8,7 @@ released, and the Dask worker carries on.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -19,16 +20,22 @@ from distributed.protocol.serialize import ToPickle
 
 from .. import config
 from ..protocol import names
+from ..protocol.messages import StreamCreationMode
 from ..protocol.rules import RecordingChunks
-from ..protocol.wire import CONTROL, Fatal, LaneDone
+from ..protocol.wire import CONTROL, Fatal, Heartbeat, LaneDone
+from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
+from .restricted import RestrictedPickleError
+from .restricted import loads as restricted_loads
 
 if TYPE_CHECKING:
     from .plugin import MonarchWorkerPlugin
 
 WAIT_POLL_S = 0.05
+
+logger = logging.getLogger("dask_monarch.worker")
 
 
 class RankState:
@@ -41,10 +48,11 @@ class RankState:
         self.token = token
         self.rank = rank
         self.world_size = world_size
-        self.device = device
+        self.torch_device = device  # a CUDA device, or None on CPU
         self.settings = settings
         self.lanes: dict[int, Lane] = {}
-        self.control = Lane(self, CONTROL, names.executor_name(token, CONTROL), device)
+        self.device = device_for(device)  # streams, events and hand-offs (worker/device.py)
+        self.control = Lane(self, CONTROL, names.executor_name(token, CONTROL))
         self.meshes: dict[int, Any] = {}
         self.lock = threading.Lock()
         self.borrows: dict[int, Any] = {}
@@ -61,6 +69,9 @@ class RankState:
         self._closers: list = []
         self.comms = None  # worker.comm.Comms, made on first use
         self.handlers = HANDLERS  # message type -> handler (recordings replay through it too)
+        # no pickled code accepted: batches load plain data only (docs/security.md)
+        self.loads = (pickle.loads if config.get("functions.allow-pickled", True)
+                      else restricted_loads)
         self.recordings: dict[int, Any] = {}
         self.chunks = RecordingChunks(FatalError)  # a recording whose chunks are arriving
         self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
@@ -73,14 +84,23 @@ class RankState:
     def executor_name(self, stream_id: int) -> str:
         return names.executor_name(self.token, stream_id)
 
-    def add_lane(self, stream_id: int) -> Lane | None:
-        """Create the lane of a stream (on the event loop, before a task names it)."""
+    def add_lane(self, stream_id: int, mode: StreamCreationMode,
+                 name: str | None = None) -> Lane | None:
+        """Create the lane of a stream and its device stream (on the event loop, before a task
+        names it); ``name`` is what the dashboard and errors call it."""
         if stream_id in self.lanes:
             return None
-        lane = self.lanes[stream_id] = Lane(
-            self, stream_id, self.executor_name(stream_id), self.device
-        )
+        lane = self.lanes[stream_id] = Lane(self, stream_id, self.executor_name(stream_id), mode,
+                                            name)
         return lane
+
+    def drop_lane(self, lane: Lane) -> None:
+        """The stream's last step (on its lane's thread): free its communicators, refs and
+        thread; the plugin then forgets the lane and gives its thread back (on the loop)."""
+        if self.comms is not None:
+            self.comms.release_stream(lane.label)
+        lane.retire()
+        self.loop.add_callback(self.plugin.remove_lane, self, lane)
 
     def all_lanes(self) -> list[Lane]:
         return [*self.lanes.values(), self.control]
@@ -99,26 +119,31 @@ class RankState:
             return 0
         lane = self.control if label == CONTROL else self.lanes.get(label)
         if lane is None:
-            raise FatalError(f"rank {self.rank}: no lane for stream {label}")
+            raise FatalError(f"rank {self.rank}: no lane for stream {label} (never created, "
+                             "or dropped)")
         try:
             lane.claim_index(index)
-            steps = pickle.loads(payload)
-            lane.state, lane.busy_since = "running", time.monotonic()
+            try:
+                steps = self.loads(payload)
+            except RestrictedPickleError as e:  # a message holds more than plain data
+                raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
+            except BaseException as e:  # a value whose unpickling raises, or exits
+                raise FatalError(f"rank {self.rank}: the segment's messages cannot be unpickled "
+                                 f"(a value in them raised {type(e).__name__}: {e})") from None
+            lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
-            if lane.device is not None:
-                torch.cuda.set_device(lane.device)
-                with torch.cuda.stream(lane.cuda_stream or torch.cuda.default_stream(lane.device)):
-                    self._run_steps(lane, steps)
-            else:
+            with self.device.running(lane.stream):
                 self._run_steps(lane, steps)
         except FatalError as e:
-            self.fail(f"stream {label}: {e}")
+            self.fail(f"{lane.title}: {e}")
             return 0
         except BaseException as e:
-            self.fail(f"stream {label}: internal error: {format_exception(e)}")
+            self.fail(f"{lane.title}: internal error: {format_exception(e)}")
+            if not isinstance(e, Exception):  # SystemExit & co. would stop the Dask worker
+                raise FatalError(f"{lane.title}: internal error: {e!r}") from e
             raise
         finally:
-            lane.state, lane.doing = "idle", ""
+            lane.state, lane.doing, lane.running = "idle", "", None
             lane.busy_seconds += time.monotonic() - lane.busy_since
         lane.segments += 1
         lane.done_seq = lane.last_seq
@@ -158,6 +183,11 @@ class RankState:
         for item in pending:
             stream.send(ToPickle(item))
 
+    def heartbeat(self, beat: int) -> Heartbeat:
+        """The answer to the controller's heartbeat ``beat`` (on the event loop, never locks)."""
+        now = time.monotonic()
+        return Heartbeat(self.rank, beat, tuple(lane.progress(now) for lane in self.all_lanes()))
+
     def record_error(self, error: SeqError) -> None:
         """Keep a fresh failure for the dashboard (the latest ``dashboard.errors`` of them)."""
         self.recent_errors.append((error.seq, error.error, time.time()))
@@ -175,23 +205,26 @@ class RankState:
             return False
 
     def wait(self, lane: Lane, event: threading.Event, what: str,
-             timeout: float | None = None) -> None:
-        """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves."""
+             timeout: float | None = None, peers: tuple = ()) -> None:
+        """Block ``lane`` until ``event`` is set; give up if the controller fails or leaves.
+
+        ``what`` and ``peers`` say what the lane waits on (:meth:`Lane.set_waiting`).
+        """
         if event.is_set():
             return
         before = (lane.state, lane.doing)
-        lane.set_waiting(what)
+        lane.set_waiting(what, peers=peers)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not event.wait(WAIT_POLL_S):
                 if self.abort.is_set():
                     raise FatalError(
-                        f"stream {lane.label} stopped waiting for {what}: "
+                        f"{lane.title} stopped waiting for {what}: "
                         f"{self.failed or 'the rank was released'}"
                     )
                 if deadline is not None and time.monotonic() > deadline:
                     raise FatalError(
-                        f"stream {lane.label} timed out after {timeout}s waiting for {what}"
+                        f"{lane.title} timed out after {timeout}s waiting for {what}"
                     )
         finally:
             lane.state, lane.doing = before
@@ -217,8 +250,9 @@ class RankState:
         for close in self.closers():
             try:
                 close()
-            except Exception:  # a half-built communicator must not keep the rest alive
-                pass
+            except Exception as e:  # a half-built communicator must not keep the rest alive
+                logger.debug("rank %d of %s: releasing %r failed: %r", self.rank, self.token,
+                             close, e)
         self.meshes.clear()
         self.borrows.clear()
         self.actors.clear()
@@ -258,7 +292,7 @@ class RankState:
             "token": self.token,
             "rank": self.rank,
             "world_size": self.world_size,
-            "device": str(self.device or "cpu"),
+            "device": str(self.torch_device or "cpu"),
             "failed": self.failed,
             "released": self.released,
             "time": time.time(),

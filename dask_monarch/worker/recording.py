@@ -1,4 +1,6 @@
-"""Recordings: a trace defined once per rank, replayed per stream with one message (§3.16-§3.18).
+"""Recordings: a trace defined once per rank, replayed per stream with one message.
+
+Semantics: docs/protocol.md §3.16-§3.18.
 
 ``DefineRecording`` chunks arrive in order on the rank's control lane; with
 the last one the commands are split by stream and checked (borrows created
@@ -272,7 +274,7 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
                         env[result] = value
                 except FatalError:
                     raise
-                except Exception as e:
+                except BaseException as e:  # user code cannot kill a rank (SystemExit...)
                     call_failed(lane, message.seq, message.results, message.mutates, e)
             elif t is m.RecordingFormal:
                 if cmd.argument_index >= len(actuals):

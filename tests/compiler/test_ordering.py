@@ -117,7 +117,8 @@ def test_segment_keys_name_their_work():
 def test_segments_are_pinned_and_chained():
     create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
     compiler, first = compile_([create, call(0, Ref(1), "torch.ones", 1)])
-    assert first.new_lanes == {0: [0], 1: [0]}
+    default = m.StreamCreationMode.UseDefaultStream  # lanes come with their stream's mode
+    assert first.new_lanes == {0: [(0, default)], 1: [(0, default)]}
     annotations = {key: layer.annotations for layer in first.graph.layers.values()
                    for key in layer}
     for key, ann in annotations.items():

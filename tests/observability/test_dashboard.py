@@ -18,6 +18,7 @@ from raw import S0, S1, call, create_streams, fetch
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
+from dask_monarch.observability.dashboard import HIDDEN, public_id
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
@@ -34,7 +35,7 @@ def state(base: str) -> dict:
 
 
 def mesh(base: str, token: str) -> dict:
-    (found,) = [c for c in state(base)["controllers"] if c["token"] == token]
+    (found,) = [c for c in state(base)["controllers"] if c["token"] == public_id(token)]
     return found
 
 
@@ -111,6 +112,50 @@ def test_failures_and_fatal_errors_are_reported_with_tracebacks(ctrl, dashboard)
     assert "boom from a remote function" in error["error"]
 
 
+@pytest.mark.timeout(240)
+def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_path):
+    """The page's "running / waiting on" text is the controller's: seq, what, and for how long."""
+    gate = tmp_path / "gate"
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
+    ctrl.sync()
+    try:
+        ctrl.send(0, call(1, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
+        ctrl.send(0, m.BorrowFirstUse(1))
+        ctrl.send(0, fetch(2, Ref(2), stream=S1))
+        ctrl.send(0, m.BorrowLastUse(1))
+        ctrl.send(0, m.BorrowDrop(1))
+        ctrl.flush()
+        wait_until(lambda: lane(mesh(dashboard, ctrl.token), 0, 1)["state"] == "waiting",
+                   what="stream 1 of rank 0 to wait at the borrow")
+        wait_until(lambda: "wait_for_file" in lane(mesh(dashboard, ctrl.token), 0, 0)["status"],
+                   what="the lender's call to be located")
+        entry = mesh(dashboard, ctrl.token)
+        borrower, lender = lane(entry, 0, 1), lane(entry, 0, 0)
+        assert borrower["next_seq"] == 2 and borrower["for_s"] > 0
+        assert borrower["status"].startswith("before seq 2: waiting ")
+        assert borrower["status"].endswith("s on borrow 1 (the lender's BorrowCreate)")
+        assert lender["status"].startswith("seq 1: running for ")
+        assert "in wait_for_file (" in lender["status"]
+        assert lane(entry, 1, 1)["status"] == ""  # idle lanes say nothing
+    finally:
+        gate.touch()
+    assert [type(r) for r in ctrl.sync(timeout=60)] == [m.FetchResult]
+
+
+@pytest.mark.timeout(120)
+def test_state_json_hides_tokens_and_argument_values_by_default(ctrl, dashboard):
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(1, call(0, Ref(1), "builtins.int", "secret-value-1234"))
+    ctrl.sync()
+    text = get(f"{dashboard}/monarch/state.json")
+    assert ctrl.token not in text and "secret-value-1234" not in text
+    (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
+    (error,) = rank1["errors"]
+    assert "Traceback" in error["error"] and f"ValueError: {HIDDEN}" in error["error"]
+
+
 def test_page_routes_and_more_menu(dashboard):
     page = get(f"{dashboard}/monarch/")
     assert "<title>dask_monarch</title>" in page and "__INTERVAL_MS__" not in page
@@ -137,7 +182,7 @@ def chromium(tmp_path: Path, *args: str, timeout: float = 90) -> str:
 def mesh_dom(tmp_path: Path, url: str, token: str) -> str:
     """The rendered DOM of one mesh's section of the page."""
     dom = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
-    start = dom.find(f'<section class="mesh" id="mesh-{token}"')
+    start = dom.find(f'<section class="mesh" id="mesh-{public_id(token)}"')
     assert start >= 0, f"mesh {token} is not on the page:\n{dom[-3000:]}"
     return dom[start:dom.index("</section>", start)]
 
@@ -165,7 +210,8 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         url = f"{dashboard}/monarch/"
         dom = mesh_dom(tmp_path, url, ctrl.token)
         assert '<span class="last-done-seq">1</span>' in dom  # rank 1 finished seq 1
-        waiting = f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="waiting"'
+        waiting = (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
+                   'data-state="waiting"')
         assert waiting in dom
         assert "borrow 1 (the lender's BorrowCreate)" in dom
         assert 'data-stream="0" data-state="running"' in dom
@@ -183,5 +229,6 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
     assert [type(r) for r in reports] == [m.FetchResult]
     dom = mesh_dom(tmp_path, url, ctrl.token)
     assert waiting not in dom
-    assert f'data-token="{ctrl.token}" data-rank="0" data-stream="1" data-state="idle"' in dom
+    assert (f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
+            'data-state="idle"') in dom
     assert '<span class="last-done-seq">3</span>' in dom

@@ -8,7 +8,8 @@ import dask_monarch as dm
 API_NAMES = [
     "LocalMeshCluster", "Controller", "device_mesh", "DeviceMesh", "Tensor", "remote", "Stream",
     "get_active_stream", "reduce", "reduce_", "to_mesh", "slice_mesh", "coalescing", "compile",
-    "create_pipe", "inspect", "fetch_shard", "RemoteException", "DeviceException", "random",
+    "create_pipe", "inspect", "fetch_shard", "RemoteException", "DeviceException",
+    "LivenessWarning", "random",
     "messages", "ndslice", "no_mesh",
 ]
 
@@ -32,7 +33,8 @@ def test_mesh_tensor_and_controller_methods():
         assert hasattr(dm.DeviceMesh, name), name
     for name in ("mesh", "stream", "reduce", "reduce_", "to_mesh", "slice_mesh", "drop"):
         assert hasattr(dm.Tensor, name), name
-    for name in ("send", "flush", "sync", "get_ref", "spawn_actor", "close", "__enter__"):
+    for name in ("send", "flush", "sync", "get_ref", "spawn_actor", "close", "__enter__",
+                 "lanes", "waiting_for"):
         assert hasattr(dm.Controller, name), name
     assert hasattr(dm.Stream, "borrow") and hasattr(dm.Stream, "activate")
     assert hasattr(dm.remote(lambda x: x), "call_on_shard_and_fetch")

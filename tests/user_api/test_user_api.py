@@ -244,6 +244,15 @@ def test_random_state(mesh2):
     assert torch.equal(torch.rand(3), got_a0)
 
 
+def test_random_state_holds_the_cpu_then_the_cuda_generator(mesh2):
+    with mesh2.activate():
+        state = dm.random.get_state()
+        got = dm.inspect(state, gpu=0)
+    cpu = torch.get_rng_state().numel()
+    assert state.shape == got.shape == (cpu + 1 + dm.random.CUDA_STATE_BYTES,)
+    assert got[cpu] == 0  # a CPU rank: no CUDA generator to restore
+
+
 # -------------------------------------------------------------------------------- remote functions
 
 

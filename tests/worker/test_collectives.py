@@ -5,7 +5,6 @@ from __future__ import annotations
 import dask
 import pytest
 import torch
-from conftest import requires_cuda
 from raw import S0, S1, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
@@ -283,22 +282,3 @@ def test_backend_setting_is_checked_and_gloo_is_honoured(client2):
     with dask.config.set({"dask_monarch.backend": "gloo"}):
         with dm.Controller(client2, world_size=2) as ctrl:
             assert torch.equal(all_reduce_of_ones(ctrl, "cpu"), torch.full((4,), 2.0))
-
-
-@requires_cuda
-def test_gloo_backend_reduces_cuda_tensors(client2):
-    with dask.config.set({"dask_monarch.backend": "gloo"}):
-        with dm.Controller(client2, world_size=2, device="cuda") as ctrl:
-            assert torch.equal(all_reduce_of_ones(ctrl, "cuda"), torch.full((4,), 2.0))
-
-
-@requires_cuda
-def test_nccl_all_reduce_of_cuda_tensors(client2):
-    with dm.Controller(client2, world_size=2, device="cuda") as ctrl:
-        setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
-        ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 4, device="cuda"))
-        ctrl.send([0, 1], m.Reduce(Ref(2), Ref(1), Factory((4,), torch.float32, torch.strided,
-                                                           "cuda"), MESH, S0, ["gpu"],
-                                   ReduceOp.SUM, False, False, None))
-        got = fetch_all(ctrl, [0, 1], [Ref(2)])
-        assert torch.equal(got[(Ref(2), 1)], torch.full((4,), 2.0))

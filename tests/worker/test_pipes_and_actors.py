@@ -29,17 +29,17 @@ def create_pipe(ctrl, ranks, fn, *args, max_messages=2, mesh=MESH, pipe=PIPE, na
 def test_loader_pipe_yields_batches_in_order(ctrl):
     create_streams(ctrl, BOTH, S0)
     create_pipe(ctrl, BOTH, "remote_fns.loader", 5)
-    for i in range(5):
-        ctrl.send(BOTH, m.PipeRecv(i, [Ref(10 + i), Ref(20 + i)], PIPE, S0))
-        ctrl.send(BOTH, fetch(100 + i, ((Ref(10 + i), Ref(20 + i)),)))
-    ctrl.send(BOTH, m.PipeRecv(5, [Ref(30), Ref(31)], PIPE, S0))  # the loader has finished
+    for i in range(5):  # seqs increase on a stream
+        ctrl.send(BOTH, m.PipeRecv(2 * i, [Ref(10 + i), Ref(20 + i)], PIPE, S0))
+        ctrl.send(BOTH, fetch(2 * i + 1, ((Ref(10 + i), Ref(20 + i)),)))
+    ctrl.send(BOTH, m.PipeRecv(10, [Ref(30), Ref(31)], PIPE, S0))  # the loader has finished
     reports = ctrl.sync(timeout=120)
     got = values(reports, m.FetchResult)
     for i in range(5):
         for rank in BOTH:
-            batch, index = got[(100 + i, rank)]
+            batch, index = got[(2 * i + 1, rank)]
             assert index == i and torch.equal(batch, torch.full((2,), float(i + 100 * rank)))
-    assert [(f.seq, "has finished" in f.error) for f in failures(reports)] == [(5, True)] * 2
+    assert [(f.seq, "has finished" in f.error) for f in failures(reports)] == [(10, True)] * 2
 
 
 def test_back_pressure_with_max_messages_1(ctrl, tmp_path):

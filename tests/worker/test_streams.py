@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from conftest import requires_cuda
 from raw import S0, S1, S2, S3, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
@@ -218,17 +217,74 @@ def test_borrow_misuse_is_fatal(client2, case, text):
     ctrl.close()
 
 
-@requires_cuda
-def test_borrow_on_cuda_streams_orders_work_with_events(client2):
-    with dm.Controller(client2, world_size=1, device="cuda") as ctrl:
-        create_streams(ctrl, [0], S0, S1)
-        ctrl.send(0, call(0, Ref(1), "torch.ones", 1 << 20, device="cuda"))
-        borrow(ctrl, 0, 1, Ref(2), Ref(1), S0, S1)
-        ctrl.send(0, m.BorrowFirstUse(1))
-        ctrl.send(0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)],
-                             stream=S1))
-        ctrl.send(0, m.BorrowLastUse(1))
-        ctrl.send(0, m.BorrowDrop(1))
-        ctrl.send(0, fetch(2, (Ref(1),), fn="torch.ops.aten.sum.default"))
-        got = values(ctrl.sync())
-        assert got[(2, 0)].item() == 2 * (1 << 20)
+# -- dropped streams (Controller.drop_stream, what a garbage dm.Stream sends) ----------------
+
+
+def _lanes_and_threads(token, dask_worker=None):
+    import threading
+
+    from dask_monarch.protocol.names import PLUGIN_NAME, executor_prefix
+
+    state = dask_worker.plugins[PLUGIN_NAME].ranks[token]
+    threads = sorted(t.name for t in threading.enumerate()
+                     if t.name.startswith(executor_prefix(token)))
+    return sorted(map(str, state.lanes)), threads, dask_worker.state.nthreads
+
+
+@pytest.mark.timeout(120)
+def test_drop_stream_runs_after_the_streams_work_then_ends_its_lane(ctrl, client2, tmp_path):
+    create_streams(ctrl, BOTH, S0, S1)
+    ctrl.sync()
+    before = client2.run(_lanes_and_threads, ctrl.token)
+    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.sleep_then", 0.5, str(tmp_path / "ran"),
+                         stream=S1))
+    ctrl.send(BOTH, fetch(1, Ref(1), stream=S1))
+    ctrl.drop_stream(BOTH, S1)  # queued behind the sleep: it must not cut it short
+    ctrl.send(BOTH, call(2, Ref(2), "torch.ones", 2))
+    got = values(ctrl.sync(timeout=60))
+    assert torch.equal(got[(1, 0)], torch.ones(1)) and torch.equal(got[(1, 1)], torch.ones(1))
+    assert len((tmp_path / "ran").read_text().split()) == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = client2.run(_lanes_and_threads, ctrl.token)
+        if all(lanes == ["0"] for lanes, _, _ in after.values()):
+            break
+        time.sleep(0.1)
+    for address, (lanes, threads, nthreads) in after.items():
+        assert lanes == ["0"]
+        assert not any(t.startswith(f"monarch-{ctrl.token}-1_") for t in threads)
+        assert nthreads == before[address][2] - 1  # the dropped lane's thread went back
+    assert torch.equal(ctrl.get_ref(0, Ref(2), S0), torch.ones(2))
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_stream_cannot_be_used_or_created_again(client2):
+    for late in ("use", "create"):
+        with dm.Controller(client2, world_size=2) as ctrl:
+            create_streams(ctrl, BOTH, S0, S1)
+            ctrl.drop_stream(BOTH, S1)
+            if late == "use":
+                ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2, stream=S1))
+                text = "CallFunction names stream 1, which was dropped"
+            else:
+                ctrl.send(BOTH, m.CreateStream(S1, m.StreamCreationMode.CreateNewStream))
+                text = "CreateStream of stream 1, which was dropped"
+            with pytest.raises(dm.DeviceException, match=re.escape(text)):
+                ctrl.sync(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_errors_and_the_dashboard_name_a_named_stream(client2):
+    with dm.Controller(client2, world_size=2) as ctrl:
+        ctrl.name_stream(S1, "comms")
+        create_streams(ctrl, BOTH, S0, S1)
+        ctrl.sync()
+        snapshot = client2.run(lambda dask_worker: dask_worker.plugins["dask_monarch"]
+                               .state_snapshot())
+        for entries in snapshot.values():
+            (mine,) = [e for e in entries if e["token"] == ctrl.token]
+            assert {lane["stream"]: lane["name"] for lane in mine["lanes"]} == {
+                0: None, 1: "comms", "control": None}
+        ctrl.send(BOTH, call(0, Ref(1), "__test_panic", stream=S1))
+        with pytest.raises(dm.DeviceException, match=re.escape("stream 'comms' (1): ")):
+            ctrl.sync(timeout=30)

@@ -35,12 +35,14 @@ class CheckedId(int):
 
     __slots__ = ()
 
-    def __init__(self, id: int) -> None:
+    def __new__(cls, id: int) -> CheckedId:
+        # checked before int() sees it: Ref("a") names the field, not int()'s parsing
         if type(id) is not int:
             if isinstance(id, (bool, CheckedId)) or not isinstance(id, int):
-                raise TypeError(f"{type(self).__name__} id must be an int, got {id!r}")
+                raise TypeError(f"{cls.__name__} id must be an int, got {id!r}")
         if not 0 <= id < 2**64:
-            raise ValueError(f"{type(self).__name__} id must fit in 64 unsigned bits, got {id}")
+            raise ValueError(f"{cls.__name__} id must fit in 64 unsigned bits, got {id}")
+        return _int_new(cls, id)
 
     @property
     def id(self) -> int:
@@ -71,14 +73,19 @@ class CheckedId(int):
 
 
 def check_int(v: Any, where: str) -> int:
-    """A non-negative plain int (ids and bools are refused)."""
-    if type(v) is int and v >= 0:
+    """A non-negative plain int below 2**64 (ids and bools are refused)."""
+    if type(v) is int and 0 <= v < _INT_LIMIT:
         return v
     if isinstance(v, (bool, CheckedId)) or not isinstance(v, int):
         raise TypeError(f"{where} must be an int, got {v!r}")
     if v < 0:
         raise ValueError(f"{where} must be non-negative, got {v}")
+    if v >= _INT_LIMIT:
+        raise ValueError(f"{where} must fit in 64 unsigned bits, got {v}")
     return int(v)
+
+
+_INT_LIMIT = 2**64
 
 
 def _bool(v: Any, where: str) -> bool:

@@ -14,6 +14,9 @@ Each docstring says what the message does on a rank; the worker runs it
   *dependent* failure (an input already held an error) poisons them with the
   same root error and reports nothing. A protocol violation is *fatal*: the
   controller fails with ``DeviceException``.
+
+The module is long only because it holds all 29 messages, each with its
+meaning; it has no behaviour.
 """
 
 from collections.abc import Iterable, Iterator

@@ -1,0 +1,253 @@
+"""What a lane asks of its device: a stream to run in, events at hand-offs, blocks kept alive.
+
+The stream discipline of docs/architecture.md ("Streams and hand-offs") in one
+interface with two implementations:
+
+* :class:`CudaDevice`: the lane's ``torch.cuda.Stream`` (made when the lane is
+  made, before any segment), ``torch.cuda.Event`` at every hand-off between
+  lanes, and ``Tensor.record_stream`` so the caching allocator does not hand a
+  block to new work while the consumer's stream may still read it.
+* :class:`HostDevice`: CPU ranks have no streams, so it does nothing but
+  remember what it was asked (which stream each segment entered, each event
+  recorded and waited on, each block kept). Tests read that log and fail if a
+  step ran outside its lane's stream or a hand-off lacks its record/wait pair:
+  the discipline is checked on machines without a GPU.
+
+Every lane thread enters its stream with :meth:`Device.running` around a
+segment; :func:`current_stream` says which stream the calling thread is in
+(remote functions can ask, as they would ask ``torch.cuda.current_stream()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import socket
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..protocol.messages import StreamCreationMode
+
+logger = logging.getLogger("dask_monarch.worker")
+
+LOG_LENGTH = 4096  # entries a HostDevice remembers: enough for a test, bounded for a long run
+
+_entered = threading.local()
+
+
+def current_stream() -> Any:
+    """The device stream this thread's lane is running in (None outside a segment)."""
+    return getattr(_entered, "stream", None)
+
+
+class HostStream:
+    """A CPU lane's stream: a name, so that logs and errors say which lane it is."""
+
+    __slots__ = ("name", "default")
+
+    def __init__(self, name: str, default: bool):
+        self.name = name
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name!r})"
+
+
+class Device:
+    """The operations a lane needs from its device (see the module docstring)."""
+
+    kind = "cpu"
+    torch_device: torch.device | None = None
+
+    def stream(self, name: str, mode: StreamCreationMode) -> Any:
+        """The stream of a new lane: the device's default one or a fresh one."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def running(self, stream: Any) -> Iterator[None]:
+        """Run the body (a segment's steps) inside ``stream``, on the calling thread."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def switch(self, stream: Any) -> None:
+        """Move the running segment's thread to ``stream`` (a stream re-created mid-segment)."""
+        raise NotImplementedError
+
+    def record(self, stream: Any) -> Any:
+        """An event marking the work ``stream`` was given so far (producer side of a hand-off)."""
+        raise NotImplementedError
+
+    def record_current(self) -> Any:
+        """An event on the calling thread's current stream (a pipe's producer thread)."""
+        raise NotImplementedError
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event`` (consumer side of a hand-off)."""
+        raise NotImplementedError
+
+    def keep(self, value: Any, stream: Any) -> None:
+        """``stream`` uses ``value``'s memory: keep the allocator from reusing it early."""
+        raise NotImplementedError
+
+
+class HostDevice(Device):
+    """CPU ranks: nothing to synchronise; remembers what it was asked, for tests."""
+
+    def __init__(self) -> None:
+        self.log: deque[tuple] = deque(maxlen=LOG_LENGTH)
+        self._events = itertools.count()
+
+    def stream(self, name: str, mode: StreamCreationMode) -> HostStream:
+        stream = HostStream(name, mode is StreamCreationMode.UseDefaultStream)
+        self.log.append(("stream", name))
+        return stream
+
+    @contextlib.contextmanager
+    def running(self, stream: HostStream) -> Iterator[None]:
+        self.log.append(("enter", stream.name))
+        _entered.stream = stream
+        try:
+            yield
+        finally:
+            _entered.stream = None
+
+    def switch(self, stream: HostStream) -> None:
+        self.log.append(("enter", stream.name))
+        _entered.stream = stream
+
+    def record(self, stream: HostStream) -> int:
+        event = next(self._events)
+        self.log.append(("record", stream.name, event))
+        return event
+
+    def record_current(self) -> int:
+        current = current_stream()
+        return self.record(current if current is not None else HostStream("thread", True))
+
+    def wait(self, stream: HostStream, event: int) -> None:
+        self.log.append(("wait", stream.name, event))
+
+    def keep(self, value: Any, stream: HostStream) -> None:
+        if _tensors(value):
+            self.log.append(("keep", stream.name))
+
+
+class CudaDevice(Device):
+    """A GPU rank: CUDA streams, events and ``record_stream`` on one device."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.torch_device = device
+
+    def stream(self, name: str, mode: StreamCreationMode) -> torch.cuda.Stream:
+        if mode is StreamCreationMode.UseDefaultStream:
+            return torch.cuda.default_stream(self.torch_device)
+        return torch.cuda.Stream(device=self.torch_device)
+
+    @contextlib.contextmanager
+    def running(self, stream: torch.cuda.Stream) -> Iterator[None]:
+        torch.cuda.set_device(self.torch_device)  # per thread, like the current stream
+        _entered.stream = stream
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            _entered.stream = None
+
+    def switch(self, stream: torch.cuda.Stream) -> None:
+        torch.cuda.set_stream(stream)  # the running() block restores the thread's stream after
+        _entered.stream = stream
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def record_current(self) -> torch.cuda.Event:
+        return self.record(torch.cuda.current_stream(self.torch_device))
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def keep(self, value: Any, stream: torch.cuda.Stream) -> None:
+        for tensor in _tensors(value):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a handed-off value (a tensor, or a pytree of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, dict)):
+        from torch.utils._pytree import tree_leaves
+
+        return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+    return []
+
+
+def device_for(torch_device: torch.device | None) -> Device:
+    """The device implementation of a rank (``None``: a CPU rank)."""
+    return HostDevice() if torch_device is None else CudaDevice(torch_device)
+
+
+# -- which GPU a rank uses ---------------------------------------------------------------------
+
+_chosen: dict[str, torch.device | None] = {}
+_locks: list = []  # open lock files: held for the life of the worker process
+
+
+def pick_device(kind: str) -> torch.device | None:
+    """This worker process's GPU (None: a CPU rank), chosen once and deliberately.
+
+    The first visible device that no other dask_monarch worker on this host
+    holds: with ``CUDA_VISIBLE_DEVICES`` rotated per worker (LocalMeshCluster,
+    ``dask monarch worker``) or narrowed by ``--monarch-gpu``/``MONARCH_GPU``,
+    that is device 0, the worker's own GPU; with plain ``dask worker``
+    processes that all see every GPU, each takes the next free one instead of
+    all landing on GPU 0. A host with more ranks than GPUs shares them, with a
+    warning; a controller refuses such ranks for an NCCL mesh.
+    """
+    if kind == "cpu" or not torch.cuda.is_available():
+        return None
+    if kind not in _chosen:
+        _chosen[kind] = _claim_free_gpu()
+    return _chosen[kind]
+
+
+def _claim_free_gpu() -> torch.device:
+    count = torch.cuda.device_count()
+    for index in range(count):
+        path = os.path.join(tempfile.gettempdir(), f"dask_monarch-gpu-{gpu_uuid(index)}.lock")
+        lock = open(path, "a")  # held open (and locked) for the life of the process
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        _locks.append(lock)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    logger.warning("every visible GPU (%d) is taken by another dask_monarch worker on this "
+                   "host; this rank shares GPU 0 (give each worker its own GPU: dask monarch "
+                   "worker, or --monarch-gpu)", count)
+    return torch.device("cuda", 0)
+
+
+def gpu_uuid(index: int) -> str:
+    """A name of GPU ``index`` that is the same in every process of the host."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid:
+        return str(uuid)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = visible[index].strip() if index < len(visible) and visible[index].strip() else index
+    return f"{socket.gethostname()}-{physical}"

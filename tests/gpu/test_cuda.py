@@ -1,0 +1,235 @@
+"""CUDA ranks: streams, hand-offs, collectives, recordings, fetches and memory, on real GPUs.
+
+Run with ``python -m pytest -m gpu`` (README, "Testing"). On one GPU every test runs
+except the multi-GPU NCCL ones; two ranks that share the GPU use ``backend: gloo``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dask
+import pytest
+import torch
+from distributed import Client
+from gpus import GPUS, needs_gpus
+from raw import S0, S1, S2, call, create_streams, fetch, values
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import Factory, ReduceOp, Ref
+from dask_monarch.ndslice import Slice
+
+MESH = Ref(100)
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_client():
+    """One rank worker per GPU (rotated CUDA_VISIBLE_DEVICES), as users start them."""
+    with dm.LocalMeshCluster(n_ranks=GPUS, device="cuda") as cluster, Client(cluster) as client:
+        client.wait_for_workers(GPUS)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def shared_client():
+    """Two workers that see only the first GPU: their CUDA ranks share it."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    options = {"env": {"CUDA_VISIBLE_DEVICES": first, "OMP_NUM_THREADS": "1"}}
+    with dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(2)
+        yield client
+
+
+def cuda_ctrl(client, world_size=1):
+    return dm.Controller(client, world_size=world_size, device="cuda")
+
+
+def cuda_factory(shape, dtype=torch.float32):
+    return Factory(tuple(shape), dtype, torch.strided, "cuda")
+
+
+def test_ranks_use_cuda_and_their_own_gpu(gpu_client):
+    with cuda_ctrl(gpu_client, GPUS) as ctrl:
+        assert all(d.startswith("cuda") for d in ctrl.devices)
+        create_streams(ctrl, list(range(GPUS)), S0)
+        ctrl.send(list(range(GPUS)), fetch(0, (), fn="remote_fns.gpu_uuid"))
+        uuids = values(ctrl.sync(timeout=120))
+        assert len(set(uuids.values())) == GPUS
+
+
+def test_borrows_across_streams_and_flushes(gpu_client):
+    with cuda_ctrl(gpu_client) as ctrl:
+        create_streams(ctrl, [0], S0, S1, S2)
+        ctrl.send(0, call(0, Ref(1), "torch.ones", 64 * MiB // 4, device="cuda"))
+        ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
+        ctrl.flush()
+        ctrl.send(0, m.BorrowFirstUse(1))
+        ctrl.send(0, call(1, None, "torch.ops.aten.mul_.Scalar", Ref(2), 2, mutates=[Ref(2)],
+                          stream=S1))
+        ctrl.flush()
+        ctrl.send(0, m.BorrowLastUse(1))
+        ctrl.send(0, m.BorrowDrop(1))
+        ctrl.send(0, m.BorrowCreate(Ref(3), 2, Ref(1), S0, S2))
+        ctrl.send(0, m.BorrowFirstUse(2))
+        ctrl.send(0, call(2, Ref(4), "torch.ops.aten.sum.default", Ref(3), stream=S2))
+        ctrl.send(0, m.BorrowLastUse(2))
+        ctrl.send(0, m.BorrowDrop(2))
+        ctrl.send(0, fetch(3, Ref(4), stream=S2))
+        got = values(ctrl.sync(timeout=120))
+        assert got[(3, 0)].item() == 2 * (64 * MiB // 4)
+        assert got[(3, 0)].device.type == "cpu"  # fetched values come back on the CPU
+
+
+def test_first_segment_runs_on_a_new_cuda_stream(gpu_client):
+    with cuda_ctrl(gpu_client) as ctrl:
+        ctrl.send(0, m.CreateStream(S1, m.StreamCreationMode.CreateNewStream))
+        ctrl.send(0, call(0, Ref(1), "remote_fns.current_cuda_stream_is_default", stream=S1))
+        ctrl.send(0, fetch(1, Ref(1), stream=S1))
+        assert values(ctrl.sync(timeout=120)) == {(1, 0): False}
+
+
+def test_same_rank_send_between_streams(gpu_client):
+    with cuda_ctrl(gpu_client) as ctrl:
+        create_streams(ctrl, [0], S0, S1)
+        ctrl.send(0, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([1])))
+        ctrl.send(0, call(0, Ref(1), "torch.full", (MiB,), 3.0, device="cuda"))
+        r0 = Slice(0, [1], [1])
+        ctrl.send(0, m.SendTensor(Ref(2), r0, r0, Ref(1), cuda_factory((MiB,)), S0, S1))
+        ctrl.send(0, call(1, None, "torch.ops.aten.zero_.default", Ref(1), mutates=[Ref(1)]))
+        ctrl.send(0, fetch(2, (Ref(2),), fn="torch.ops.aten.sum.default", stream=S1))
+        assert values(ctrl.sync(timeout=120))[(2, 0)].item() == 3.0 * MiB
+
+
+def test_user_api_reduce_on_a_comms_stream_recordings_and_compile(gpu_client):
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        comms = dm.Stream("comms")
+        with mesh.activate():
+            x = torch.ones(1024, device="cuda")
+            y, borrow = comms.borrow(x)
+            with comms.activate():
+                z = y.reduce("gpu", "sum")
+                total = z.sum()
+            borrow.drop()
+
+            @dm.compile
+            def step(a):
+                return (a * 2 + 1).sum()
+
+            first, second = step(x), step(x)
+            assert dm.inspect(total).item() == 1024
+            assert dm.inspect(first).item() == dm.inspect(second).item() == 3 * 1024
+            assert str(dm.inspect(x).device) == "cpu"
+    finally:
+        mesh.exit()
+
+
+def test_memory_returns_to_its_baseline_after_deletes(gpu_client):
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            before = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+            tensors = [torch.ones(16 * MiB // 4, device="cuda") for _ in range(8)]
+            during = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+            del tensors
+            after = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+        assert during - before >= 8 * 16 * MiB
+        assert after <= before + MiB
+    finally:
+        mesh.exit()
+
+
+def test_random_state_includes_the_cuda_generator(gpu_client):
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            dm.random.manual_seed(3)
+            a = torch.rand(4, device="cuda")
+            state = dm.random.get_state()
+            b = torch.rand(4, device="cuda")
+            dm.random.set_state(state)
+            c = torch.rand(4, device="cuda")
+            got_a, got_b, got_c = dm.inspect((a, b, c))
+            flag = dm.inspect(state)[torch.get_rng_state().numel()]
+        assert flag == 1 and torch.equal(got_b, got_c) and not torch.equal(got_a, got_b)
+    finally:
+        mesh.exit()
+
+
+def test_one_rank_nccl_mesh_and_bitwise_reductions_are_refused(gpu_client):
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            x = torch.ones(8, device="cuda", dtype=torch.int32)
+            assert dm.inspect(x.reduce("gpu", "sum")).tolist() == [1] * 8
+            with pytest.raises(ValueError, match="not supported by NCCL"):
+                x.reduce("gpu", "bor")
+    finally:
+        mesh.exit()
+
+
+def test_two_ranks_sharing_a_gpu_need_gloo(shared_client):
+    with pytest.raises(ValueError, match="same GPU"):
+        cuda_ctrl(shared_client, 2)
+    with dask.config.set({"dask_monarch.backend": "gloo"}), cuda_ctrl(shared_client, 2) as ctrl:
+        ranks = [0, 1]
+        create_streams(ctrl, ranks, S0)
+        ctrl.send(ranks, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([2])))
+        ctrl.send(ranks, m.BackendNetworkInit())
+        ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
+        ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
+        ctrl.send(ranks, call(0, Ref(1), "torch.ones", 4, device="cuda"))
+        ctrl.send(ranks, m.Reduce(Ref(2), Ref(1), cuda_factory((4,)), MESH, S0, ["gpu"],
+                                  ReduceOp.SUM, False, False, None))
+        ctrl.send(ranks, m.SendTensor(Ref(3), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(2),
+                                      cuda_factory((4,)), S0, S0))
+        ctrl.send(1, fetch(1, Ref(3)))
+        assert values(ctrl.sync(timeout=120))[(1, 1)].tolist() == [2.0] * 4
+
+
+@needs_gpus(2)
+def test_nccl_collectives_and_a_pairwise_exchange_of_64_mib(gpu_client):
+    with cuda_ctrl(gpu_client, 2) as ctrl:
+        ranks = [0, 1]
+        create_streams(ctrl, ranks, S0)
+        ctrl.send(ranks, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([2])))
+        ctrl.send(ranks, m.BackendNetworkInit())
+        ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
+        ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
+        n = 64 * MiB // 4
+        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, m.Reduce(Ref(2), Ref(1), cuda_factory((n,)), MESH, S0, ["gpu"],
+                                  ReduceOp.SUM, False, False, None))
+        one, two = Slice(0, [1], [1]), Slice(1, [1], [1])
+        ctrl.send(ranks, m.SendTensor(Ref(3), one, two, Ref(1), cuda_factory((n,)), S0, S0))
+        ctrl.send(ranks, m.SendTensor(Ref(3), two, one, Ref(1), cuda_factory((n,)), S0, S0))
+        for rank in ranks:
+            ctrl.send(rank, fetch(1, (Ref(3),), fn="torch.ops.aten.sum.default"))
+            ctrl.send(rank, fetch(2, (Ref(2),), fn="torch.ops.aten.sum.default"))
+        got = values(ctrl.sync(timeout=300))
+        base = torch.arange(n, dtype=torch.float64).sum().item()
+        assert got[(1, 0)].item() == pytest.approx(base + 20 * n, rel=1e-4)  # rank 1's tensor
+        assert got[(1, 1)].item() == pytest.approx(base + 10 * n, rel=1e-4)
+        assert got[(2, 0)].item() == pytest.approx(2 * base + 30 * n, rel=1e-4)
+
+
+@needs_gpus(3)
+def test_a_rank_that_sends_and_receives_in_one_message_does_not_deadlock(gpu_client):
+    """0 -> 1 and 1 -> 2 in one SendTensor: rank 1 both sends and receives (one grouped call)."""
+    with cuda_ctrl(gpu_client, 3) as ctrl:
+        ranks = [0, 1, 2]
+        create_streams(ctrl, ranks, S0)
+        ctrl.send(ranks, m.CreateDeviceMesh(MESH, ["gpu"], Slice.row_major([3])))
+        ctrl.send(ranks, m.BackendNetworkInit())
+        ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
+        n = 64 * MiB // 4
+        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, m.SendTensor(Ref(2), Slice(0, [2], [1]), Slice(1, [2], [1]), Ref(1),
+                                      cuda_factory((n,)), S0, S0))
+        for rank in (1, 2):
+            ctrl.send(rank, fetch(1, (Ref(2),), fn="torch.ops.aten.amin.default"))
+        got = values(ctrl.sync(timeout=300))
+        assert got[(1, 1)].item() == 10 and got[(1, 2)].item() == 20
