@@ -91,7 +91,8 @@ class ClientWatch:
 def _cancelled(future: Any) -> str:
     exc = future._state.exception  # FutureCancelledError: key, reason, msg
     reason = getattr(exc, "reason", None) or "unknown"
-    what = _REASONS.get(reason, f"the scheduler cancelled its work (reason: {reason})")
+    what = _REASONS.get(reason, "the scheduler cancelled its work" + (
+        "" if reason == "unknown" else f" (reason: {reason})"))
     return (f"{what}: segment {future.key!r} and the rest of the mesh's work are lost; "
             "create a new mesh")
 
