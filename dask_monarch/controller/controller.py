@@ -5,12 +5,21 @@ A :class:`Controller` claims ``world_size`` workers as ranks
 compiles each flush into one Dask graph (:mod:`~dask_monarch.controller.compiler`)
 and reads every rank's reports from a stream the rank's worker serves
 (:mod:`~dask_monarch.controller.reports`), on which its own heartbeat also
-asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`).
+asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`);
+:mod:`~dask_monarch.controller.watch` fails it when its client can no longer
+deliver its work.
+
+A failure stays inside its controller (DESIGN decision 12): a broken or
+closed controller never cancels anything through the scheduler. It drops its
+futures and hangs up its report streams; the scheduler then releases its
+tasks as unwanted, and whatever a worker already started returns at once on
+a released rank. (``Client.cancel`` would also cancel the dependents of each
+key, and one the controller no longer holds trips an assertion in the
+scheduler that drops the whole shared client: docs/dask.md §12.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
@@ -44,13 +53,14 @@ from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .reports import Reports
+from .watch import ClientWatch
 
 if TYPE_CHECKING:
     from ..protocol.messages import WorkerMessage
 
 logger = logging.getLogger("dask_monarch.controller")
 
-SHUTDOWN_TIMEOUT = 2.0  # seconds to cancel a closing controller's queued work
+SHUTDOWN_TIMEOUT = 2.0  # seconds a closing controller waits for the client's loop to let go
 CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
@@ -166,6 +176,9 @@ class Controller:
         self._actor_ids = itertools.count()
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
+        self._watch = ClientWatch(
+            client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
+        )
 
         config.freeze_gc()
         self.workers = choose_workers(client, world_size, device, workers)
@@ -192,6 +205,7 @@ class Controller:
         )
         client.loop.add_callback(self._liveness.start)
         self._restore_gap = lower_client_gap(client)
+        self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
@@ -313,6 +327,8 @@ class Controller:
             self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
+            if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
+                self._tails.clear()
         if plan.dropped:
             self._dropping.update(plan.dropped)
         if self._dropping:
@@ -595,22 +611,15 @@ class Controller:
             self._reports.hang_up()
 
     async def _shutdown_async(self) -> None:
-        """Cancel queued work and hang up every report stream (workers then free our state).
+        """Let go of our work and hang up every report stream (workers then free our state).
 
-        The cancel is bounded: a client that lost its scheduler would wait for
-        it to come back.
+        Only our references go: no ``Client.cancel`` (see the module docs).
         """
         self._liveness.stop()
-        futures = list(self._tails.values())
+        self._watch.stop()
         self._tails.clear()
-        try:
-            if futures:
-                await asyncio.wait_for(self._client._cancel(futures), SHUTDOWN_TIMEOUT)
-        except Exception as e:
-            logger.debug("controller %s could not cancel its queued work: %r", self.token, e)
-        finally:
-            self._actors.clear()
-            self._reports.hang_up()
+        self._actors.clear()
+        self._reports.hang_up()
 
     def close(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds for outstanding work, then release every rank.

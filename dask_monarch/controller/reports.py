@@ -93,8 +93,20 @@ class Reports:
             while True:
                 batch = await comm.read()
                 self.on_reports(rank, batch)
-        except (CommClosedError, OSError, asyncio.CancelledError) as e:
+        except (CommClosedError, OSError) as e:
             logger.debug("report stream of rank %d ended: %r", rank, e)
+        except asyncio.CancelledError:  # the client's event loop is going away, not the worker
+            with self.progress:
+                self.fail(
+                    DeviceException(
+                        self.client_problem()
+                        or (
+                            "the client's event loop stopped (was its Client closed?), so no "
+                            "report can arrive; close meshes before their client"
+                        )
+                    )
+                )
+            raise
         except Exception as e:  # a report we cannot read: the mesh cannot be trusted
             logger.exception("bad report from rank %d", rank)
             with self.progress:

@@ -14,7 +14,10 @@ thread: a lane blocked in a borrow wait or a collective holds only its own
 slot. The rank resource each task asks for is advertised with a capacity far
 above the number of lanes, so it pins tasks without limiting them. Blocking
 waits are interruptible: they give up when the controller fails or releases
-the rank, so a blocked lane never outlives its controller.
+the rank, so a blocked lane never outlives its controller. A released lane
+keeps its thread until every task Dask handed its executor has returned
+(:meth:`~dask_monarch.worker.plugin.MonarchWorkerPlugin.forget`): nothing
+cancels work Dask owns, so no task is left holding an execution slot.
 """
 
 from __future__ import annotations
@@ -247,8 +250,9 @@ class Lane:
         }
 
     def close(self) -> None:
+        """Drop the stream's values (on release). The executor is the plugin's to retire:
+        Dask may already have handed it work, which must still run (and return at once)."""
         self.env.clear()
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def retire(self) -> None:
         """The stream was dropped (its last step runs now, on this lane's thread): free its

@@ -181,7 +181,17 @@ class MonarchWorkerPlugin(WorkerPlugin):
             self.worker.state.nthreads -= 1
 
     def forget(self, state) -> None:
-        """Drop a released rank state and give its threads back (on the loop)."""
+        """Drop a released rank state; each lane's thread goes back once its work returned.
+
+        Runs on the loop, where Dask picks a task's executor and hands it the
+        task in one step: once a lane's name points at the drain, its own
+        executor gets nothing new. What Dask handed it before still runs
+        (returning at once, the rank being released) and is never cancelled:
+        a cancelled executor future leaves its task "executing" forever, an
+        execution slot lost (docs/dask.md §12). The lane's thread leaves the
+        budget only after that work, so a broken controller never eats into
+        the slots of the others.
+        """
         if self.ranks.get(state.token) is state:
             del self.ranks[state.token]
         self.released[state.token] = None
@@ -191,14 +201,23 @@ class MonarchWorkerPlugin(WorkerPlugin):
             self.worker.executors = {  # a new dict: Worker.close may iterate the old one
                 k: v for k, v in self.worker.executors.items() if not k.startswith(prefix)
             }
-        names = [lane.executor_name for lane in state.all_lanes()]
         executors = dict(self.worker.executors)
-        for name in names:
-            if executors.get(name) is not self.drain and name in executors:
-                self.extra_threads -= 1
-                self.worker.state.nthreads -= 1
-            executors[name] = self.drain
+        for lane in state.all_lanes():
+            if executors.get(lane.executor_name) is lane.executor:
+                executors[lane.executor_name] = self.drain
+                self._retire(lane.executor)
         self.worker.executors = executors
+
+    def _retire(self, executor: ThreadPoolExecutor) -> None:
+        """Shut a released lane's executor down after its queued work; then give its thread back."""
+        last = executor.submit(_nothing)  # runs after everything queued before it
+        executor.shutdown(wait=False)  # never cancel_futures: those tasks are Dask's
+        loop = self.worker.loop
+        last.add_done_callback(lambda _: loop.add_callback(self._give_back))
+
+    def _give_back(self) -> None:
+        self.extra_threads -= 1
+        self.worker.state.nthreads -= 1
 
     def release(self, token: str) -> bool:
         state = self.ranks.get(token)
@@ -258,6 +277,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
     def state_snapshot(self) -> list[dict]:
         """Every rank this worker holds, for the dashboard."""
         return [state.snapshot() for state in list(self.ranks.values())]
+
+
+def _nothing() -> None:
+    pass
 
 
 # -- functions run through Client.run (async: they never block the worker's event loop) ------

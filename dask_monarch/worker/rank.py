@@ -119,7 +119,15 @@ class RankState:
     # -- running ------------------------------------------------------------------------------
 
     def run_segment(self, label: Any, index: int, payload: bytes) -> int:
-        """Run one segment of steps on its lane, in order; called on the lane's thread."""
+        """Run one segment of steps on its lane, in order; called on the lane's thread.
+
+        A segment queued before the controller failed or left returns at once
+        and runs nothing, and one that fails fatally returns once the failure
+        is reported: their tasks end normally (no Dask error, no slot held),
+        and the controller learns of the failure from the ``Fatal`` report.
+        """
+        if self.failed is not None or self.released:
+            return 0
         lane = self.control if label == CONTROL else self.lanes.get(label)
         if lane is None:
             raise FatalError(
@@ -127,10 +135,6 @@ class RankState:
             )
         try:
             lane.claim_index(index)
-            if self.failed is not None:
-                raise FatalError(f"controller already failed on rank {self.rank}: {self.failed}")
-            if self.released:
-                raise FatalError(f"rank {self.rank} was released (Exit or close)")
             try:
                 steps = self.loads(payload)
             except RestrictedPickleError as e:  # a message holds more than plain data
@@ -146,7 +150,7 @@ class RankState:
                 self._run_steps(lane, steps)
         except FatalError as e:
             self.fail(f"{lane.title}: {e}")
-            raise
+            return 0
         except BaseException as e:
             self.fail(f"{lane.title}: internal error: {format_exception(e)}")
             if not isinstance(e, Exception):  # SystemExit & co. would stop the Dask worker

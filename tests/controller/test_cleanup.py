@@ -45,6 +45,22 @@ def held(client) -> dict:
     )
 
 
+def settled(client, timeout: float = 30) -> dict:
+    """Per worker: its thread budget once no controller holds it and every lane of earlier
+    tests has been retired (a lane's thread goes back after its last task returned)."""
+
+    def state(dask_worker):
+        plugin = dask_worker.plugins["dask_monarch"]
+        return (bool(plugin.ranks) or plugin.extra_threads != 0), dask_worker.state.nthreads
+
+    deadline = time.monotonic() + timeout
+    while True:
+        now = client.run(state)
+        if not any(busy for busy, _ in now.values()) or time.monotonic() > deadline:
+            return {address: nthreads for address, (_, nthreads) in now.items()}
+        time.sleep(0.1)
+
+
 def read_line(process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -63,7 +79,7 @@ def read_line(process: subprocess.Popen, timeout: float) -> str:
 
 @pytest.mark.timeout(180)
 def test_sigkilled_client_process_frees_its_controller_state(cluster2, client2):
-    before = {address: nthreads for address, (_, nthreads) in held(client2).items()}
+    before = settled(client2)
     process = subprocess.Popen(
         [sys.executable, "-c", CHILD, cluster2.scheduler_address],
         stdout=subprocess.PIPE,

@@ -170,7 +170,20 @@ def test_request_status_waits_for_a_stream_blocked_at_first_use(ctrl):
     assert reports[1].seq == 3
 
 
+def _only(token):
+    """True on a worker whose only lane is the control lane of controller ``token``."""
+
+    def check(dask_worker):
+        plugin = dask_worker.plugins["dask_monarch"]
+        return list(plugin.ranks) == [token] and plugin.extra_threads == 1
+
+    return check
+
+
 def test_lanes_raise_the_workers_thread_budget(ctrl, client2):
+    deadline = time.monotonic() + 30  # lanes of earlier tests are retired once they return
+    while not all(client2.run(_only(ctrl.token)).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     before = client2.run(lambda dask_worker: dask_worker.state.nthreads)
     create_streams(ctrl, BOTH, S0, S1, S2)
     ctrl.sync()
