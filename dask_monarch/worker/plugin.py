@@ -365,6 +365,22 @@ async def release_controller(token: str, dask_worker: Worker | None = None) -> b
     return True
 
 
+async def trace_start(token: str, limit: int, dask_worker=None) -> float:
+    """Turn controller ``token``'s trace on for its rank here (``dm.trace``); this worker's
+    clock."""
+    from .tracing import start
+
+    return start(_plugin(dask_worker).ranks[token], limit)
+
+
+async def trace_collect(token: str, stop: bool = True, dask_worker=None) -> dict | None:
+    """Controller ``token``'s trace records on this worker (None: no rank of it here)."""
+    from .tracing import collect
+
+    state = _plugin(dask_worker).ranks.get(token)
+    return None if state is None else collect(state, stop)
+
+
 # -- the tasks the controller submits --------------------------------------------------------
 
 

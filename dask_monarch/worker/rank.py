@@ -87,6 +87,7 @@ class RankState:
         self.pipes: dict[int, Any] = {}
         self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
         self.actor_calls: dict[tuple, Any] = {}  # (broker id, seq) -> ActorCall
+        self.trace = None  # a worker.tracing.TraceLog while dm.trace is on (checked per segment)
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -146,8 +147,12 @@ class RankState:
                 ) from None
             lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
+            trace = self.trace
             with self.device.running(lane.stream):
-                self._run_steps(lane, steps)
+                if trace is None:
+                    self._run_steps(lane, steps)
+                else:
+                    trace.run_steps(self, lane, steps, index)
         except FatalError as e:
             self.fail(f"{lane.title}: {e}")
             return 0
@@ -246,6 +251,8 @@ class RankState:
                     raise FatalError(f"{lane.title} timed out after {timeout}s waiting for {what}")
         finally:
             lane.state, lane.doing = before
+            if self.trace is not None:
+                self.trace.wait_end(lane)
 
     # -- failure and release ------------------------------------------------------------------
 
