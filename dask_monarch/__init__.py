@@ -47,6 +47,7 @@ _NAMES = {
     "Pipe": "pipe",
     "create_pipe": "pipe",
     "trace": "tracing",
+    "dry_run": "dry",
 }
 _MODULES = ("messages", "ndslice", "random")
 
