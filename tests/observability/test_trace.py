@@ -191,3 +191,37 @@ def test_a_trace_needs_a_mesh(tmp_path):
     with pytest.raises(RuntimeError, match="no mesh is running"):
         with dm.trace(tmp_path / "t.json"):
             pass
+
+
+def test_sends_flow_from_each_sender_to_its_receiver():
+    """Built from records alone: rank 0 sends r9 to rank 1 and rank 1 to rank 0 (a swap)."""
+    from dask_monarch.observability.chrome_trace import chrome_trace
+
+    def rank(r: int, peer: int) -> dict:
+        send = {"result": 9, "shape": [2], "to": peer, "from": peer}
+        return {
+            "rank": r,
+            "lanes": {1: "stream 1", "control": "control steps"},
+            "dropped": 0,
+            "records": [
+                (1, "segment", "segment 0", 10.0, 10.5, {"steps": 1}),
+                (1, "message", "SendTensor", 10.1 + r / 10, 10.4, send),
+            ],
+        }
+
+    data = chrome_trace([[rank(0, 1), rank(1, 0)]], origin=10.0)
+    flows = defaultdict(dict)
+    for e in data["traceEvents"]:
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]][e["ph"]] = e
+    pairs = sorted((f["s"]["pid"], f["f"]["pid"]) for f in flows.values())
+    assert pairs == [(0, 1), (1, 0)]
+    assert all(f["s"]["cat"] == "send" for f in flows.values())
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in data["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    assert threads[(0, 1)] == "stream 1" and threads[(0, 0)] == "control steps"
+    (segment,) = [e for e in data["traceEvents"] if e["pid"] == 0 and e.get("cat") == "segment"]
+    assert (segment["ts"], segment["dur"]) == (0.0, 500000.0)
