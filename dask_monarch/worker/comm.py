@@ -29,6 +29,9 @@ make peers receive garbage or abort gloo: it is a fresh failure of the result
 (reported as :class:`~dask_monarch.protocol.wire.ValueFailed`) and the rank
 takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
+
+Every handler here shares one :class:`Comms` per rank (its store, groups and
+hand-offs), which is why they live in one module of a little under 600 lines.
 """
 
 from __future__ import annotations
