@@ -16,6 +16,10 @@ tasks as unwanted, and whatever a worker already started returns at once on
 a released rank. (``Client.cancel`` would also cancel the dependents of each
 key, and one the controller no longer holds trips an assertion in the
 scheduler that drops the whole shared client: docs/dask.md §12.)
+
+The module is long because :class:`Controller` is one object under one lock:
+buffering, flushing, syncing and failing all read and change the same state,
+and splitting them would spread that lock's invariants over several files.
 """
 
 from __future__ import annotations

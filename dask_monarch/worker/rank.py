@@ -31,6 +31,10 @@ from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from distributed.batched import BatchedSend
+
     from .plugin import MonarchWorkerPlugin
 
 WAIT_POLL_S = 0.05
@@ -195,7 +199,7 @@ class RankState:
         else:
             self._pending.append(item)
 
-    def attach(self, stream) -> None:
+    def attach(self, stream: BatchedSend) -> None:
         """The controller subscribed: flush what was reported before (on the event loop)."""
         self._stream = stream
         pending, self._pending = self._pending, []
@@ -289,7 +293,7 @@ class RankState:
         """Release hooks of the rank's resources; lanes last so waits end first."""
         return [*self._closers, *(lane.close for lane in self.all_lanes())]
 
-    def on_release(self, hook) -> None:
+    def on_release(self, hook: Callable[[], object]) -> None:
         """Run ``hook`` when the rank is released (communicators, pipes, actors)."""
         self._closers.append(hook)
 
