@@ -171,7 +171,16 @@ class DryController:
     def name_stream(self, stream: m.StreamRef, name: str) -> None:
         pass
 
-    def call_actor(self, ranks, broker_id, seq, stream, method, args=(), kwargs=None) -> None:
+    def call_actor(
+        self,
+        ranks: Any,
+        broker_id: tuple[str, int],
+        seq: int,
+        stream: m.StreamRef,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> None:
         step = ActorCall(tuple(broker_id), seq, method, m.ArgsKwargs.from_python(args, kwargs))
         self._send_internal(self._ranks(ranks), stream, step)
 

@@ -375,7 +375,7 @@ async def release_controller(token: str, dask_worker: Worker | None = None) -> b
     return True
 
 
-async def trace_start(token: str, limit: int, dask_worker=None) -> float:
+async def trace_start(token: str, limit: int, dask_worker: Worker | None = None) -> float:
     """Turn controller ``token``'s trace on for its rank here (``dm.trace``); this worker's
     clock."""
     from .tracing import start
@@ -383,7 +383,9 @@ async def trace_start(token: str, limit: int, dask_worker=None) -> float:
     return start(_plugin(dask_worker).ranks[token], limit)
 
 
-async def trace_collect(token: str, stop: bool = True, dask_worker=None) -> dict | None:
+async def trace_collect(
+    token: str, stop: bool = True, dask_worker: Worker | None = None
+) -> dict | None:
     """Controller ``token``'s trace records on this worker (None: no rank of it here)."""
     from .tracing import collect
 
