@@ -107,7 +107,7 @@ def _finish(
     if drain:
         for controller in controllers:
             try:
-                controller.sync(timeout=timeout)
+                controller.drain(timeout=timeout)
             except BaseException as e:  # written first, raised after
                 error = error or e
     meshes = []

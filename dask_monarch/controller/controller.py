@@ -383,14 +383,19 @@ class Controller:
         wait forever (a collective some member was never sent) breaks the
         controller at once instead (DESIGN decision 14).
         """
-        self._flush(True)
-        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
+        self.drain(timeout)
         with self._progress:
             messages = self._reports.take_inbox()
+        return sorted(messages, key=lambda msg: msg.seq)
+
+    def drain(self, timeout: float = 60) -> None:
+        """:meth:`sync` without taking the reports: they stay for the next ``sync``
+        (``dm.trace`` waits this way for the work it traced)."""
+        self._flush(True)
+        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         if self._dropping:
             with self._flush_lock:
                 self._retire_dropped()
-        return sorted(messages, key=lambda msg: msg.seq)
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout

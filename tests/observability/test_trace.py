@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dask_monarch import messages as m
 from dask_monarch.worker import trace_collect
 
 pytestmark = pytest.mark.timeout(300)
@@ -225,3 +226,17 @@ def test_sends_flow_from_each_sender_to_its_receiver():
     assert threads[(0, 1)] == "stream 1" and threads[(0, 0)] == "control steps"
     (segment,) = [e for e in data["traceEvents"] if e["pid"] == 0 and e.get("cat") == "segment"]
     assert (segment["ts"], segment["dur"]) == (0.0, 500000.0)
+
+
+def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
+    """The trace waits for the traced work without taking the reports a raw user syncs for."""
+    from raw import S0, create_streams, fetch, values
+
+    from dask_monarch.messages import Ref
+
+    create_streams(ctrl, [0, 1], S0)
+    ctrl.send([0, 1], m.SetRefUnitTestsOnly(Ref(1), 41, S0))
+    with dm.trace(tmp_path / "raw.json", mesh=None) as run:
+        ctrl.send([0, 1], fetch(0, Ref(1)))
+    assert values(ctrl.sync()) == {(0, 0): 41, (0, 1): 41}
+    assert "SendValue" in {e["name"] for e in run.events if e["ph"] == "X"}
