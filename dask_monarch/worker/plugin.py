@@ -213,7 +213,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
     def _retire(self, executor: ThreadPoolExecutor) -> None:
         """Shut a released lane's executor down after its queued work; then give its thread back."""
-        last = executor.submit(_nothing)  # runs after everything queued before it
+        try:
+            last = executor.submit(_nothing)  # runs after everything queued before it
+        except RuntimeError:  # a dropped stream's lane shut it down on its last step
+            self._give_back()  # (remove_lane will not: the lane's name points at the drain)
+            return
         executor.shutdown(wait=False)  # never cancel_futures: those tasks are Dask's
         loop = self.worker.loop
         last.add_done_callback(lambda _: loop.add_callback(self._give_back))
