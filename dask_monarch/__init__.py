@@ -46,8 +46,9 @@ _NAMES = {
     "compile": "compiled",
     "Pipe": "pipe",
     "create_pipe": "pipe",
+    "breakpoint": "debug",
 }
-_MODULES = ("messages", "ndslice", "random")
+_MODULES = ("messages", "ndslice", "random", "debug")
 
 __all__ = sorted([*_NAMES, *_MODULES])
 
