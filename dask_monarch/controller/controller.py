@@ -24,7 +24,6 @@ import atexit
 import itertools
 import logging
 import pickle
-import sys
 import threading
 import time
 import uuid
@@ -572,6 +571,7 @@ class Controller:
             "segments": expected,
             "segments_done": done,
             "state": "broken" if self._broken else "closed" if self._closed else "running",
+            "paused": len(self._reports.debugging),  # lanes stopped in pdb
         }
 
     # -- the debugger -------------------------------------------------------------------------
@@ -587,11 +587,9 @@ class Controller:
         if not item.paused:
             logger.debug("rank %d left the debugger (session %s)", item.rank, item.session)
             return
-        from .debugging import notice
+        from .debugging import announce
 
-        text = notice(item, self.token, self._client.scheduler.address)
-        logger.info("%s", text)
-        print(text, file=sys.stderr, flush=True)
+        announce(item, self.token, self._client.scheduler.address, from_loop=True)
 
     def attend_debugger(self) -> bool:
         """In a blocking wait: attach an interactive user to the paused ranks (see

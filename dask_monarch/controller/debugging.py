@@ -13,6 +13,7 @@ interactive stdin attaches at once (:func:`attend`, ``dask_monarch.debug.attach`
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -161,6 +162,32 @@ def notice(item: DebuggerPaused, token: str, scheduler: str) -> str:
 
 _attending = threading.local()
 _declined: set[str] = set()  # sessions whose user detached: not attached again by a wait
+_announced: set[str] = set()  # sessions whose notice the user's own thread printed
+logger = logging.getLogger("dask_monarch.controller")
+
+
+def announce(item: DebuggerPaused, token: str, scheduler: str, from_loop: bool = False) -> None:
+    """Print :func:`notice` on stderr, once per session and thread kind.
+
+    The event loop prints at once (a terminal sees it as the rank stops). In
+    a notebook kernel, output of the event loop's thread lands in the cell
+    that started it, so there the notice is printed by the user's thread
+    instead, when it next waits (:func:`attend`).
+    """
+    text = notice(item, token, scheduler)
+    if from_loop:
+        logger.info("%s", text)
+        if _in_kernel():
+            return
+    elif item.session in _announced:
+        return
+    else:
+        _announced.add(item.session)
+    print(text, file=sys.stderr, flush=True)
+
+
+def _in_kernel() -> bool:
+    return type(sys.stderr).__module__.startswith("ipykernel")
 
 
 def interactive(mode: Any = "auto") -> bool:
@@ -191,9 +218,16 @@ def attend(client: Any, token: str, debugging: dict, mode: Any = "auto") -> bool
     ``debug.attach``); never re-entered; a
     session the user detached from is left alone. True if it attached.
     """
-    if getattr(_attending, "busy", False) or not interactive(mode):
+    if getattr(_attending, "busy", False):
         return False
-    pending = [item for s, item in list(debugging.items()) if s not in _declined]
+    items = list(debugging.values())
+    if _in_kernel():
+        scheduler = client.scheduler.address
+        for item in items:
+            announce(item, token, scheduler)
+    if not interactive(mode):
+        return False
+    pending = [item for item in items if item.session not in _declined]
     if not pending:
         return False
     _attending.busy = True

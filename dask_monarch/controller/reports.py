@@ -198,7 +198,7 @@ class Reports:
                     if item.probe > 0:
                         self.replies[item.probe] = item
                 elif t is Fatal:
-                    self.fail(DeviceException(item.cause, rank=item.rank))
+                    self.fail(DeviceException(item.cause + self.paused_note(), rank=item.rank))
                 elif t is Exited:
                     self.exited.add(item.rank)
                     if item.error is not None:
@@ -228,6 +228,19 @@ class Reports:
         if debugger and self.on_debugger is not None:
             for item in debugger:
                 self.on_debugger(item)
+
+    def paused_note(self) -> str:
+        """Why a collective may have timed out: the ranks paused in pdb (``progress`` held)."""
+        if not self.debugging:
+            return ""
+        paused = "; ".join(
+            f"rank {p.rank} at {p.where} since seq {p.seq}" for p in self.debugging.values()
+        )
+        return (
+            f" (meanwhile paused in the debugger: {paused}; a collective or send waits for a "
+            "paused member at most dask_monarch.timeouts.collective: raise it before creating "
+            "the mesh to debug ranks that take part in collectives)"
+        )
 
     def expect(self, counts: dict[tuple[int, Any], int], segments: list = ()) -> None:
         """A flush was submitted: ``counts`` gives each of its lanes' newest segment,

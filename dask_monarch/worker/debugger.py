@@ -236,7 +236,7 @@ def lane_of_thread() -> Any:
     return getattr(_current, "lane", None)
 
 
-def pause(frame: Any, what: str) -> bool:
+def pause(frame: Any, what: str, where: str | None = None) -> bool:
     """Stop this lane's thread in pdb at ``frame``; False if this thread is no lane's.
 
     A lane that runs a function on fake tensors (:func:`suppressed`), or whose
@@ -249,8 +249,9 @@ def pause(frame: Any, what: str) -> bool:
         return True
     if lane.rank.released or lane.rank.failed is not None:
         return True
-    code = frame.f_code
-    where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+    if where is None:
+        code = frame.f_code
+        where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
     seq = lane.recording.seq if lane.recording is not None else lane.last_seq
     header = (
         f"rank {lane.rank.rank}, {lane.title}, seq {seq}: {what} at {where}\n"
@@ -292,7 +293,7 @@ def suppressed():
 def remote_breakpoint(*values: Any, where: str = "") -> None:
     """What ``dm.breakpoint(*tensors)`` issued by the controller runs on each rank: a stop with
     the local shards of the tensors in ``values``."""
-    pause(sys._getframe(0), f"dm.breakpoint() from the controller at {where or 'unknown'}")
+    pause(sys._getframe(0), "dm.breakpoint()", f"{where or '?'} (on the controller)")
     return None  # pdb stops on this line: ``p values`` shows the shards
 
 

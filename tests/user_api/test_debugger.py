@@ -108,7 +108,8 @@ def test_dm_breakpoint_from_the_controller_and_in_a_compiled_function(dbg_client
         dm.breakpoint(x)
         wait_paused(mesh, 2)
         text = dm.debug.attach(1, ["p values[0]", "c"], echo=False)
-        assert "dm.breakpoint() from the controller at" in text and "test_debugger.py" in text
+        assert "dm.breakpoint() at" in text and "test_debugger.py:" in text
+        assert "(on the controller)" in text
         assert "tensor([1., 2., 3., 4.])" in text
         assert len(dm.debug.continue_all(mesh)) == 1  # rank 0
 
@@ -121,7 +122,7 @@ def test_dm_breakpoint_from_the_controller_and_in_a_compiled_function(dbg_client
         for _ in range(2):  # the trace, then a replay
             out = step(x)
             for p in wait_paused(mesh, 2):
-                assert "dm.breakpoint() from the controller at" not in p.where
+                assert "test_debugger.py:" in p.where and "(on the controller)" in p.where
             dm.debug.continue_all(mesh)
             assert dm.inspect(out).tolist() == [4.0, 7.0, 10.0, 13.0]
 
@@ -185,3 +186,20 @@ def test_the_dask_monarch_debug_command(dbg_client):
         assert "-> return z" in out  # n, then detached: still paused, listed again
         assert "resumed 1 paused lanes" in out  # continue: rank 1
         assert dm.inspect(y).tolist() == [5.0, 5.0, 5.0]
+
+
+def test_a_collective_timing_out_on_a_paused_rank_says_so(dbg_client):
+    with mesh_of(dbg_client, **{"dask_monarch.timeouts.collective": "3s"}) as mesh:
+        r = mesh.rank("gpu")
+        y = dm.remote(stop_where_positive, propagate=lambda x: x.clone())(r.float())
+        total = y.reduce("gpu")
+        wait_paused(mesh, 1)
+        with pytest.raises(dm.DeviceException) as failed:
+            dm.inspect(total)
+        text = str(failed.value)
+        assert "meanwhile paused in the debugger: rank 1 at" in text
+        assert "dask_monarch.timeouts.collective" in text
+        deadline = time.monotonic() + 60  # the broken controller's pause ends on its own
+        while dm.debug.paused(client=dbg_client) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dm.debug.paused(client=dbg_client) == []
