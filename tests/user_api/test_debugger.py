@@ -203,3 +203,32 @@ def test_a_collective_timing_out_on_a_paused_rank_says_so(dbg_client):
         while dm.debug.paused(client=dbg_client) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert dm.debug.paused(client=dbg_client) == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_line_gives_the_terminal_to_a_paused_rank(dbg_client):
+    from dask_monarch.observability.progress import ProgressLine
+
+    with mesh_of(dbg_client) as mesh:
+        y = dm.remote(stop_and_double)(torch.ones(1))
+        wait_paused(mesh, 2)
+        log, terminal = io.StringIO(), _Terminal()
+        lines = [ProgressLine(s, interval=0.05, delay=0) for s in (log, terminal)]
+        for line in lines:
+            line.start()
+        time.sleep(1.0)
+        while_paused = terminal.getvalue()
+        dm.debug.continue_all(mesh)
+        assert dm.inspect(y).tolist() == [3.0]
+        deadline = time.monotonic() + 30
+        while "dask-monarch:" not in terminal.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for line in lines:
+            line.stop()
+    assert while_paused == ""  # not drawn over the pdb prompt
+    assert "dask-monarch:" in terminal.getvalue()  # drawn again once resumed
+    assert "2 paused in the debugger" in log.getvalue()
