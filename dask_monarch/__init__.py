@@ -48,8 +48,9 @@ _NAMES = {
     "create_pipe": "pipe",
     "trace": "tracing",
     "dry_run": "dry",
+    "breakpoint": "debug",
 }
-_MODULES = ("messages", "ndslice", "random")
+_MODULES = ("messages", "ndslice", "random", "debug")
 
 __all__ = sorted([*_NAMES, *_MODULES])
 

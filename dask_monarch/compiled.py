@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .borrows import first_use
 from .controller.session import Capture, Session
+from .debug import recorded_breakpoints
 from .protocol import messages as m
 from .protocol.rules import refs_mutated, refs_used
 from .tensor import Tensor, active_mesh, check_usable, mutated_refs
@@ -132,7 +133,8 @@ class Compiled:
                     )
                     stand_ins[position] = formals[index] = formal
                 args, kwargs = tree_unflatten(stand_ins, spec)
-                out = self.fn(*args, **kwargs)
+                with recorded_breakpoints():  # breakpoint() in fn stops every replay
+                    out = self.fn(*args, **kwargs)
                 out_leaves, out_spec = tree_flatten(out)
                 outputs = []
                 for j, h in enumerate(x for x in out_leaves if isinstance(x, Tensor)):

@@ -260,6 +260,7 @@ def _propagate_on_rank(
     function: m.FunctionPath | m.Cloudpickle, args: tuple, kwargs: dict
 ) -> tuple[list[tuple], str]:
     """On rank 0: run the function on fake copies of its real inputs; return output metadata."""
+    from .worker import breakpoints_suppressed
     from .worker.calls import resolve_function
 
     fn = resolve_function(function)
@@ -267,7 +268,7 @@ def _propagate_on_rank(
     fake_args, fake_kwargs = tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
     )
-    with mode:
+    with mode, breakpoints_suppressed():  # a breakpoint() stops the real call, not this one
         out = fn(*fake_args, **fake_kwargs)
     leaves, spec = tree_flatten(out)
     packed = [describe_output(x) for x in leaves]

@@ -173,6 +173,8 @@ class Controller:
             lambda: client_problem(client),
             client.scheduler,
         )
+        self._reports.on_debugger = self._on_debugger
+        self._attach = config.get("debug.attach", "auto")  # may a wait attach to a paused rank
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
         self._closed = False
@@ -579,6 +581,7 @@ class Controller:
             "segments": expected,
             "segments_done": done,
             "state": "broken" if self._broken else "closed" if self._closed else "running",
+            "paused": len(self._reports.debugging),  # lanes stopped in pdb
         }
 
     # -- tracing ------------------------------------------------------------------------------
@@ -624,6 +627,30 @@ class Controller:
                 ]
             out.append(reply)
         return out
+
+    # -- the debugger -------------------------------------------------------------------------
+
+    @property
+    def debugging(self) -> dict:
+        """Session id -> ``DebuggerPaused`` of every lane of this controller paused in pdb."""
+        return self._reports.debugging
+
+    def _on_debugger(self, item: Any) -> None:
+        """A rank stopped in pdb or left it (on the event loop): tell the user where and how to
+        attach (controller/debugging.py)."""
+        if not item.paused:
+            logger.debug("rank %d left the debugger (session %s)", item.rank, item.session)
+            return
+        from .debugging import announce
+
+        announce(item, self.token, self._client.scheduler.address, from_loop=True)
+
+    def attend_debugger(self) -> bool:
+        """In a blocking wait: attach an interactive user to the paused ranks (see
+        controller/debugging.py); False if nobody can be asked."""
+        from .debugging import attend
+
+        return attend(self._client, self.token, self._reports.debugging, self._attach)
 
     # -- failure and shutdown -----------------------------------------------------------------
 

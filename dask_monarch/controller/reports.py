@@ -9,7 +9,8 @@ fetched values, unpickled here into ``FetchResult``), what a probe read
 (``Fatal``), values that a message without a seq failed (``ValueFailed``,
 for the listeners: the user API knows which seq defined the value) and its
 answers to the controller's heartbeat (``Heartbeat``, read by
-:mod:`~dask_monarch.controller.liveness`).
+:mod:`~dask_monarch.controller.liveness`) and the lanes that stopped in or left
+the debugger (``DebuggerPaused``, :mod:`~dask_monarch.controller.debugging`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from ..exceptions import DeviceException
 from ..protocol.liveness import lane_name
 from ..protocol.messages import FetchResult, FunctionPath, RemoteFunctionFailed, Status
 from ..protocol.rules import RULES
-from ..protocol.wire import Exited, Fatal, Fetched, Heartbeat, LaneDone, RefValue, ValueFailed
+from ..protocol.wire import (
+    DebuggerPaused,
+    Exited,
+    Fatal,
+    Fetched,
+    Heartbeat,
+    LaneDone,
+    RefValue,
+    ValueFailed,
+)
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -72,6 +82,8 @@ class Reports:
         # (rank, lane) -> [(index, steps)] of segments submitted and maybe not yet run: a lost
         # worker's message says what it was running (pruned as flushes come)
         self.in_flight: dict[tuple[int, Any], deque] = {}
+        self.debugging: dict[str, DebuggerPaused] = {}  # session -> a lane paused in pdb
+        self.on_debugger: Callable[[DebuggerPaused], None] | None = None  # told of each
 
     # -- the streams --------------------------------------------------------------------------
 
@@ -167,6 +179,7 @@ class Reports:
         """Apply one batch of ``rank``'s reports, then hand its controller messages to listeners."""
         delivered = []  # for the inbox and the listeners, in arrival order
         seqless = False  # a ValueFailed is among them: for the listeners only
+        debugger = []  # DebuggerPaused reports, for on_debugger
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -185,7 +198,7 @@ class Reports:
                     if item.probe > 0:
                         self.replies[item.probe] = item
                 elif t is Fatal:
-                    self.fail(DeviceException(item.cause, rank=item.rank))
+                    self.fail(DeviceException(item.cause + self.paused_note(), rank=item.rank))
                 elif t is Exited:
                     self.exited.add(item.rank)
                     if item.error is not None:
@@ -199,6 +212,12 @@ class Reports:
                 elif t is Heartbeat:
                     self.beats[item.rank] = item
                     self.answered[item.rank] = time.monotonic()
+                elif t is DebuggerPaused:
+                    if item.paused:
+                        self.debugging[item.session] = item
+                    else:
+                        self.debugging.pop(item.session, None)
+                    debugger.append(item)
             self.inbox.extend(
                 [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
             )
@@ -206,6 +225,22 @@ class Reports:
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)
+        if debugger and self.on_debugger is not None:
+            for item in debugger:
+                self.on_debugger(item)
+
+    def paused_note(self) -> str:
+        """Why a collective may have timed out: the ranks paused in pdb (``progress`` held)."""
+        if not self.debugging:
+            return ""
+        paused = "; ".join(
+            f"rank {p.rank} at {p.where} since seq {p.seq}" for p in self.debugging.values()
+        )
+        return (
+            f" (meanwhile paused in the debugger: {paused}; a collective or send waits for a "
+            "paused member at most dask_monarch.timeouts.collective: raise it before creating "
+            "the mesh to debug ranks that take part in collectives)"
+        )
 
     def expect(self, counts: dict[tuple[int, Any], int], segments: list = ()) -> None:
         """A flush was submitted: ``counts`` gives each of its lanes' newest segment,

@@ -73,6 +73,8 @@ class MeshFuture(concurrent.futures.Future):
                     self.check(value)
                 return value
             except concurrent.futures.TimeoutError:
+                if controller.debugging:  # a rank stopped in pdb: its user may drive it here
+                    controller.attend_debugger()
                 broken = controller.broken
                 if broken is not None:
                     raise broken from None

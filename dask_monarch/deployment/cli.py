@@ -7,11 +7,13 @@
     dask-monarch run --scheduler-file sched.json train.py    # an existing Dask cluster
     dask-monarch run --tls-temporary train.py                # everything over tls://
     dask-monarch info --scheduler-file sched.json            # its ranks: workers, resources, GPUs
+    dask-monarch debug --scheduler-file sched.json           # ranks paused in breakpoint(): attach
     dask-monarch worker tcp://sched:8786 --first-rank 0      # a rank worker per GPU of this node
 
 ``run`` is :func:`dask_monarch.deployment.runner.run` (the contract with a
 script and the exit statuses are documented there; 2 is a usage error,
-found here); ``info`` is :mod:`dask_monarch.deployment.cluster_info`; the
+found here); ``info`` is :mod:`dask_monarch.deployment.cluster_info`; ``debug``
+is :mod:`dask_monarch.deployment.debug_shell`; the
 progress line is :mod:`dask_monarch.observability.progress`. The module
 imports nothing heavy at import time: ``dask`` loads every ``dask_cli``
 entry point for each ``dask ...`` command.
@@ -230,6 +232,34 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
         return
     for line in table_lines(report):
         click.echo(line)
+
+
+# -- debug -----------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--scheduler-address",
+    default=None,
+    metavar="ADDRESS",
+    help="The cluster's scheduler (default: the dask config 'scheduler-address').",
+)
+@click.option(
+    "--scheduler-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The cluster's scheduler file.",
+)
+def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
+    """Ranks paused in breakpoint(): list them, attach to one's pdb, resume all (a shell)."""
+    import dask.config
+
+    from .debug_shell import main as shell
+
+    scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
+    if not (scheduler_address or scheduler_file):
+        raise click.UsageError("give --scheduler-address or --scheduler-file")
+    sys.exit(shell(scheduler_address, scheduler_file))
 
 
 # -- worker ----------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ It reads :meth:`Controller.progress` of every live controller (messages
 sent, segments done, broken or not) from a daemon thread, so the script
 being run never waits on the display. Settings: ``dask_monarch.cli.
 progress-interval`` (refresh) and ``dask_monarch.cli.progress-delay`` (a
-short run shows no line at all).
+short run shows no line at all). While a rank is paused in pdb the line
+says so, and on a terminal it is erased and not redrawn: the debugger
+session owns the terminal then (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ProgressLine:
         done = sum(s["segments_done"] for s in stats)
         total = sum(s["segments"] for s in stats)
         broken = sum(1 for s in stats if s["state"] == "broken")
+        paused = sum(s.get("paused", 0) for s in stats)
         elapsed = int(now - self._start)
         text = (
             f"dask-monarch: {len(stats)} mesh{'es' if len(stats) != 1 else ''}, "
@@ -76,7 +79,9 @@ class ProgressLine:
         )
         if broken:
             text += f", {broken} broken"
-        return (len(stats), messages, done, total, broken), text
+        if paused:
+            text += f", {paused} paused in the debugger"
+        return (len(stats), messages, done, total, broken, paused), text
 
     def _loop(self) -> None:
         shown = None
@@ -87,6 +92,12 @@ class ProgressLine:
                 key, text = self._measure()
             except Exception as e:  # a display must never fail the run
                 logger.debug("progress line skipped a refresh: %r", e)
+                continue
+            if self.tty and key[-1]:  # a pdb session may own the terminal: leave it alone
+                if self._shown:
+                    self.stream.write("\r\x1b[K")
+                    self._shown = ""
+                    self.stream.flush()
                 continue
             if self.tty:
                 self.stream.write("\r" + text + "\x1b[K")

@@ -135,3 +135,16 @@ class Heartbeat(NamedTuple):
     rank: int
     beat: int
     lanes: tuple  # of LaneProgress
+
+
+class DebuggerPaused(NamedTuple):
+    """A lane of ``rank`` stopped in pdb (``paused``) at ``where`` in ``seq``, or resumed
+    (``paused`` False): ``session`` is what ``dm.debug.attach`` and ``dask-monarch debug``
+    drive (:mod:`dask_monarch.worker.debugger`)."""
+
+    rank: int
+    lane: Any
+    seq: int
+    where: str
+    session: str
+    paused: bool

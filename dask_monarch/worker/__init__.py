@@ -1,11 +1,16 @@
 """The worker runtime: the WorkerPlugin and what it runs for each controller's rank.
 
 Other layers reach the worker only through the names below: the plugin, the
-functions a controller runs on its workers (through ``Client.run``) and the
-tasks it submits. Importing this package does not import torch.
+functions a controller runs on its workers (through ``Client.run``: claims,
+rendezvous, actors, the debugger's sessions) and the tasks it submits.
+Importing this package does not import torch.
 """
 
 from ..protocol.names import PLUGIN_NAME
+from .debugger import exchange as debug_exchange
+from .debugger import list_sessions as list_debug_sessions
+from .debugger import pause as debug_pause
+from .debugger import suppressed as breakpoints_suppressed
 from .plugin import (
     MonarchWorkerPlugin,
     claim_rank,
@@ -23,11 +28,15 @@ from .plugin import (
 
 __all__ = [
     "PLUGIN_NAME",
+    "breakpoints_suppressed",
     "MonarchWorkerPlugin",
     "claim_rank",
     "construct_actor",
     "create_lanes",
+    "debug_exchange",
+    "debug_pause",
     "describe_worker",
+    "list_debug_sessions",
     "register_actor",
     "release_controller",
     "run_segment",

@@ -35,6 +35,7 @@ from ..protocol.names import (
     worker_resource,
 )
 from .calls import InvalidRemoteFunction, pickled_code_allowed
+from .debugger import install_breakpointhook
 from .signals import ignore_sigint
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
         self.worker = worker
         ignore_sigint(worker)
+        install_breakpointhook()  # breakpoint() on a lane opens a remote pdb (worker/debugger.py)
         if self.batched_interval is not None:
             stream = worker.batched_stream
             stream.interval = min(stream.interval, self.batched_interval)

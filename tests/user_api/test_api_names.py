@@ -26,6 +26,8 @@ API_NAMES = [
     "RemoteException",
     "DeviceException",
     "LivenessWarning",
+    "breakpoint",
+    "debug",
     "random",
     "messages",
     "ndslice",
