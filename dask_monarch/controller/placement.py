@@ -10,12 +10,16 @@ who lowered a client's batched-send gap), the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed import Client
+from distributed.comm import CommClosedError
+from distributed.comm.addressing import get_address_host
 
 from .. import config
 from ..worker import (
@@ -32,6 +36,8 @@ if TYPE_CHECKING:
 
     from ..protocol.messages import StreamCreationMode
 
+logger = logging.getLogger("dask_monarch.controller")
+
 
 def natural_key(text: str) -> tuple:
     """A sort key that orders the numbers inside ``text`` by value (``rank2 < rank10``)."""
@@ -39,25 +45,133 @@ def natural_key(text: str) -> tuple:
 
 
 def choose_workers(
-    client: Client, world_size: int, device: str, workers: list[str] | None
+    client: Client,
+    world_size: int,
+    device: str,
+    workers: list[str] | None,
+    *,
+    distinct_hosts: bool = False,
 ) -> list[str]:
-    """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order."""
-    info = client.run(describe_worker, workers=workers)
+    """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order.
+
+    ``workers`` (addresses or worker names) are taken as given, in their order.
+    Otherwise every registered worker is asked to describe itself, each with
+    ``timeouts.placement`` to answer: a worker that does not (a host cut off
+    the network, still registered until the scheduler notices) is skipped, so
+    a mesh over the remaining hosts starts at once. ``distinct_hosts``: no two
+    ranks on one host (the host of the worker's address).
+    """
+    known = client.scheduler_info(n_workers=-1)["workers"]
+    timeout = config.seconds("timeouts.placement") or None
+    if workers is not None:
+        chosen = resolve_workers(workers, known)
+        if len(chosen) != world_size:
+            raise ValueError(
+                f"workers= names {len(chosen)} workers for {world_size} ranks: give one per rank"
+            )
+        info, silent = describe_workers(client, chosen, timeout)
+        if silent:
+            raise ValueError(
+                f"worker(s) {', '.join(silent)} did not answer within {timeout:g}s "
+                "(dask_monarch.timeouts.placement): cut off or frozen; choose other workers"
+            )
+        if device == "cuda":
+            no_gpu = [a for a in chosen if not info[a]["gpus"]]
+            if no_gpu:
+                raise ValueError(f"device='cuda' but worker(s) {', '.join(no_gpu)} have no GPU")
+        if distinct_hosts:
+            hosts = [get_address_host(a) for a in chosen]
+            shared = sorted({h for h in hosts if hosts.count(h) > 1})
+            if shared:
+                raise ValueError(
+                    f"distinct_hosts=True but workers= puts several ranks on {', '.join(shared)}"
+                )
+        return chosen
+
+    info, silent = describe_workers(client, list(known), timeout)
     if device == "cuda":
         info = {a: i for a, i in info.items() if i["gpus"]}
-    if len(info) < world_size:
-        kind = "GPU workers" if device == "cuda" else "workers"
-        raise ValueError(
-            f"Controller needs {world_size} {kind} but the cluster has {len(info)}; "
-            "start more workers or ask for a smaller world_size"
-        )
 
     # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
     def order(addr: str) -> tuple:
         i = info[addr]
         return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
 
-    return sorted(info, key=order)[:world_size]
+    candidates = sorted(info, key=order)
+    if distinct_hosts:
+        seen: set[str] = set()
+        candidates = [
+            a
+            for a in candidates
+            if get_address_host(a) not in seen and not seen.add(get_address_host(a))
+        ]
+    if len(candidates) < world_size:
+        kind = "GPU workers" if device == "cuda" else "workers"
+        where = " on distinct hosts" if distinct_hosts else ""
+        text = (
+            f"Controller needs {world_size} {kind}{where} but the cluster has "
+            f"{len(candidates)} that answer"
+        )
+        if silent:
+            text += (
+                f" ({len(silent)} did not answer within {timeout:g}s, "
+                f"dask_monarch.timeouts.placement: {', '.join(silent)})"
+            )
+        raise ValueError(text + "; start more workers or ask for a smaller world_size")
+    if silent:
+        logger.warning(
+            "choosing ranks without worker(s) %s: they did not answer within %gs "
+            "(dask_monarch.timeouts.placement)",
+            ", ".join(silent),
+            timeout,
+        )
+    return candidates[:world_size]
+
+
+def resolve_workers(workers: list[str], known: dict[str, dict]) -> list[str]:
+    """The addresses of ``workers`` (addresses or worker names), in their order."""
+    if isinstance(workers, (str, bytes)) or not hasattr(workers, "__iter__"):
+        raise TypeError(f"workers= must be a list of worker addresses or names, got {workers!r}")
+    by_name = {str(i.get("name")): a for a, i in known.items()}
+    chosen = []
+    for w in workers:
+        address = w if w in known else by_name.get(str(w))
+        if address is None:
+            raise ValueError(
+                f"no worker {w!r} in the cluster (workers: "
+                f"{', '.join(sorted(by_name)) or 'none'}); give an address or a worker name"
+            )
+        if address in chosen:
+            raise ValueError(f"worker {w!r} ({address}) is named twice in workers=")
+        chosen.append(address)
+    return chosen
+
+
+def describe_workers(
+    client: Client, addresses: list[str], timeout: float | None
+) -> tuple[dict[str, dict], list[str]]:
+    """Each worker's :func:`describe_worker`, and the addresses that did not answer in time.
+
+    One request per worker, all at once: a worker that does not answer costs
+    ``timeout``, not the TCP timeout, and holds up no other.
+    """
+
+    async def one(address: str) -> dict | None:
+        try:
+            replies = await asyncio.wait_for(
+                client._run(describe_worker, workers=[address]), timeout
+            )
+        except (asyncio.TimeoutError, OSError, CommClosedError) as e:
+            logger.debug("worker %s did not describe itself: %r", address, e)
+            return None
+        return replies.get(address)
+
+    async def every() -> list:
+        return await asyncio.gather(*(one(a) for a in addresses))
+
+    replies = client.sync(every)
+    info = {a: r for a, r in zip(addresses, replies) if r is not None}
+    return info, [a for a, r in zip(addresses, replies) if r is None]
 
 
 def claim_ranks(

@@ -1,0 +1,15 @@
+"""Functions the multi-host tests run on workers with ``client.run`` (pickled by value)."""
+
+from __future__ import annotations
+
+import os
+
+
+def tokens(dask_worker=None) -> list[str]:
+    """The controllers that hold a rank on this worker."""
+    plugin = dask_worker.plugins.get("dask_monarch")
+    return sorted(plugin.ranks) if plugin is not None else []
+
+
+def pid() -> int:
+    return os.getpid()
