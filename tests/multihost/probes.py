@@ -13,3 +13,10 @@ def tokens(dask_worker=None) -> list[str]:
 
 def pid() -> int:
     return os.getpid()
+
+
+def set_config(key: str, value) -> None:
+    """Set a dask config key in this worker process (as its environment would)."""
+    import dask
+
+    dask.config.set({key: value})

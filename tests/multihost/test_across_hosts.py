@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import probes
 import pytest
 import torch
 from conftest import exit_quietly, make_hosts
@@ -233,3 +234,30 @@ def test_workers_mistakes_are_clear(hosts_client):
         dm.device_mesh(client, workers=["h0w0", "h0w0"], gpu=2)
     with pytest.raises(TypeError, match="dimension cannot be called 'workers'"):
         dm.device_mesh(client, workers=2)
+
+
+@pytest.mark.timeout(300)
+def test_network_interface_setting(hosts_client):
+    """``comm.interface`` picks the address stores and gloo use; a wrong one is named."""
+    hosts, client = hosts_client
+    key = "dask_monarch.comm.interface"
+    try:
+        client.run(probes.set_config, key, "eth0")  # the namespace hosts' interface
+        mesh = dm.device_mesh(client, host=2, gpu=2)
+        try:
+            with mesh.activate():
+                total = dm.inspect(torch.ones(2).reduce(("host", "gpu"), "sum"))
+            assert total.tolist() == [4.0, 4.0]
+            assert mesh._session.controller._rendezvous[0] == hosts.ips[0]
+        finally:
+            exit_quietly(mesh)
+        client.run(probes.set_config, key, "nosuch0")
+        mesh = dm.device_mesh(client, host=2, gpu=2)
+        try:
+            with pytest.raises(Exception, match="'nosuch0' but this host .* has no such interface"):
+                with mesh.activate():
+                    dm.inspect(torch.ones(2).reduce("host", "sum"))
+        finally:
+            exit_quietly(mesh)
+    finally:
+        client.run(probes.set_config, key, None)
