@@ -84,6 +84,17 @@ def _owner(name: str) -> int | None:
 def clean_leftovers() -> list[str]:
     """Remove the namespaces, processes and links of earlier runs whose test process is gone."""
     removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        owner = _owner(folder.name)
+        if owner is None or _alive(owner):
+            continue
+        pids = folder / "pids"
+        for pid in pids.read_text().split() if pids.exists() else []:
+            with contextlib.suppress(OSError):  # the process groups it started (the scheduler)
+                if "dask" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                    os.killpg(int(pid), signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
     for line in ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         owner = _owner(name)
@@ -126,6 +137,8 @@ class Process:
                 argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.pid = self.popen.pid
+        with open(log.parent / "pids", "a") as pids:  # for clean_leftovers after a crash
+            pids.write(f"{self.pid}\n")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         with contextlib.suppress(ProcessLookupError):
