@@ -147,6 +147,20 @@ def resolve_workers(workers: list[str], known: dict[str, dict]) -> list[str]:
     return chosen
 
 
+SUSPECT_TIMEOUT = 1.0  # seconds a worker known to be silent gets to describe itself
+_silent: set[str] = set()  # workers of this process's client that stopped answering lately
+
+
+def note_silent(address: str) -> None:
+    """Remember that ``address`` stopped answering (a heartbeat or a description).
+
+    The next choice of ranks gives it ``SUSPECT_TIMEOUT`` instead of
+    ``timeouts.placement``: a new mesh right after a host dropped off starts
+    at once. It is forgotten as soon as it answers.
+    """
+    _silent.add(address)
+
+
 def describe_workers(
     client: Client, addresses: list[str], timeout: float | None
 ) -> tuple[dict[str, dict], list[str]]:
@@ -157,13 +171,16 @@ def describe_workers(
     """
 
     async def one(address: str) -> dict | None:
+        wait = timeout
+        if address in _silent:  # gave no sign of life lately: do not wait long again
+            wait = min(wait or SUSPECT_TIMEOUT, SUSPECT_TIMEOUT)
         try:
-            replies = await asyncio.wait_for(
-                client._run(describe_worker, workers=[address]), timeout
-            )
+            replies = await asyncio.wait_for(client._run(describe_worker, workers=[address]), wait)
         except (asyncio.TimeoutError, OSError, CommClosedError) as e:
             logger.debug("worker %s did not describe itself: %r", address, e)
+            note_silent(address)
             return None
+        _silent.discard(address)
         return replies.get(address)
 
     async def every() -> list:

@@ -31,12 +31,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=_why_not))
 
 
-def make_hosts(n_hosts: int, workers_per_host: int = 1, tag: str = ""):
+def make_hosts(
+    n_hosts: int,
+    workers_per_host: int = 1,
+    tag: str = "",
+    scheduler_env: dict[str, str] | None = None,
+):
     """Start the hosts, the scheduler and the workers; yield ``(hosts, client)``; clean up."""
     if _why_not is not None:
         pytest.skip(_why_not)
     netns.clean_leftovers()
-    hosts = netns.Hosts(n_hosts, workers_per_host, tag=tag)
+    hosts = netns.Hosts(n_hosts, workers_per_host, tag=tag, scheduler_env=scheduler_env)
     try:
         hosts.start_scheduler()
         hosts.start_workers()

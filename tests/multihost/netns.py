@@ -168,8 +168,15 @@ class Hosts:
     ``monarch-rank<i * workers_per_host + j>``: ranks fill host 0 first.
     """
 
-    def __init__(self, n_hosts: int = 2, workers_per_host: int = 1, tag: str = "") -> None:
+    def __init__(
+        self,
+        n_hosts: int = 2,
+        workers_per_host: int = 1,
+        tag: str = "",
+        scheduler_env: dict[str, str] | None = None,
+    ) -> None:
         self.n_hosts = n_hosts
+        self.scheduler_env = scheduler_env or {}
         self.workers_per_host = workers_per_host
         self.id = f"{PREFIX}{os.getpid()}{tag}"
         if len(self.id) + 3 > 15:
@@ -254,7 +261,7 @@ class Hosts:
                 "dask_monarch.dashboard",
             ],
             self.tmp / "scheduler.log",
-            self.env(),
+            {**self.env(), **self.scheduler_env},
         )
         self.processes.append(self.scheduler)
         deadline = time.monotonic() + 120

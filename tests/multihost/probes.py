@@ -20,3 +20,10 @@ def set_config(key: str, value) -> None:
     import dask
 
     dask.config.set({key: value})
+
+
+def threads_of(token: str) -> list[str]:
+    """The live threads of controller ``token``'s lanes in this worker (``monarch-<token>-...``)."""
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if f"monarch-{token}-" in t.name)

@@ -22,13 +22,16 @@ from conftest import exit_quietly, make_hosts, wait_for_host
 import dask_monarch as dm
 
 COLLECTIVE_TIMEOUT = 15.0  # seconds; the default (60 s) would only make the test slower
+WORKER_TTL = "20s"  # the scheduler drops a silent worker after this (Dask's default: 5 min)
 times: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
 def hosts_client():
     with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
-        yield from make_hosts(3, 1, tag="f")
+        yield from make_hosts(
+            3, 1, tag="f", scheduler_env={"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": WORKER_TTL}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,10 @@ def test_partition_fails_the_controller_naming_the_rank(hosts_client, state):
     hosts, client = hosts_client
     full = dm.device_mesh(client, host=3)
     other = dm.device_mesh(client, workers=["h0w0", "h1w0"], host=2)  # not on host 2
-    state.update(full=full, other=other, token=full._session.controller.token)
-    assert hosts.host_of(full._session.controller.workers[2]) == 2
+    lost = full._session.controller.workers[2]
+    state.update(full=full, other=other, token=full._session.controller.token, lost=lost)
+    assert hosts.host_of(lost) == 2
+    state["pid"] = client.run(probes.pid, workers=[lost])[lost]
     with full.activate():
         x = torch.ones(4)
         dm.inspect(x)  # everything set up before the cut
@@ -70,7 +75,8 @@ def test_partition_fails_the_controller_naming_the_rank(hosts_client, state):
     start = time.monotonic()
     with other.activate():
         y = torch.ones(2) * 3
-        assert dm.inspect(y.reduce("host", "sum")).tolist() == [6.0, 6.0]
+        total = dm.inspect(y.reduce("host", "sum"))
+    assert total.tolist() == [6.0, 6.0]
     _report("other controller's reduce during the partition", time.monotonic() - start)
 
 
@@ -85,7 +91,8 @@ def test_new_mesh_over_the_remaining_hosts(hosts_client, state):
     try:
         assert [hosts.host_of(a) for a in mesh._session.controller.workers] == [0, 1]
         with mesh.activate():
-            assert dm.inspect(torch.ones(2).reduce("host", "sum")).tolist() == [2.0, 2.0]
+            total = dm.inspect(torch.ones(2).reduce("host", "sum"))
+        assert total.tolist() == [2.0, 2.0]
     finally:
         exit_quietly(mesh)
     _report("new mesh over the remaining hosts (made, used, exited)", time.monotonic() - start)
@@ -93,40 +100,59 @@ def test_new_mesh_over_the_remaining_hosts(hosts_client, state):
 
 @pytest.mark.timeout(300)
 def test_ranks_blocked_with_the_lost_rank_recover(hosts_client, state):
-    """Ranks 0 and 1 left their collective at its timeout and dropped the broken controller."""
+    """Ranks 0 and 1 drop the broken controller, and their lanes blocked in the collective
+    with rank 2 end at the collective timeout; the workers serve other controllers."""
     hosts, client = hosts_client
     exit_quietly(state["full"])  # returns at once: the controller is broken
     token = state["token"]
     survivors = state["other"]._session.controller.workers
     deadline = time.monotonic() + COLLECTIVE_TIMEOUT + 90
+    released = None
     while True:
         held = client.run(probes.tokens, workers=survivors)
-        if not any(token in t for t in held.values()):
+        if released is None and not any(token in t for t in held.values()):
+            released = time.monotonic() - state["cut"]
+        threads = client.run(probes.threads_of, token, workers=survivors)
+        if released is not None and not any(threads.values()):
             break
-        assert time.monotonic() < deadline, f"ranks 0, 1 still hold controller {token}: {held}"
+        assert time.monotonic() < deadline, f"ranks 0, 1 still hold {token}: {held}, {threads}"
         time.sleep(0.5)
+    _report("partition -> ranks 0, 1 released the broken controller", released)
     _report(
-        "partition -> ranks 0, 1 released the broken controller", time.monotonic() - state["cut"]
+        f"partition -> their lanes left the collective (timeout {COLLECTIVE_TIMEOUT:g}s)",
+        time.monotonic() - state["cut"],
     )
     with state["other"].activate():
-        assert dm.inspect(torch.full((2,), 2.0).reduce("host", "sum")).tolist() == [4.0, 4.0]
+        total = dm.inspect(torch.full((2,), 2.0).reduce("host", "sum"))
+    assert total.tolist() == [4.0, 4.0]
 
 
 @pytest.mark.timeout(420)
-def test_healed_host_rejoins(hosts_client, state):
-    """The link comes back: host 2 has a working rank worker again and a new mesh uses it."""
+def test_healed_host_gets_a_new_worker(hosts_client, state):
+    """The scheduler drops the cut-off worker; once the link is back, its supervisor's new
+    worker registers and a new mesh uses it."""
     hosts, client = hosts_client
+    deadline = time.monotonic() + 180
+    while state["lost"] in client.scheduler_info(n_workers=-1)["workers"]:
+        assert time.monotonic() < deadline, "the scheduler kept the cut-off worker"
+        time.sleep(0.5)
+    _report(
+        f"partition -> scheduler dropped the worker (worker-ttl {WORKER_TTL})",
+        time.monotonic() - state["cut"],
+    )
     healed = time.monotonic()
     hosts.heal(2)
     address = wait_for_host(client, hosts, 2, timeout=300)
-    _report("heal -> a worker of host 2 answers", time.monotonic() - healed)
+    _report("heal -> a new worker of host 2 answers", time.monotonic() - healed)
+    assert client.run(probes.pid, workers=[address])[address] != state["pid"]  # replaced
     start = time.monotonic()
     mesh = dm.device_mesh(client, distinct_hosts=True, host=3)
     try:
         assert sorted(hosts.host_of(a) for a in mesh._session.controller.workers) == [0, 1, 2]
         assert address in mesh._session.controller.workers
         with mesh.activate():
-            assert dm.inspect(torch.ones(2).reduce("host", "sum")).tolist() == [3.0, 3.0]
+            total = dm.inspect(torch.ones(2).reduce("host", "sum"))
+        assert total.tolist() == [3.0, 3.0]
     finally:
         exit_quietly(mesh)
     _report("mesh over the healed hosts", time.monotonic() - start)
