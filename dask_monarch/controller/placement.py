@@ -61,7 +61,9 @@ def choose_workers(
     a mesh over the remaining hosts starts at once. ``distinct_hosts``: no two
     ranks on one host (the host of the worker's address).
     """
-    known = client.scheduler_info(n_workers=-1)["workers"]
+    # asked directly: client.scheduler_info() returns a cache that a periodic refresh
+    # without per-worker entries may replace before it returns
+    known = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
     timeout = config.seconds("timeouts.placement") or None
     if workers is not None:
         chosen = resolve_workers(workers, known)

@@ -41,7 +41,7 @@ def frozen(client: Client, address: str):
 
 @pytest.mark.timeout(180)
 def test_a_frozen_worker_is_skipped_and_named(client3):
-    workers = sorted(client3.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(client3.sync(client3.scheduler.identity, n_workers=-1)["workers"])
     rank_order = dm.Controller(client3, 3)
     ordered = rank_order.workers
     rank_order.close()

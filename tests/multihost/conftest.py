@@ -56,11 +56,16 @@ def make_hosts(
         hosts.close()
 
 
+def registered(client: Client) -> dict[str, dict]:
+    """The workers the scheduler knows now (not ``scheduler_info()``'s cache)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def wait_for_host(client: Client, hosts: netns.Hosts, host: int, timeout: float = 180) -> str:
     """The address of a worker on ``host`` that answers (after a partition heals)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for address in client.scheduler_info(n_workers=-1)["workers"]:
+        for address in registered(client):
             if hosts.host_of(address) == host:
                 if answers(client, address):
                     return address

@@ -15,7 +15,7 @@ from pathlib import Path
 import probes
 import pytest
 import torch
-from conftest import exit_quietly, make_hosts
+from conftest import exit_quietly, make_hosts, registered
 from raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
@@ -189,7 +189,7 @@ def test_notebook_style_session(hosts_client):
 @pytest.mark.timeout(300)
 def test_workers_by_name_and_address_in_that_order(hosts_client):
     hosts, client = hosts_client
-    by_name = {str(i["name"]): a for a, i in client.scheduler_info(n_workers=-1)["workers"].items()}
+    by_name = {str(i["name"]): a for a, i in registered(client).items()}
     order = ["h1w1", by_name["h0w0"], "h1w0"]  # a name, an address, a name
     mesh = dm.device_mesh(client, workers=order, gpu=3)
     try:

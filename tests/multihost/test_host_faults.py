@@ -17,7 +17,7 @@ import dask
 import probes
 import pytest
 import torch
-from conftest import exit_quietly, make_hosts, wait_for_host
+from conftest import exit_quietly, make_hosts, registered, wait_for_host
 
 import dask_monarch as dm
 
@@ -84,8 +84,8 @@ def test_partition_fails_the_controller_naming_the_rank(hosts_client, state):
 def test_new_mesh_over_the_remaining_hosts(hosts_client, state):
     """While the lost worker is still registered, a new mesh skips it and works."""
     hosts, client = hosts_client
-    registered = [hosts.host_of(a) for a in client.scheduler_info(n_workers=-1)["workers"]]
-    print(f"\n[multihost] hosts registered at the scheduler: {sorted(registered)}")
+    known = [hosts.host_of(a) for a in registered(client)]
+    print(f"\n[multihost] hosts registered at the scheduler: {sorted(known)}")
     start = time.monotonic()
     mesh = dm.device_mesh(client, host=2)
     try:
@@ -133,7 +133,7 @@ def test_healed_host_gets_a_new_worker(hosts_client, state):
     worker registers and a new mesh uses it."""
     hosts, client = hosts_client
     deadline = time.monotonic() + 180
-    while state["lost"] in client.scheduler_info(n_workers=-1)["workers"]:
+    while state["lost"] in registered(client):
         assert time.monotonic() < deadline, "the scheduler kept the cut-off worker"
         time.sleep(0.5)
     _report(
