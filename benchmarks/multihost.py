@@ -37,9 +37,9 @@ import netns  # noqa: E402
 S0 = StreamRef(0)
 
 
-def per_message(client: Client, ranks: int, n: int, repeat: int) -> float:
+def per_message(client: Client, ranks: int, n: int, repeat: int, distinct: bool) -> float:
     """Median seconds per message: ``n`` tiny calls to every rank, then one sync."""
-    with dm.Controller(client, ranks, distinct_hosts=True) as ctrl:
+    with dm.Controller(client, ranks, distinct_hosts=distinct) as ctrl:
         everyone = tuple(range(ranks))
         ctrl.send(everyone, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
         ones = ArgsKwargs.from_python((3,))
@@ -50,11 +50,13 @@ def per_message(client: Client, ranks: int, n: int, repeat: int) -> float:
         add = m.FunctionPath("torch.ops.aten.add.Tensor")
         args = ArgsKwargs.from_python((Ref(1), Ref(1)))
         times = []
+        seq = 1
         for r in range(repeat + 1):  # the first run warms up
             first = 10**6 * (r + 1)
             start = time.perf_counter()
             for i in range(n):
-                ctrl.send(everyone, m.CallFunction(i, [Ref(first + i)], [], add, args, S0, []))
+                ctrl.send(everyone, m.CallFunction(seq, [Ref(first + i)], [], add, args, S0, []))
+                seq += 1
             ctrl.sync(timeout=600)
             elapsed = time.perf_counter() - start
             ctrl.send(everyone, m.DeleteRefs([Ref(first + i) for i in range(n)]))
@@ -64,8 +66,8 @@ def per_message(client: Client, ranks: int, n: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def fetch_latency(client: Client, ranks: int, fetches: int) -> float:
-    mesh = dm.device_mesh(client, distinct_hosts=True, host=ranks)
+def fetch_latency(client: Client, ranks: int, fetches: int, distinct: bool) -> float:
+    mesh = dm.device_mesh(client, distinct_hosts=distinct, host=ranks)
     samples = []
     with mesh.activate():
         x = torch.zeros(())
@@ -79,6 +81,16 @@ def fetch_latency(client: Client, ranks: int, fetches: int) -> float:
     return statistics.median(samples)
 
 
+def row(client: Client, label: str, ranks: int, args, distinct: bool = True) -> None:
+    cost = per_message(client, ranks, args.n, args.repeat, distinct)
+    latency = fetch_latency(client, ranks, args.fetches, distinct)
+    print(
+        f"| {label} | {ranks} | {cost * 1e6:.1f} | {cost * 1e6 / ranks:.1f} | "
+        f"{latency * 1e3:.2f} |",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=5000, help="messages per run")
@@ -90,6 +102,11 @@ def main() -> None:
     if why:
         raise SystemExit(why)
     sizes = [int(s) for s in args.sizes.split(",")]
+    print("| cluster | ranks | µs/message | µs/delivery | fetch latency (ms) |")
+    print("|---|---|---|---|---|")
+    # the same measures on one host, now (the machine's load changes the figures)
+    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
+        row(client, "LocalMeshCluster, 127.0.0.1", 2, args, distinct=False)
     netns.clean_leftovers()
     hosts = netns.Hosts(max(sizes), 1, tag="b")
     try:
@@ -97,17 +114,8 @@ def main() -> None:
         hosts.start_workers()
         with Client(hosts.scheduler_address, timeout="60s") as client:
             client.wait_for_workers(max(sizes), timeout=600)
-            print(f"{max(sizes)} namespace hosts, one rank worker each")
-            print("| ranks | µs/message | µs/delivery | fetch latency (ms) |")
-            print("|---|---|---|---|")
             for ranks in sizes:
-                cost = per_message(client, ranks, args.n, args.repeat)
-                latency = fetch_latency(client, ranks, args.fetches)
-                print(
-                    f"| {ranks} | {cost * 1e6:.1f} | {cost * 1e6 / ranks:.1f} | "
-                    f"{latency * 1e3:.2f} |",
-                    flush=True,
-                )
+                row(client, f"{max(sizes)} namespace hosts", ranks, args)
     finally:
         hosts.close()
 
