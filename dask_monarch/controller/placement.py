@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed import Client
-from distributed.comm import CommClosedError
 from distributed.comm.addressing import get_address_host
 
 from .. import config
@@ -55,27 +54,34 @@ def choose_workers(
     """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order.
 
     ``workers`` (addresses or worker names) are taken as given, in their order.
-    Otherwise every registered worker is asked to describe itself, each with
-    ``timeouts.placement`` to answer: a worker that does not (a host cut off
-    the network, still registered until the scheduler notices) is skipped, so
-    a mesh over the remaining hosts starts at once. ``distinct_hosts``: no two
-    ranks on one host (the host of the worker's address).
+    Otherwise every registered worker is asked to describe itself. Those that
+    answer within ``timeouts.placement`` are chosen from if they are enough: a
+    worker that does not answer (a host cut off the network, still registered
+    until the scheduler notices) is skipped, so a mesh over the remaining hosts
+    starts at once. If they are too few, the others get up to
+    ``timeouts.claim`` (a worker still starting up answers late). A worker
+    that a heartbeat or an earlier choice found silent gets ``SUSPECT_TIMEOUT``
+    only. ``distinct_hosts``: no two ranks on one host (the host of the
+    worker's address).
     """
     # asked directly: client.scheduler_info() returns a cache that a periodic refresh
     # without per-worker entries may replace before it returns
     known = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-    timeout = config.seconds("timeouts.placement") or None
+    timeout = config.seconds("timeouts.placement") or 0.0
+    patience = max(timeout, config.seconds("timeouts.claim") or 0.0)
     if workers is not None:
         chosen = resolve_workers(workers, known)
         if len(chosen) != world_size:
             raise ValueError(
                 f"workers= names {len(chosen)} workers for {world_size} ranks: give one per rank"
             )
-        info, silent = describe_workers(client, chosen, timeout)
+        info, silent = describe_workers(
+            client, chosen, timeout, patience, lambda info: len(info) == len(chosen)
+        )
         if silent:
             raise ValueError(
-                f"worker(s) {', '.join(silent)} did not answer within {timeout:g}s "
-                "(dask_monarch.timeouts.placement): cut off or frozen; choose other workers"
+                f"worker(s) {', '.join(silent)} did not answer (dask_monarch.timeouts.placement "
+                f"{timeout:g}s, then timeouts.claim): cut off or frozen; choose other workers"
             )
         if device == "cuda":
             no_gpu = [a for a in chosen if not info[a]["gpus"]]
@@ -90,35 +96,40 @@ def choose_workers(
                 )
         return chosen
 
-    info, silent = describe_workers(client, list(known), timeout)
-    if device == "cuda":
-        info = {a: i for a, i in info.items() if i["gpus"]}
+    def candidates(info: dict[str, dict]) -> list[str]:
+        """GPU workers first, then by rank resource / name in natural order (rank2 < rank10)."""
+        if device == "cuda":
+            info = {a: i for a, i in info.items() if i["gpus"]}
 
-    # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
-    def order(addr: str) -> tuple:
-        i = info[addr]
-        return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
+        def order(addr: str) -> tuple:
+            i = info[addr]
+            return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
 
-    candidates = sorted(info, key=order)
-    if distinct_hosts:
-        seen: set[str] = set()
-        candidates = [
-            a
-            for a in candidates
-            if get_address_host(a) not in seen and not seen.add(get_address_host(a))
-        ]
-    if len(candidates) < world_size:
+        chosen = sorted(info, key=order)
+        if distinct_hosts:
+            first_of_host: dict[str, str] = {}
+            for a in chosen:
+                first_of_host.setdefault(get_address_host(a), a)
+            chosen = list(first_of_host.values())
+        return chosen
+
+    info, silent = describe_workers(
+        client,
+        list(known),
+        timeout,
+        patience,
+        lambda info: len(candidates(info)) >= world_size,
+    )
+    chosen = candidates(info)
+    if len(chosen) < world_size:
         kind = "GPU workers" if device == "cuda" else "workers"
         where = " on distinct hosts" if distinct_hosts else ""
         text = (
             f"Controller needs {world_size} {kind}{where} but the cluster has "
-            f"{len(candidates)} that answer"
+            f"{len(chosen)} that answer"
         )
         if silent:
-            text += (
-                f" ({len(silent)} did not answer within {timeout:g}s, "
-                f"dask_monarch.timeouts.placement: {', '.join(silent)})"
-            )
+            text += f" ({len(silent)} did not answer: {', '.join(silent)})"
         raise ValueError(text + "; start more workers or ask for a smaller world_size")
     if silent:
         logger.warning(
@@ -127,7 +138,7 @@ def choose_workers(
             ", ".join(silent),
             timeout,
         )
-    return candidates[:world_size]
+    return chosen[:world_size]
 
 
 def resolve_workers(workers: list[str], known: dict[str, dict]) -> list[str]:
@@ -137,7 +148,9 @@ def resolve_workers(workers: list[str], known: dict[str, dict]) -> list[str]:
     by_name = {str(i.get("name")): a for a, i in known.items()}
     chosen = []
     for w in workers:
-        address = w if w in known else by_name.get(str(w))
+        # an address the scheduler does not list (yet) is asked all the same, as Dask's
+        # run() does: a worker re-registering after a restart keeps its place
+        address = w if w in known or "://" in str(w) else by_name.get(str(w))
         if address is None:
             raise ValueError(
                 f"no worker {w!r} in the cluster (workers: "
@@ -164,33 +177,59 @@ def note_silent(address: str) -> None:
 
 
 def describe_workers(
-    client: Client, addresses: list[str], timeout: float | None
+    client: Client,
+    addresses: list[str],
+    timeout: float,
+    patience: float,
+    enough: Callable[[dict[str, dict]], bool],
 ) -> tuple[dict[str, dict], list[str]]:
-    """Each worker's :func:`describe_worker`, and the addresses that did not answer in time.
+    """Each worker's :func:`describe_worker`, and the addresses that did not answer.
 
-    One request per worker, all at once: a worker that does not answer costs
-    ``timeout``, not the TCP timeout, and holds up no other.
+    One request per worker, all at once, so a worker that does not answer
+    holds up no other and costs ``timeout``, not a TCP timeout. If the answers
+    by then are not ``enough``, the workers not known to be silent get until
+    ``patience``.
     """
 
-    async def one(address: str) -> dict | None:
-        wait = timeout
-        if address in _silent:  # gave no sign of life lately: do not wait long again
-            wait = min(wait or SUSPECT_TIMEOUT, SUSPECT_TIMEOUT)
-        try:
-            replies = await asyncio.wait_for(client._run(describe_worker, workers=[address]), wait)
-        except (asyncio.TimeoutError, OSError, CommClosedError) as e:
-            logger.debug("worker %s did not describe itself: %r", address, e)
-            note_silent(address)
-            return None
-        _silent.discard(address)
-        return replies.get(address)
+    async def every() -> dict[str, dict]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = {
+            a: asyncio.ensure_future(client._run(describe_worker, workers=[a])) for a in addresses
+        }
 
-    async def every() -> list:
-        return await asyncio.gather(*(one(a) for a in addresses))
+        def answers() -> dict[str, dict]:
+            return {
+                a: t.result()[a]
+                for a, t in tasks.items()
+                if t.done() and not t.cancelled() and t.exception() is None
+            }
 
-    replies = client.sync(every)
-    info = {a: r for a, r in zip(addresses, replies) if r is not None}
-    return info, [a for a, r in zip(addresses, replies) if r is None]
+        async def wait(group: list[str], until: float) -> None:
+            pending = [tasks[a] for a in group if not tasks[a].done()]
+            if pending and until > loop.time():
+                await asyncio.wait(pending, timeout=until - loop.time())
+
+        trusted = [a for a in addresses if a not in _silent]
+        await wait([a for a in addresses if a in _silent], start + min(timeout, SUSPECT_TIMEOUT))
+        await wait(trusted, start + timeout)
+        if not enough(answers()):
+            await wait(trusted, start + patience)
+        for a, t in tasks.items():
+            if not t.done():
+                t.cancel()
+            elif not t.cancelled() and t.exception() is not None:
+                logger.debug("worker %s did not describe itself: %r", a, t.exception())
+        return answers()
+
+    info = client.sync(every)
+    silent = [a for a in addresses if a not in info]
+    for a in addresses:
+        if a in info:
+            _silent.discard(a)
+        else:
+            note_silent(a)
+    return info, silent
 
 
 def claim_ranks(
