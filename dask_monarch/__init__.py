@@ -46,6 +46,8 @@ _NAMES = {
     "compile": "compiled",
     "Pipe": "pipe",
     "create_pipe": "pipe",
+    "trace": "tracing",
+    "dry_run": "dry",
 }
 _MODULES = ("messages", "ndslice", "random")
 

@@ -170,3 +170,24 @@ def test_fifty_broken_controllers_leave_every_slot_free(throwaway):
         f"50 controllers broken in {broke:.1f}s; a normal mesh took {before:.2f}s before "
         f"and {after:.2f}s after"
     )
+
+
+def _retire_a_shut_down_executor(dask_worker) -> tuple[int, int]:
+    """What a release meeting a lane whose dropped stream already shut its executor leaves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plugin = dask_worker.plugins["dask_monarch"]
+    before = (plugin.extra_threads, dask_worker.state.nthreads)
+    executor = ThreadPoolExecutor(1)
+    plugin.extra_threads += 1  # as _register does for a lane
+    dask_worker.state.nthreads += 1
+    executor.shutdown(wait=False)  # the lane's retire() on its last step
+    plugin._retire(executor)  # the release's forget() reaching it before remove_lane
+    after = (plugin.extra_threads, dask_worker.state.nthreads)
+    return before, after
+
+
+@pytest.mark.timeout(60)
+def test_releasing_a_rank_whose_dropped_lane_already_ended_gives_its_thread_back(client2):
+    for before, after in client2.run(_retire_a_shut_down_executor).values():
+        assert after == before
