@@ -310,17 +310,38 @@ class RemoteProcessGroup:
         return f"RemoteProcessGroup({self.mesh!r}, dims={list(self.dims)})"
 
 
-def device_mesh(client: distributed.Client | None = None, **dims: int) -> DeviceMesh:
+def device_mesh(
+    client: distributed.Client | None = None,
+    *,
+    workers: Sequence[str] | None = None,
+    distinct_hosts: bool = False,
+    **dims: int,
+) -> DeviceMesh:
     """A mesh over ``prod(dims)`` workers of ``client`` (GPU workers first), dims in order.
 
     ``client=None`` uses Dask's default client (the one a script run by
-    ``dask-monarch run`` gets).
+    ``dask-monarch run`` gets). ``workers``: the workers (addresses or worker
+    names) that become ranks 0..n-1 in that order. ``distinct_hosts=True``:
+    no two ranks on one host (a worker's host is the host of its address).
+    Neither name can be a dimension.
     """
     # imported here: the workers import this module (for _coordinate) and need none of these
     from .controller.session import Session
     from .propagation import Propagator, warm_up
     from .tensor import Tensor
 
+    if workers is not None and (
+        isinstance(workers, (str, int)) or not hasattr(workers, "__iter__")
+    ):
+        raise TypeError(
+            f"workers= is the list of worker addresses or names the ranks run on, got "
+            f"{workers!r}; a dimension cannot be called 'workers'"
+        )
+    if type(distinct_hosts) is not bool:
+        raise TypeError(
+            f"distinct_hosts= is True or False, got {distinct_hosts!r}; a dimension cannot be "
+            "called 'distinct_hosts'"
+        )
     if not dims:
         raise ValueError("device_mesh needs at least one dimension: device_mesh(client, gpu=2)")
     for name, size in dims.items():
@@ -330,7 +351,12 @@ def device_mesh(client: distributed.Client | None = None, **dims: int) -> Device
         client = distributed.default_client()
     sizes = list(dims.values())
     warm_up()  # before the controller freezes the GC: see propagation.warm_up
-    session = Session(client, math.prod(sizes))
+    session = Session(
+        client,
+        math.prod(sizes),
+        workers=None if workers is None else list(workers),
+        distinct_hosts=distinct_hosts,
+    )
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

@@ -135,7 +135,10 @@ class Controller:
     """Drive Monarch's worker protocol on ``world_size`` workers of ``client``.
 
     Workers are shared, not owned: several controllers (several notebooks)
-    may use the same workers, each with its own lanes and refs.
+    may use the same workers, each with its own lanes and refs. ``workers``
+    (addresses or worker names) become ranks 0..n-1 in that order; without
+    it ranks are chosen in a stable order among the workers that answer.
+    ``distinct_hosts=True`` puts no two ranks on one host.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Controller:
         *,
         device: str = "auto",
         workers: list[str] | None = None,
+        distinct_hosts: bool = False,
     ) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"Controller needs a distributed.Client, got {client!r}")
@@ -188,7 +192,9 @@ class Controller:
         )
 
         config.freeze_gc()
-        self.workers = choose_workers(client, world_size, device, workers)
+        self.workers = choose_workers(
+            client, world_size, device, workers, distinct_hosts=distinct_hosts
+        )
         # 'auto': NCCL for CUDA tensors, gloo for CPU ones; 'gloo': gloo for both
         self.backend = config.get("backend", "auto")
         self.resources, self.devices = claim_ranks(

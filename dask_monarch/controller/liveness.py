@@ -39,6 +39,7 @@ from ..exceptions import DeviceException, LivenessWarning
 from ..protocol.liveness import explain, stuck_seq
 from ..protocol.names import HEARTBEAT_OP
 from ..protocol.wire import LaneProgress
+from .placement import note_silent
 from .reports import Reports
 
 logger = logging.getLogger("dask_monarch.controller")
@@ -133,6 +134,7 @@ class Liveness:
 
     def _unresponsive(self, rank: int, silent: float) -> None:
         self.stop()
+        note_silent(self.workers[rank])  # a new mesh does not wait for it (placement)
         with self.progress:
             self.fail(
                 DeviceException(

@@ -10,12 +10,15 @@ who lowered a client's batched-send gap), the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed import Client
+from distributed.comm.addressing import get_address_host
 
 from .. import config
 from ..worker import (
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
 
     from ..protocol.messages import StreamCreationMode
 
+logger = logging.getLogger("dask_monarch.controller")
+
 
 def natural_key(text: str) -> tuple:
     """A sort key that orders the numbers inside ``text`` by value (``rank2 < rank10``)."""
@@ -39,25 +44,192 @@ def natural_key(text: str) -> tuple:
 
 
 def choose_workers(
-    client: Client, world_size: int, device: str, workers: list[str] | None
+    client: Client,
+    world_size: int,
+    device: str,
+    workers: list[str] | None,
+    *,
+    distinct_hosts: bool = False,
 ) -> list[str]:
-    """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order."""
-    info = client.run(describe_worker, workers=workers)
-    if device == "cuda":
-        info = {a: i for a, i in info.items() if i["gpus"]}
-    if len(info) < world_size:
-        kind = "GPU workers" if device == "cuda" else "workers"
-        raise ValueError(
-            f"Controller needs {world_size} {kind} but the cluster has {len(info)}; "
-            "start more workers or ask for a smaller world_size"
+    """The addresses of the ``world_size`` workers that become ranks 0, 1, ..., in that order.
+
+    ``workers`` (addresses or worker names) are taken as given, in their order.
+    Otherwise every registered worker is asked to describe itself. Those that
+    answer within ``timeouts.placement`` are chosen from if they are enough: a
+    worker that does not answer (a host cut off the network, still registered
+    until the scheduler notices) is skipped, so a mesh over the remaining hosts
+    starts at once. If they are too few, the others get up to
+    ``timeouts.claim`` (a worker still starting up answers late). A worker
+    that a heartbeat or an earlier choice found silent gets ``SUSPECT_TIMEOUT``
+    only. ``distinct_hosts``: no two ranks on one host (the host of the
+    worker's address).
+    """
+    # asked directly: client.scheduler_info() returns a cache that a periodic refresh
+    # without per-worker entries may replace before it returns
+    known = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    timeout = config.seconds("timeouts.placement") or 0.0
+    patience = max(timeout, config.seconds("timeouts.claim") or 0.0)
+    if workers is not None:
+        chosen = resolve_workers(workers, known)
+        if len(chosen) != world_size:
+            raise ValueError(
+                f"workers= names {len(chosen)} workers for {world_size} ranks: give one per rank"
+            )
+        info, silent = describe_workers(
+            client, chosen, timeout, patience, lambda info: len(info) == len(chosen)
         )
+        if silent:
+            raise ValueError(
+                f"worker(s) {', '.join(silent)} did not answer (dask_monarch.timeouts.placement "
+                f"{timeout:g}s, then timeouts.claim): cut off or frozen; choose other workers"
+            )
+        if device == "cuda":
+            no_gpu = [a for a in chosen if not info[a]["gpus"]]
+            if no_gpu:
+                raise ValueError(f"device='cuda' but worker(s) {', '.join(no_gpu)} have no GPU")
+        if distinct_hosts:
+            hosts = [get_address_host(a) for a in chosen]
+            shared = sorted({h for h in hosts if hosts.count(h) > 1})
+            if shared:
+                raise ValueError(
+                    f"distinct_hosts=True but workers= puts several ranks on {', '.join(shared)}"
+                )
+        return chosen
 
-    # GPU workers first, then by rank resource / name in natural order (rank2 < rank10)
-    def order(addr: str) -> tuple:
-        i = info[addr]
-        return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
+    def candidates(info: dict[str, dict]) -> list[str]:
+        """GPU workers first, then by rank resource / name in natural order (rank2 < rank10)."""
+        if device == "cuda":
+            info = {a: i for a, i in info.items() if i["gpus"]}
 
-    return sorted(info, key=order)[:world_size]
+        def order(addr: str) -> tuple:
+            i = info[addr]
+            return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
+
+        chosen = sorted(info, key=order)
+        if distinct_hosts:
+            first_of_host: dict[str, str] = {}
+            for a in chosen:
+                first_of_host.setdefault(get_address_host(a), a)
+            chosen = list(first_of_host.values())
+        return chosen
+
+    info, silent = describe_workers(
+        client,
+        list(known),
+        timeout,
+        patience,
+        lambda info: len(candidates(info)) >= world_size,
+    )
+    chosen = candidates(info)
+    if len(chosen) < world_size:
+        kind = "GPU workers" if device == "cuda" else "workers"
+        where = " on distinct hosts" if distinct_hosts else ""
+        text = (
+            f"Controller needs {world_size} {kind}{where} but the cluster has "
+            f"{len(chosen)} that answer"
+        )
+        if silent:
+            text += f" ({len(silent)} did not answer: {', '.join(silent)})"
+        raise ValueError(text + "; start more workers or ask for a smaller world_size")
+    if silent:
+        logger.warning(
+            "choosing ranks without worker(s) %s: they did not answer within %gs "
+            "(dask_monarch.timeouts.placement)",
+            ", ".join(silent),
+            timeout,
+        )
+    return chosen[:world_size]
+
+
+def resolve_workers(workers: list[str], known: dict[str, dict]) -> list[str]:
+    """The addresses of ``workers`` (addresses or worker names), in their order."""
+    if isinstance(workers, (str, bytes)) or not hasattr(workers, "__iter__"):
+        raise TypeError(f"workers= must be a list of worker addresses or names, got {workers!r}")
+    by_name = {str(i.get("name")): a for a, i in known.items()}
+    chosen = []
+    for w in workers:
+        # an address the scheduler does not list (yet) is asked all the same, as Dask's
+        # run() does: a worker re-registering after a restart keeps its place
+        address = w if w in known or "://" in str(w) else by_name.get(str(w))
+        if address is None:
+            raise ValueError(
+                f"no worker {w!r} in the cluster (workers: "
+                f"{', '.join(sorted(by_name)) or 'none'}); give an address or a worker name"
+            )
+        if address in chosen:
+            raise ValueError(f"worker {w!r} ({address}) is named twice in workers=")
+        chosen.append(address)
+    return chosen
+
+
+SUSPECT_TIMEOUT = 1.0  # seconds a worker known to be silent gets to describe itself
+_silent: set[str] = set()  # workers of this process's client that stopped answering lately
+
+
+def note_silent(address: str) -> None:
+    """Remember that ``address`` stopped answering (a heartbeat or a description).
+
+    The next choice of ranks gives it ``SUSPECT_TIMEOUT`` instead of
+    ``timeouts.placement``: a new mesh right after a host dropped off starts
+    at once. It is forgotten as soon as it answers.
+    """
+    _silent.add(address)
+
+
+def describe_workers(
+    client: Client,
+    addresses: list[str],
+    timeout: float,
+    patience: float,
+    enough: Callable[[dict[str, dict]], bool],
+) -> tuple[dict[str, dict], list[str]]:
+    """Each worker's :func:`describe_worker`, and the addresses that did not answer.
+
+    One request per worker, all at once, so a worker that does not answer
+    holds up no other and costs ``timeout``, not a TCP timeout. If the answers
+    by then are not ``enough``, the workers not known to be silent get until
+    ``patience``.
+    """
+
+    async def every() -> dict[str, dict]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = {
+            a: asyncio.ensure_future(client._run(describe_worker, workers=[a])) for a in addresses
+        }
+
+        def answers() -> dict[str, dict]:
+            return {
+                a: t.result()[a]
+                for a, t in tasks.items()
+                if t.done() and not t.cancelled() and t.exception() is None
+            }
+
+        async def wait(group: list[str], until: float) -> None:
+            pending = [tasks[a] for a in group if not tasks[a].done()]
+            if pending and until > loop.time():
+                await asyncio.wait(pending, timeout=until - loop.time())
+
+        trusted = [a for a in addresses if a not in _silent]
+        await wait([a for a in addresses if a in _silent], start + min(timeout, SUSPECT_TIMEOUT))
+        await wait(trusted, start + timeout)
+        if not enough(answers()):
+            await wait(trusted, start + patience)
+        for a, t in tasks.items():
+            if not t.done():
+                t.cancel()
+            elif not t.cancelled() and t.exception() is not None:
+                logger.debug("worker %s did not describe itself: %r", a, t.exception())
+        return answers()
+
+    info = client.sync(every)
+    silent = [a for a in addresses if a not in info]
+    for a in addresses:
+        if a in info:
+            _silent.discard(a)
+        else:
+            note_silent(a)
+    return info, silent
 
 
 def claim_ranks(

@@ -127,8 +127,17 @@ class Capture:
 class Session:
     """Ids, history, futures and setup state shared by every view of one root mesh."""
 
-    def __init__(self, client: Client, world_size: int) -> None:
-        self.controller = Controller(client, world_size)
+    def __init__(
+        self,
+        client: Client,
+        world_size: int,
+        *,
+        workers: list[str] | None = None,
+        distinct_hosts: bool = False,
+    ) -> None:
+        self.controller = Controller(
+            client, world_size, workers=workers, distinct_hosts=distinct_hosts
+        )
         self.backend = self.controller.backend  # 'auto' (NCCL for CUDA tensors) or 'gloo'
         self.world = tuple(range(world_size))
         self.lock = threading.RLock()

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from distributed.comm.addressing import get_address_host
 
 from ..protocol.messages import (
     BackendNetworkInit,
@@ -98,7 +97,8 @@ class Comms:
 
     @property
     def host(self) -> str:
-        return get_address_host(self.state.plugin.worker.address)
+        """The address this rank's store listens on and its gloo pairs bind to."""
+        return groups.reachable_host(self.state.plugin.worker.address)
 
     @property
     def timeout(self) -> float:

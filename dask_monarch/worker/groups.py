@@ -19,11 +19,45 @@ import datetime
 import logging
 import socket
 
+import psutil
 import torch
 import torch.distributed as dist
+from distributed.comm.addressing import get_address_host
 from torch.distributed import distributed_c10d as c10d
 
+from .. import config
+
 logger = logging.getLogger("dask_monarch.worker")
+
+
+def reachable_host(worker_address: str) -> str:
+    """The address peers reach this rank at: the worker's own, or ``comm.interface``'s.
+
+    Never the host name (which may resolve to 127.0.1.1 or to another network)
+    and never loopback: by default the host of the address the worker
+    registered with, which the client and the scheduler already reach it at.
+    ``dask_monarch.comm.interface`` (read on the worker, e.g.
+    ``DASK_MONARCH__COMM__INTERFACE=ib0`` where ``dask worker`` starts) picks
+    that interface's first IPv4 address (else IPv6) instead, for a fast
+    network the worker does not register on.
+    """
+    interface = config.get("comm.interface")
+    if not interface:
+        return get_address_host(worker_address)
+    addresses = psutil.net_if_addrs()
+    if interface not in addresses:
+        raise ValueError(
+            f"dask_monarch.comm.interface is {interface!r} but this host "
+            f"({worker_address}) has no such interface (it has: "
+            f"{', '.join(sorted(addresses))}); set it to one of them or unset it"
+        )
+    by_family = {a.family: a.address for a in reversed(addresses[interface])}
+    for family in (socket.AF_INET, socket.AF_INET6):
+        if family in by_family:
+            return by_family[family].split("%")[0]
+    raise ValueError(
+        f"dask_monarch.comm.interface {interface!r} has no IP address on {worker_address}"
+    )
 
 
 def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
