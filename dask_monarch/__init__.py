@@ -47,6 +47,9 @@ _NAMES = {
     "Pipe": "pipe",
     "create_pipe": "pipe",
     "OpaqueRef": "opaque_ref",
+    "grad_generator": "gradients",
+    "ddp_hooks": "gradients",
+    "DDPHooks": "gradients",
 }
 _MODULES = ("messages", "ndslice", "random")
 
