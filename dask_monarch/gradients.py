@@ -19,6 +19,7 @@ act on a gradient as soon as it exists, instead of after the whole backward:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import queue
 import threading
@@ -80,7 +81,9 @@ def _generate(loss: Tensor, params: list[Tensor], retain_graph: bool) -> Iterato
                 h.remove()
 
     context = contextvars.copy_context()  # the caller's active mesh and stream
-    thread = threading.Thread(target=context.run, args=(backward,), name="dm-grad-generator")
+    thread = threading.Thread(
+        target=context.run, args=(backward,), name="dm-grad-generator", daemon=True
+    )
     thread.start()
     given: set[int] = set()
     try:
@@ -122,9 +125,12 @@ class DDPHooks:
         self._ready: list[list[Tensor]] = [[] for _ in self.buckets]
         self._borrows: list = []
         self._pending = False  # an end-of-backward callback is queued
+        self._sync = True
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
 
     def _accumulated(self, param: Tensor) -> None:
+        if not self._sync:
+            return
         if not self._pending:
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -163,6 +169,16 @@ class DDPHooks:
         borrows, self._borrows = self._borrows, []
         for borrow in borrows:
             borrow.drop()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing them (gradient
+        accumulation: the first backward outside reduces the sum)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def remove(self) -> None:
         for h in self._handles:
@@ -212,7 +228,9 @@ def ddp_hooks(
     all-reduced there as soon as its last gradient has been accumulated, so
     the reduction overlaps the rest of backward on the ranks. When backward
     ends the gradients are given back: ``optimizer.step()`` sees the averages.
-    Parameters must be mesh tensors that require grad.
+    Every backward reduces the accumulated ``.grad``; accumulate over several
+    backward passes inside ``hooks.no_sync()``. Parameters must be mesh tensors
+    that require grad.
     """
     params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
     params = [p for p in dict.fromkeys(params) if p.requires_grad]

@@ -150,3 +150,23 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
         assert backward, main
         first_reduce = comms_segments[0][1]
         assert first_reduce < backward[-1][2], (comms_segments, main)
+
+
+def test_ddp_hooks_no_sync_accumulates_then_reduces_the_sum_once(mesh2):
+    with mesh2.activate():
+        hooked = _model(dm.random.manual_seed)
+        plain = _model(dm.random.manual_seed)
+        with dm.ddp_hooks(hooked, "gpu", bucket_bytes=200) as hooks:
+            dm.random.manual_seed(2)
+            with hooks.no_sync():
+                _loss(hooked, mesh2).backward()
+            _loss(hooked, mesh2).backward()
+        dm.random.manual_seed(2)
+        _loss(plain, mesh2).backward()
+        _loss(plain, mesh2).backward()
+        for p in plain.parameters():
+            p.grad.reduce_("gpu", "avg")
+        got = [[dm.inspect(p.grad, gpu=r) for r in range(2)] for p in hooked.parameters()]
+        want = [dm.inspect(p.grad, gpu=1) for p in plain.parameters()]
+    for (g0, g1), w in zip(got, want):
+        assert torch.allclose(g1, w, atol=1e-6) and torch.equal(g0, g1)
