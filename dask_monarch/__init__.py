@@ -49,6 +49,10 @@ _NAMES = {
     "trace": "tracing",
     "dry_run": "dry",
     "breakpoint": "debug",
+    "OpaqueRef": "opaque_ref",
+    "grad_generator": "gradients",
+    "ddp_hooks": "gradients",
+    "DDPHooks": "gradients",
 }
 _MODULES = ("messages", "ndslice", "random", "debug")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .controller.debugging import Paused, drive, wait_for
@@ -48,7 +48,7 @@ def breakpoint(*tensors: Tensor) -> None:
 
 
 @contextlib.contextmanager
-def recorded_breakpoints():
+def recorded_breakpoints() -> Iterator[None]:
     """While a compiled function is traced, ``breakpoint()`` in it is ``dm.breakpoint()``."""
     previous = sys.breakpointhook
 

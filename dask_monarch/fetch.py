@@ -10,6 +10,7 @@ remote functions).
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -73,8 +74,13 @@ def fetch_value(
     value: Any,
     function: m.FunctionPath | m.Cloudpickle | None = None,
     args_kwargs: m.ArgsKwargs | None = None,
+    inputs: Sequence[Any] = (),
 ) -> MeshFuture:
-    """Send ``value`` (or ``function(*args)``) from global ``rank`` back to the client."""
+    """Send ``value`` (or ``function(*args)``) from global ``rank`` back to the client.
+
+    ``inputs``: the handles ``function``'s arguments hold (tensors, OpaqueRefs), so the
+    fetch fails at once with what they depend on.
+    """
     if session.capture is not None:
         raise NotImplementedError("NYI: fetching results during a coalescing block")
     with session.lock:
@@ -85,7 +91,11 @@ def fetch_value(
         for h in handles:
             check_usable(h)
         first_use(session, handles)
-        seq, future = session.expect_result([h._ref.id for h in handles], 1)
+        uses = [h._ref.id for h in handles]
+        if inputs:
+            first_use(session, [h for h in inputs if isinstance(h, Tensor)])
+            uses += [h._ref.id for h in inputs]
+        seq, future = session.expect_result(uses, 1)
         if function is None and handles:
             future.check = _Declared(handles, rank, seq)
         session.send((rank,), m.SendValue(seq, None, [], function, args_kwargs, stream_ref))

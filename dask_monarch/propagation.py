@@ -70,6 +70,9 @@ class OpInfo:
     returns_alias: tuple[int | None, ...]  # per return: the argument it aliases, if any
     returns_write: tuple[bool, ...]  # per return: True if it is a mutated argument itself
     makes_tensors: bool  # some return is a tensor (else, with no tensor inputs, it runs here)
+    seeded: bool = False  # it draws random numbers (torch.Tag.nondeterministic_seeded)
+    # the overload to call with a ``generator=`` keyword (itself if it takes one), if any
+    with_generator: m.FunctionPath | None = None
 
 
 _op_infos: dict[Any, OpInfo] = {}
@@ -105,9 +108,31 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         aliases.append(target)
         written.append(bool(info is not None and info.is_write and target is not None))
     makes_tensors = any("Tensor" in str(ret.type) for ret in schema.returns)
+    seeded = torch.Tag.nondeterministic_seeded in func.tags
     return OpInfo(
-        m.FunctionPath(path), names, tuple(writes), tuple(aliases), tuple(written), makes_tensors
+        m.FunctionPath(path),
+        names,
+        tuple(writes),
+        tuple(aliases),
+        tuple(written),
+        makes_tensors,
+        seeded,
+        _with_generator(func, names) if seeded else None,
     )
+
+
+def _with_generator(func: OpOverload, names: tuple[str, ...]) -> m.FunctionPath | None:
+    """The overload of ``func`` that takes a ``generator`` keyword with the same other
+    arguments (``rand.default`` -> ``rand.generator``), for per-stream generators."""
+    packet = func.overloadpacket
+    ours = tuple(n for n in names if n != "generator")
+    for overload in (func._overloadname, *packet.overloads()):
+        schema = getattr(packet, overload)._schema
+        theirs = tuple(a.name for a in schema.arguments)
+        if "generator" in theirs and tuple(n for n in theirs if n != "generator") == ours:
+            namespace, name = schema.name.split("::")
+            return m.FunctionPath(f"torch.ops.{namespace}.{name}.{overload}")
+    return None
 
 
 # -- output plans ----------------------------------------------------------------------------

@@ -1,19 +1,36 @@
-"""Random state on every rank of the active mesh (``dm.random``).
+"""Random state on every rank of the active mesh (``dm.random``), as Monarch's ``monarch.random``.
 
-``manual_seed(s)`` gives every rank the same seed (CPU and CUDA generators),
-so factories like ``torch.rand`` draw the same values everywhere;
-``get_state`` returns each rank's generator states as a mesh tensor of bytes
-for ``set_state``: the CPU generator's, then a flag and the state of the
-rank's CUDA generator (zeros on ranks that have not used CUDA).
+``manual_seed(s)`` gives every rank the same seed, so factories like
+``torch.rand`` draw the same values everywhere. A state is a mesh tensor of
+bytes: the CPU generator's state, then a flag and the state of the rank's CUDA
+generator (zeros with flag 0 on ranks that have not used CUDA). ``get_state``
+forks (a snapshot), ``set_state`` restores one, ``new_state(seed)`` makes the
+state a seed would give without touching the generators in use.
+
+Per-stream generators: by default every stream of a rank draws from the rank's
+default generators, shared by its streams, so two streams drawing at the same
+time interleave in whatever order their lanes run. ``seed_stream(seed)`` gives
+the active stream generators of its own on every rank (CPU and CUDA, kept on
+the stream's lane as :class:`~dask_monarch.OpaqueRef` values): random ops
+issued on it then call the overload that takes ``generator=`` with them
+(``tensor.dispatch``), and ``manual_seed``, ``get_state``, ``set_state`` and
+``fork_rng`` under that stream act on them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .opaque_ref import OpaqueRef
 from .remote_function import remote
+from .stream import Stream, get_active_stream
 from .tensor import Tensor, active_mesh
 
 if TYPE_CHECKING:
@@ -30,53 +47,215 @@ def _active() -> DeviceMesh:
 CUDA_STATE_BYTES = 16  # Philox: seed and offset
 
 
-def _states() -> torch.Tensor:
-    """This rank's generator states as one byte tensor (runs on the rank)."""
-    cuda = torch.zeros(1 + CUDA_STATE_BYTES, dtype=torch.uint8)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state = torch.cuda.get_rng_state()
-        if state.numel() != CUDA_STATE_BYTES:
+# -- on the ranks -------------------------------------------------------------------------------
+
+
+def _pack(cpu: torch.Tensor, cuda: torch.Tensor | None) -> torch.Tensor:
+    flagged = torch.zeros(1 + CUDA_STATE_BYTES, dtype=torch.uint8)
+    if cuda is not None:
+        if cuda.numel() != CUDA_STATE_BYTES:
             raise RuntimeError(
                 f"dask_monarch.random expects a {CUDA_STATE_BYTES}-byte CUDA "
-                f"generator state, this torch has {state.numel()}"
+                f"generator state, this torch has {cuda.numel()}"
             )
-        cuda[0], cuda[1:] = 1, state
-    return torch.cat([torch.get_rng_state(), cuda])
+        flagged[0], flagged[1:] = 1, cuda
+    return torch.cat([cpu, flagged])
 
 
-def _set_states(states: torch.Tensor) -> None:
-    """Restore what :func:`_states` returned (runs on the rank)."""
+def _states(
+    cpu: torch.Generator | None = None, cuda: torch.Generator | None = None
+) -> torch.Tensor:
+    """This rank's generator states as one byte tensor (the stream's own ones if given)."""
+    if cpu is not None:
+        return _pack(cpu.get_state(), cuda.get_state() if cuda is not None else None)
+    used = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return _pack(torch.get_rng_state(), torch.cuda.get_rng_state() if used else None)
+
+
+def _set_states(
+    states: torch.Tensor, cpu: torch.Generator | None = None, cuda: torch.Generator | None = None
+) -> None:
+    """Restore what :func:`_states` returned (to the stream's own generators if given)."""
     split = states.numel() - 1 - CUDA_STATE_BYTES
-    torch.set_rng_state(states[:split].clone())
-    if states[split].item():
-        torch.cuda.set_rng_state(states[split + 1 :].clone())
+    cpu_state, has_cuda, cuda_state = states[:split], states[split].item(), states[split + 1 :]
+    if cpu is not None:
+        cpu.set_state(cpu_state.clone())
+        if has_cuda and cuda is not None:
+            cuda.set_state(cuda_state.clone())
+        return
+    torch.set_rng_state(cpu_state.clone())
+    if has_cuda:
+        torch.cuda.set_rng_state(cuda_state.clone())
 
 
-_seed = remote("torch.manual_seed", propagate="inspect")
-_get_state = remote(
-    "dask_monarch.random._states",
-    propagate=lambda: torch.empty(
-        torch.get_rng_state().numel() + 1 + CUDA_STATE_BYTES, dtype=torch.uint8
-    ),
-)
-_set_state = remote("dask_monarch.random._set_states", propagate=lambda states: None)
+def _seeded_states(seed: int) -> torch.Tensor:
+    """The states ``manual_seed(seed)`` would give, without touching any generator."""
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    cuda = None
+    if torch.cuda.is_available():
+        cuda = torch.Generator(device=_cuda_device()).manual_seed(seed).get_state()
+    return _pack(cpu, cuda)
+
+
+def _seed(seed: int, cpu: torch.Generator | None = None, cuda: torch.Generator | None = None):
+    if cpu is None:
+        torch.manual_seed(seed)
+        return
+    cpu.manual_seed(seed)
+    if cuda is not None:
+        cuda.manual_seed(seed)
+
+
+def _cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _generator(device_type: str, seed: int) -> torch.Generator | None:
+    """A stream's own generator on this rank (None for CUDA on a rank without CUDA)."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return torch.Generator(device=_cuda_device()).manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def _deterministic(enabled: bool) -> None:
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    if enabled:  # no autotuning; deterministic cuBLAS (torch.use_deterministic_algorithms)
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+
+
+def _deterministic_now() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
+# -- on the client ------------------------------------------------------------------------------
+
+
+def _state_like(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(torch.get_rng_state().numel() + 1 + CUDA_STATE_BYTES, dtype=torch.uint8)
+
+
+_get_state = remote("dask_monarch.random._states", propagate=_state_like)
+_set_state = remote("dask_monarch.random._set_states", propagate=lambda *a, **k: None)
+_new_state = remote("dask_monarch.random._seeded_states", propagate=_state_like)
+_manual_seed = remote("dask_monarch.random._seed", propagate=lambda *a, **k: None)
+_make_deterministic = remote("dask_monarch.random._deterministic", propagate=lambda enabled: None)
+
+
+@dataclass
+class _OwnGenerators:
+    """A stream's own generators on the ranks of one session (see :func:`seed_stream`)."""
+
+    ranks: frozenset[int]
+    cpu: OpaqueRef
+    cuda: OpaqueRef
+
+
+def _own(stream: Stream, mesh: DeviceMesh) -> dict:
+    """The keyword arguments that aim a state function at ``stream``'s own generators."""
+    own = stream.generator_for(mesh, None)
+    if own is None:
+        return {}
+    return {"cpu": own, "cuda": stream.generator_for(mesh, torch.device("cuda"))}
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the generator of every rank of the active mesh with ``seed``."""
-    _active()
-    if not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    _seed(seed)
+    """Seed the active stream's generators on every rank of the active mesh with ``seed``.
+
+    Those are the ranks' default generators (CPU and CUDA), unless the stream
+    has its own (:func:`seed_stream`).
+    """
+    mesh = _active()
+    _check_seed(seed)
+    _manual_seed(seed, **_own(get_active_stream(), mesh))
 
 
 def get_state() -> Tensor:
-    """Every rank's generator states (CPU and CUDA), as a mesh tensor of bytes."""
-    _active()
-    return _get_state()
+    """Every rank's generator states (CPU and CUDA), as a mesh tensor of bytes: a fork of the
+    active stream's generators that :func:`set_state` restores."""
+    mesh = _active()
+    return _get_state(**_own(get_active_stream(), mesh))
 
 
 def set_state(state: Tensor) -> None:
-    """Restore states returned by :func:`get_state`."""
+    """Restore states returned by :func:`get_state` or :func:`new_state`.
+
+    The CUDA part is restored where the state has one (its flag is set).
+    """
+    mesh = _active()
+    if not isinstance(state, Tensor):
+        raise TypeError(
+            f"set_state takes a state from dask_monarch.random.get_state(), got {state!r}"
+        )
+    _set_state(state, **_own(get_active_stream(), mesh))
+
+
+def new_state(seed: int) -> Tensor:
+    """The states ``manual_seed(seed)`` would give (CPU, and CUDA on ranks that have it), as a
+    mesh tensor for :func:`set_state`; the generators in use are not touched."""
     _active()
-    _set_state(state)
+    _check_seed(seed)
+    return _new_state(seed)
+
+
+@contextlib.contextmanager
+def fork_rng(state: Tensor | None = None) -> Iterator[Tensor]:
+    """Draw inside the block from ``state`` (or from a fork of the current state), and
+    restore the generators as they were on the way out.
+
+    Yields the state the block starts from. Like ``torch.random.fork_rng``, on every rank.
+    """
+    saved = get_state()
+    start = saved if state is None else state
+    if state is not None:
+        set_state(state)
+    try:
+        yield start
+    finally:
+        set_state(saved)
+
+
+def seed_stream(seed: int, stream: Stream | None = None) -> None:
+    """Give ``stream`` (default: the active one) generators of its own on every rank of the
+    active mesh, seeded with ``seed``.
+
+    Random ops issued on the stream afterwards draw only from them, so what
+    they draw does not depend on what other streams draw meanwhile; seeding
+    again reseeds them. An op that draws random numbers but takes no
+    ``generator`` (fused dropout, RNNs) is refused on such a stream.
+    """
+    mesh = _active()
+    _check_seed(seed)
+    stream = stream if stream is not None else get_active_stream()
+    session = mesh._session
+    generators = stream._generators
+    if generators is None:
+        generators = stream._generators = weakref.WeakKeyDictionary()
+    old = generators.get(session)
+    if old is not None and old.ranks.issuperset(mesh._ranks):
+        with stream.activate():
+            _manual_seed(seed, cpu=old.cpu, cuda=old.cuda)
+        return
+    with stream.activate():
+        cpu = OpaqueRef("dask_monarch.random._generator", "cpu", seed)
+        cuda = OpaqueRef("dask_monarch.random._generator", "cuda", seed)
+    generators[session] = _OwnGenerators(frozenset(mesh._ranks), cpu, cuda)
+
+
+def make_deterministic(enabled: bool = True) -> None:
+    """Make every rank of the active mesh use deterministic algorithms (as Monarch's does:
+    ``torch.use_deterministic_algorithms``, deterministic cuDNN and cuBLAS).
+
+    These are settings of each rank's worker process: other controllers sharing
+    those workers see them too. ``enabled=False`` turns them off again.
+    """
+    _active()
+    _make_deterministic(bool(enabled))

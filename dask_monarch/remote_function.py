@@ -34,26 +34,14 @@ from torch.utils._pytree import (
 from .borrows import first_use
 from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
+from .opaque_ref import OpaqueRef, place, split_handles
 from .protocol import messages as m
+from .protocol.messages.values import resolvable
 from .protocol.names import describe_output, described_tensor
 from .stream import Stream
-from .tensor import Tensor, issue, mutated_refs, placement
+from .tensor import Tensor, issue, mutated_refs
 
 logger = logging.getLogger("dask_monarch.remote_function")
-
-
-def resolvable(fn: Callable | str) -> m.FunctionPath | m.Cloudpickle:
-    """An import path when the function can be found by one, else its cloudpickle."""
-    if isinstance(fn, str):
-        return m.FunctionPath(fn)
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if module and module != "__main__" and "<" not in qualname and "." not in qualname:
-        try:
-            if getattr(importlib.import_module(module), qualname, None) is fn:
-                return m.FunctionPath(f"{module}.{qualname}")
-        except ImportError as e:  # a module that only exists here: send the function itself
-            logger.debug("%s.%s is not importable by path (%r); pickling it", module, qualname, e)
-    return m.Cloudpickle.dumps(fn)
 
 
 def _resolve_locally(fn: Callable | str) -> Callable:
@@ -81,13 +69,21 @@ class Remote:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = tree_flatten((args, kwargs))
-        handles = [x for x in leaves if isinstance(x, Tensor)]
+        handles, objects = split_handles(leaves)
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-        mesh, stream = placement(handles, repr(self), "borrow it first")
+        mesh, stream = place(handles, objects, repr(self))
         if self._propagate == "inspect":
             spec, mutated = None, []
         elif self._propagate is not None:
             spec, mutated = propagate_locally(self._propagate, args, kwargs)
+        elif objects:
+            raise ValueError(
+                f"{self!r} takes {objects[0]!r}: learning its output shapes by running it "
+                "once on rank 0 would run it on the rank's real object (advancing a loader, "
+                "stepping an optimizer); give it propagate= (a callable run on fake tensors, "
+                "which receives the OpaqueRef handle itself) or propagate='inspect' when it "
+                "returns no tensors"
+            )
         else:
             spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
 
@@ -104,7 +100,7 @@ class Remote:
                 [g.ref for g in groups],
             )
 
-        return bind_outputs(spec, mesh, stream, handles, message, mutated, groups)
+        return bind_outputs(spec, mesh, stream, handles, message, mutated, groups, objects)
 
     def _propagate_remotely(
         self, mesh: DeviceMesh, args: tuple, kwargs: dict, handles: list[Tensor]
@@ -132,8 +128,8 @@ class Remote:
     def call_on_shard_and_fetch(self, *args: Any, shard: dict | None = None, **kwargs: Any) -> Any:
         """Run the function on one rank only and return its value (tensors on the CPU)."""
         leaves, _ = tree_flatten((args, kwargs))
-        handles = [x for x in leaves if isinstance(x, Tensor)]
-        mesh, _ = placement(handles, repr(self), "borrow it first")
+        handles, objects = split_handles(leaves)
+        mesh, _ = place(handles, objects, repr(self))
         rank = shard_rank(mesh, shard or {})
         return fetch_value(
             mesh._session,
@@ -141,6 +137,7 @@ class Remote:
             None,
             function=self._function,
             args_kwargs=m.ArgsKwargs.from_python(args, kwargs),
+            inputs=[*handles, *objects],
         ).result()
 
     def __repr__(self) -> str:
@@ -168,11 +165,13 @@ def bind_outputs(
     make: Callable,
     mutated: Sequence[Tensor] = (),
     groups: Sequence[RemoteProcessGroup] = (),
+    objects: Sequence[OpaqueRef] = (),
 ) -> Any:
     """Send ``make(seq, results, mutates, stream_ref)``, a call whose outputs are ``spec``'s
     tensors (or nothing when ``spec`` is None); returns handles in ``spec``'s shape.
 
-    Remote functions, pipes and actors describe their outputs this way.
+    Remote functions, pipes and actors describe their outputs this way; ``objects``
+    (OpaqueRefs among the arguments) are read by the call, as ``handles`` are.
     """
     session = mesh._session
     with session.lock:
@@ -193,7 +192,8 @@ def bind_outputs(
             else:
                 out.append(leaf)
                 results.append(None)
-        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates, out)
+        inputs = [*handles, *objects] if objects else handles
+        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, out)
         session.send(mesh._ranks, make(seq, results, mutates, stream_ref))
     return None if spec is None else tree_unflatten(out, treespec)
 

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .borrows import Borrow, first_use
 from .protocol import messages as m
 
 if TYPE_CHECKING:
+    import torch
+
+    from .mesh import DeviceMesh
     from .tensor import Tensor
 
 
@@ -35,6 +39,8 @@ class Stream:
             raise TypeError(f"a stream needs a non-empty name, got {name!r}")
         self.name = name
         self.default = _default
+        # session -> the stream's own random generators there (dm.random.seed_stream)
+        self._generators: weakref.WeakKeyDictionary | None = None
 
     @property
     def creation_mode(self) -> m.StreamCreationMode:
@@ -90,6 +96,20 @@ class Stream:
             else:
                 t._storage.lent.add(handle)
             return borrowed, handle
+
+    def generator_for(self, mesh: DeviceMesh, device: torch.device | None) -> Any:
+        """This stream's own generator (an OpaqueRef) for a random op on ``mesh`` and
+        ``device``, or None when it draws from the ranks' default generators."""
+        own = self._generators.get(mesh._session) if self._generators is not None else None
+        if own is None:
+            return None
+        if not own.ranks.issuperset(mesh._ranks):
+            raise RuntimeError(
+                f"stream {self.name!r} has generators of its own on ranks {sorted(own.ranks)} "
+                f"only, not on every rank of {mesh!r}; call dask_monarch.random.seed_stream "
+                "under a mesh that holds them all"
+            )
+        return own.cuda if device is not None and device.type == "cuda" else own.cpu
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"

@@ -447,7 +447,10 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
             results.append(ref)
         if not results:
             results = [None]
-        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates, outputs)
+        function, inputs = info.function, handles
+        if info.seeded and stream._generators is not None:
+            function, inputs = _own_generator(func, info, stream, mesh, plan, handles, ref_kwargs)
+        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, outputs)
         flat = not any(type(a) in (list, tuple) for a in ref_args)
         if ref_kwargs:
             flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
@@ -459,7 +462,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
                     seq,
                     results,
                     [m.Ref(r) for r in mutates],
-                    info.function,
+                    function,
                     _tuple_new(m.ArgsKwargs, (ref_args, ref_kwargs, None, flat)),
                     stream_ref,
                     [],
@@ -471,6 +474,34 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if plan.kind == "none":
         return None
     return outputs if plan.kind == "list" else tuple(outputs)
+
+
+def _own_generator(
+    func: OpOverload,
+    info: OpInfo,
+    stream: Stream,
+    mesh: DeviceMesh,
+    plan: Any,
+    handles: list[Tensor],
+    ref_kwargs: dict,
+) -> tuple[m.FunctionPath, list]:
+    """A random op on a stream with generators of its own (``dm.random.seed_stream``) draws
+    from them: the overload that takes ``generator=``, given the stream's generator (an
+    OpaqueRef on its lane). Adds the ``generator`` keyword to ``ref_kwargs``."""
+    device = next((o.device for o in plan.outputs if o is not None), None)
+    if device is None and handles:
+        device = handles[0].device
+    generator = stream.generator_for(mesh, device)
+    if generator is None or ref_kwargs.get("generator") is not None:
+        return info.function, handles
+    if info.with_generator is None:
+        raise NotImplementedError(
+            f"{func} draws random numbers but takes no generator, so it cannot use the own "
+            f"generators of stream {stream.name!r} (dask_monarch.random.seed_stream); run it on "
+            "a stream that draws from the ranks' default generators"
+        )
+    ref_kwargs["generator"] = generator.__monarch_ref__()
+    return info.with_generator, [*handles, generator]
 
 
 def issue(session: Session, inputs: list[Tensor], defs: list[int], outputs: list = ()) -> int:

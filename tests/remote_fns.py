@@ -2,6 +2,7 @@
 
 import os
 import time
+import weakref
 
 import torch
 
@@ -224,3 +225,37 @@ def allocate(x, mib):
     block = torch.ones(mib * 2**18)  # 4-byte floats
     time.sleep(30)
     return block.sum()
+
+
+# -- worker-resident objects (dm.OpaqueRef) ------------------------------------------------------
+
+_residents: "weakref.WeakSet[Resident]" = weakref.WeakSet()
+
+
+class Resident:
+    """A rank's object for OpaqueRef tests: a running total, counted while it lives."""
+
+    def __init__(self, start, rank=None, fail_rank=None):
+        if rank is not None and int(rank) == fail_rank:
+            raise ValueError(f"Resident refused to start on rank {int(rank)}")
+        self.total = float(start) + (100.0 * int(rank) if rank is not None else 0.0)
+        _residents.add(self)
+
+    def bump(self, by):
+        self.total += float(by)
+        return torch.tensor(self.total)
+
+
+def resident_bump(obj, by=1.0):
+    return obj.bump(by)
+
+
+def resident_fail(obj):
+    raise RuntimeError(f"this use of a Resident at {obj.total} failed")
+
+
+def residents_alive(*_):
+    import gc
+
+    gc.collect()
+    return len(_residents)

@@ -35,7 +35,11 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import FrameType, TracebackType
 
 POLL_S = 0.05  # how often a paused lane checks that its controller is still there
 SESSIONS: dict[str, DebugSession] = {}  # session id -> session, every open one of this process
@@ -193,7 +197,7 @@ class RemotePdb(pdb.Pdb):
         self._resumed = False
         self._first = True
 
-    def interaction(self, frame, traceback) -> None:
+    def interaction(self, frame: FrameType | None, traceback: TracebackType | None) -> None:
         session = self.session
         if self._first:
             self._first = False
@@ -206,20 +210,20 @@ class RemotePdb(pdb.Pdb):
             if self._resumed:
                 session.close()
 
-    def do_continue(self, arg):
+    def do_continue(self, arg: str) -> bool | None:
         self._resumed = True
         return super().do_continue(arg)
 
     do_c = do_cont = do_continue
 
-    def do_quit(self, arg):
+    def do_quit(self, arg: str) -> bool | None:
         self._resumed = True
         self.message(f"quitting: the call fails with bdb.BdbQuit on rank {self.session.rank}")
         return super().do_quit(arg)
 
     do_q = do_exit = do_quit
 
-    def do_EOF(self, arg):
+    def do_EOF(self, arg: str) -> bool | None:
         self._resumed = True
         return super().do_EOF(arg)
 
@@ -280,7 +284,7 @@ def install_breakpointhook() -> None:
 
 
 @contextlib.contextmanager
-def suppressed():
+def suppressed() -> Iterator[None]:
     """Ignore breakpoints on this thread (a function run on fake tensors to learn shapes)."""
     before = getattr(_local, "suppressed", False)
     _local.suppressed = True

@@ -32,6 +32,9 @@ API_NAMES = [
     "messages",
     "ndslice",
     "no_mesh",
+    "OpaqueRef",
+    "grad_generator",
+    "ddp_hooks",
 ]
 
 
@@ -44,7 +47,7 @@ def test_every_public_name_survives_importing_every_submodule():
     for name in API_NAMES:
         assert hasattr(dm, name), name
     assert callable(dm.device_mesh) and callable(dm.compile) and callable(dm.remote)
-    for name in ("manual_seed", "get_state", "set_state"):
+    for name in ("manual_seed", "get_state", "set_state", "new_state", "seed_stream"):
         assert callable(getattr(dm.random, name))
 
 

@@ -5,8 +5,10 @@ these types are registered here, so messages can annotate fields with them.
 """
 
 import enum
+import importlib
+import logging
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Union
@@ -18,6 +20,7 @@ from ..ndslice import Slice
 from .checked import CheckedId, check_int, checked, instance_of, list_of, optional, register_checks
 
 _tuple_new = tuple.__new__  # rebuilds an ArgsKwargs without checks
+_logger = logging.getLogger("dask_monarch.remote_function")
 
 # --------------------------------------------------------------------------- ids
 
@@ -105,6 +108,20 @@ def as_function(value: Any) -> ResolvableFunction:
     if callable(value):
         return Cloudpickle.dumps(value)
     raise TypeError(f"expected a FunctionPath, Cloudpickle, import path or callable, got {value!r}")
+
+
+def resolvable(fn: Callable | str) -> FunctionPath | Cloudpickle:
+    """An import path when the function can be found by one, else its cloudpickle."""
+    if isinstance(fn, str):
+        return FunctionPath(fn)
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname and "." not in qualname:
+        try:
+            if getattr(importlib.import_module(module), qualname, None) is fn:
+                return FunctionPath(f"{module}.{qualname}")
+        except ImportError as e:  # a module that only exists here: send the function itself
+            _logger.debug("%s.%s is not importable by path (%r); pickling it", module, qualname, e)
+    return Cloudpickle.dumps(fn)
 
 
 # --------------------------------------------------------------------------- arguments

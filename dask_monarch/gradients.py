@@ -1,0 +1,246 @@
+"""Gradients as backward produces them: ``dm.grad_generator`` and ``dm.ddp_hooks``.
+
+Autograd runs on the client over mesh handles (``tensor.py``), so backward is a
+stream of messages the client sends as the engine walks the graph. Two ways to
+act on a gradient as soon as it exists, instead of after the whole backward:
+
+* :func:`grad_generator` (Monarch's ``monarch.gradient_generator`` idea) yields
+  ``(param, grad)`` in the order the engine produces them. The engine runs in a
+  helper thread that pauses at each gradient until the caller asks for the
+  next one, so the caller's messages and backward's interleave in one
+  deterministic order, as if backward were a generator.
+* :func:`ddp_hooks` hooks a module's parameters: when every gradient of a
+  bucket has been accumulated, the bucket is lent to a communication stream,
+  averaged there over the data-parallel mesh dims, and the messages so far are
+  flushed, so the ranks reduce it on that stream's lane while the main lane
+  runs the rest of backward. At the end of backward the borrows are dropped:
+  the main stream's next use of a gradient waits for its reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .stream import Stream
+from .tensor import Tensor
+
+_GRAD, _DONE, _ERROR = "grad", "done", "error"
+
+
+def grad_generator(
+    loss: Tensor, params: Iterable[Tensor], *, retain_graph: bool = False
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``(param, grad)`` for each of ``params`` as backward of ``loss`` produces it.
+
+    The gradients are those of ``torch.autograd.grad(loss, params)`` (mesh
+    tensors on the loss's stream; ``.grad`` is not touched). Treat them as read-only:
+    like autograd's, two of them may share storage. Work issued between two
+    steps of the loop goes to the ranks before the rest of backward, so a
+    reduction started there overlaps it. A parameter that ``loss`` does not
+    depend on is an error, as in ``torch.autograd.grad``. Closing the loop early
+    finishes backward without pausing.
+    """
+    params = list(dict.fromkeys(params))  # each once, in the given order
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"grad_generator needs a mesh tensor loss, got {type(loss).__name__}")
+    for p in params:
+        if not isinstance(p, Tensor) or not p.requires_grad:
+            raise TypeError(f"grad_generator needs mesh tensors that require grad, got {p!r}")
+    return _generate(loss, params, retain_graph)
+
+
+def _generate(loss: Tensor, params: list[Tensor], retain_graph: bool) -> Iterator:
+    handoff: queue.Queue = queue.Queue()
+    resume = threading.Semaphore(0)
+    closed = threading.Event()
+
+    def hook(param: Tensor) -> Any:
+        def on_grad(grad: Tensor) -> None:
+            if not closed.is_set():
+                handoff.put((_GRAD, param, grad))
+                resume.acquire()  # backward waits here until the caller asks for the next
+
+        return on_grad
+
+    def backward() -> None:
+        handles = [p.register_hook(hook(p)) for p in params]
+        try:
+            grads = torch.autograd.grad(loss, params, retain_graph=retain_graph)
+            handoff.put((_DONE, grads, None))
+        except BaseException as e:  # handed to the caller, raised there
+            handoff.put((_ERROR, e, None))
+        finally:
+            for h in handles:
+                h.remove()
+
+    context = contextvars.copy_context()  # the caller's active mesh and stream
+    thread = threading.Thread(
+        target=context.run, args=(backward,), name="dm-grad-generator", daemon=True
+    )
+    thread.start()
+    given: set[int] = set()
+    try:
+        while True:
+            kind, a, b = handoff.get()
+            if kind == _GRAD:
+                given.add(id(a))
+                yield a, b
+                resume.release()
+            elif kind == _ERROR:
+                raise a
+            else:
+                for p, g in zip(params, a):  # any gradient no hook saw, from the final answer
+                    if id(p) not in given:
+                        yield p, g
+                return
+    finally:
+        closed.set()
+        resume.release()
+        thread.join()
+
+
+class DDPHooks:
+    """What :func:`ddp_hooks` installed; ``remove()`` (or leaving ``with``) takes it out."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        dims: tuple[str, ...],
+        stream: Stream,
+        bucket_bytes: int,
+        reduction: str,
+    ) -> None:
+        self.dims = dims
+        self.stream = stream
+        self.reduction = reduction
+        self.buckets = _buckets(params, bucket_bytes)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._ready: list[list[Tensor]] = [[] for _ in self.buckets]
+        self._borrows: list = []
+        self._pending = False  # an end-of-backward callback is queued
+        self._sync = True
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
+
+    def _accumulated(self, param: Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        index = self._bucket_of[id(param)]
+        ready = self._ready[index]
+        ready.append(param)
+        if len(ready) == len(self.buckets[index]):
+            self._reduce(index)
+
+    def _reduce(self, index: int) -> None:
+        """Lend the bucket's gradients to the stream and average them there, now."""
+        params, self._ready[index] = self._ready[index], []
+        if not params:
+            return
+        lent = []
+        for p in params:
+            grad, borrow = self.stream.borrow(p.grad, mutable=True)
+            lent.append(grad)
+            self._borrows.append(borrow)
+        with self.stream.activate():
+            if len(lent) == 1:
+                lent[0].reduce_(self.dims, self.reduction)
+            else:  # one collective per bucket
+                flat = torch.cat([g.reshape(-1) for g in lent])
+                flat.reduce_(self.dims, self.reduction)
+                for g, piece in zip(lent, flat.split([g.numel() for g in lent])):
+                    g.copy_(piece.view(g.shape))
+        lent[0]._session.controller.flush()  # to the ranks while backward goes on
+
+    def _finish(self) -> None:
+        """End of backward: reduce what is left (parameters without a gradient stay out),
+        then give the gradients back to their stream."""
+        self._pending = False
+        for index in range(len(self.buckets)):
+            self._reduce(index)
+        borrows, self._borrows = self._borrows, []
+        for borrow in borrows:
+            borrow.drop()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing them (gradient
+        accumulation: the first backward outside reduces the sum)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> DDPHooks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (
+            f"<DDPHooks {len(self.buckets)} buckets, {self.reduction} over {self.dims} "
+            f"on stream {self.stream.name!r}>"
+        )
+
+
+def _buckets(params: Sequence[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
+    """Parameters in reverse order (roughly the order backward reaches them), in buckets
+    of about ``bucket_bytes``."""
+    buckets: list[list[Tensor]] = []
+    size = bucket_bytes
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > bucket_bytes and (not buckets or buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def ddp_hooks(
+    model: torch.nn.Module | Iterable[Tensor],
+    mesh_dim: str | Sequence[str],
+    *,
+    stream: Stream | None = None,
+    bucket_bytes: int = 25 << 20,
+    reduction: str = "avg",
+) -> DDPHooks:
+    """Average gradients over ``mesh_dim`` during ``loss.backward()``, bucket by bucket.
+
+    Each bucket (about ``bucket_bytes`` of parameters, in reverse parameter
+    order) is lent to ``stream`` (default: a new ``dm.Stream("ddp")``) and
+    all-reduced there as soon as its last gradient has been accumulated, so
+    the reduction overlaps the rest of backward on the ranks. When backward
+    ends the gradients are given back: ``optimizer.step()`` sees the averages.
+    Every backward reduces the accumulated ``.grad``; accumulate over several
+    backward passes inside ``hooks.no_sync()``. Parameters must be mesh tensors
+    that require grad.
+    """
+    params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+    params = [p for p in dict.fromkeys(params) if p.requires_grad]
+    if not params:
+        raise ValueError("ddp_hooks: no parameter requires grad")
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"ddp_hooks needs parameters that are mesh tensors, got {p!r}")
+    dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
+    missing = [d for d in dims if d not in params[0].mesh.dims]
+    if missing:
+        raise KeyError(f"ddp_hooks: {missing} are not dimensions of {params[0].mesh!r}")
+    return DDPHooks(params, dims, stream or Stream("ddp"), bucket_bytes, reduction)

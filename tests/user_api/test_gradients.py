@@ -1,0 +1,172 @@
+"""Gradients as backward produces them: ``dm.grad_generator`` and ``dm.ddp_hooks`` on 2 ranks
+(docs/user_guide.md, gradients as they become ready)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import get_task_stream
+from torch import nn
+
+import dask_monarch as dm
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _model(seed_fn) -> nn.Module:
+    seed_fn(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _loss(model: nn.Module, mesh) -> torch.Tensor:
+    x = torch.randn(5, 6) * (mesh.rank("gpu") + 1)  # different data on each rank
+    return (model(x) ** 2).mean()
+
+
+def test_grad_generator_yields_autograd_s_gradients_in_backward_order(mesh2):
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        params = list(model.parameters())
+        loss = _loss(model, mesh2)
+        expected = torch.autograd.grad(loss, params, retain_graph=True)
+        pairs = list(dm.grad_generator(loss, params))
+        got = [dm.inspect(g, gpu=r) for _, g in pairs for r in range(2)]
+        want = {id(p): [dm.inspect(e, gpu=r) for r in range(2)] for p, e in zip(params, expected)}
+    assert sorted(id(p) for p, _ in pairs) == sorted(id(p) for p in params)
+    for i, (p, _) in enumerate(pairs):
+        for r in range(2):
+            assert torch.allclose(got[2 * i + r], want[id(p)][r])
+    assert not torch.allclose(want[id(params[0])][0], want[id(params[0])][1])  # ranks differ
+    # the order backward produces them: the last layer's first, as local autograd does
+    local = _model(torch.manual_seed)
+    order = []
+    for i, p in enumerate(local.parameters()):
+        p.register_hook(lambda g, i=i: order.append(i))
+    torch.autograd.grad((local(torch.randn(5, 6)) ** 2).mean(), list(local.parameters()))
+    ids = [id(p) for p in params]
+    assert [ids.index(id(p)) for p, _ in pairs] == order
+    assert all(p.grad is None for p in params)  # .grad untouched
+
+
+def test_work_issued_in_the_loop_runs_between_backward_steps(mesh2):
+    comms = dm.Stream("gradgen_comms")
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        params = list(model.parameters())
+        loss = _loss(model, mesh2)
+        expected = torch.autograd.grad(loss, params, retain_graph=True)
+        averaged = {}
+        for p, g in dm.grad_generator(loss, params):
+            lent, borrow = comms.borrow(g)
+            with comms.activate():
+                averaged[p] = lent.reduce("gpu", "avg")
+            borrow.drop()
+        with comms.activate():
+            got = dm.inspect([averaged[p] for p in params], gpu=1)
+        locals_ = [[dm.inspect(e, gpu=r) for r in range(2)] for e in expected]
+    for g, (e0, e1) in zip(got, locals_):
+        assert torch.allclose(g, (e0 + e1) / 2, atol=1e-6)
+
+
+def test_grad_generator_closed_early_and_errors(mesh2):
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        params = list(model.parameters())
+        gen = dm.grad_generator(_loss(model, mesh2), params)
+        first_param, _ = next(gen)
+        gen.close()  # backward finishes without pausing; the thread is gone
+        assert first_param is params[-1]
+        unused = torch.zeros(3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="not have been used"):
+            list(dm.grad_generator(_loss(model, mesh2), [*params, unused]))
+        with pytest.raises(TypeError, match="require grad"):
+            dm.grad_generator(_loss(model, mesh2), [torch.zeros(2)])
+
+
+def _train_step(mesh, model, hooks=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    _loss(model, mesh).backward()
+    optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ddp_hooks_average_gradients_like_a_reduce_after_backward(mesh2):
+    with mesh2.activate():
+        hooked = _model(dm.random.manual_seed)
+        with dm.ddp_hooks(hooked, "gpu", bucket_bytes=200) as hooks:
+            assert len(hooks.buckets) > 1
+            dm.random.manual_seed(1)
+            after_hooks = _train_step(mesh2, hooked)
+        plain = _model(dm.random.manual_seed)
+        dm.random.manual_seed(1)
+        optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        _loss(plain, mesh2).backward()
+        for p in plain.parameters():
+            p.grad.reduce_("gpu", "avg")
+        optimizer.step()
+        got = [[dm.inspect(w, gpu=r) for r in range(2)] for w in after_hooks]
+        want = [dm.inspect(p.detach(), gpu=0) for p in plain.parameters()]
+    for (w0, w1), w in zip(got, want):
+        assert torch.allclose(w0, w, atol=1e-6) and torch.equal(w0, w1)  # replicas agree
+
+
+def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2, mesh2):
+    """On the ranks' timeline (Dask's task stream: one task per (rank, lane) segment), a
+    segment of the comms lane starts before the main lane's last backward segment ends."""
+    comms = dm.Stream("ddp_overlap")
+    big = 256
+    with mesh2.activate():
+        dm.random.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(big, big) for _ in range(6)])
+        hooks = dm.ddp_hooks(model, "gpu", stream=comms, bucket_bytes=big * big * 4)
+        session = mesh2._session
+        main_lane = session.stream_ref(dm.get_active_stream()).id
+        x = torch.randn(64, big)
+        dm.inspect(x.sum())  # everything before the step has run
+        with get_task_stream(client2) as ts:
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            comms_lane = session.stream_ref(comms).id
+            dm.inspect(loss)
+        hooks.remove()
+    segments = {}  # (rank, lane) -> [(index, start, stop, name)]
+    for task in ts.data:
+        key = task["key"]
+        if not (isinstance(key, tuple) and len(key) == 5 and key[1] == session.controller.token):
+            continue
+        name, _, rank, lane, index = key
+        compute = [s for s in task["startstops"] if s["action"] == "compute"]
+        if compute:
+            entry = (index, compute[0]["start"], compute[-1]["stop"], name)
+            segments.setdefault((rank, lane), []).append(entry)
+    for rank in range(2):
+        main = sorted(segments[rank, main_lane])
+        comms_segments = sorted(segments[rank, comms_lane])
+        assert len(comms_segments) >= 2, comms_segments  # one flush per bucket
+        # the main segments that ran backward: all but the last ones, which only wait for
+        # the borrows' drops and the fetch
+        backward = [s for s in main if s[3] != "monarch_borrow"][:-1]
+        assert backward, main
+        first_reduce = comms_segments[0][1]
+        assert first_reduce < backward[-1][2], (comms_segments, main)
+
+
+def test_ddp_hooks_no_sync_accumulates_then_reduces_the_sum_once(mesh2):
+    with mesh2.activate():
+        hooked = _model(dm.random.manual_seed)
+        plain = _model(dm.random.manual_seed)
+        with dm.ddp_hooks(hooked, "gpu", bucket_bytes=200) as hooks:
+            dm.random.manual_seed(2)
+            with hooks.no_sync():
+                _loss(hooked, mesh2).backward()
+            _loss(hooked, mesh2).backward()
+        dm.random.manual_seed(2)
+        _loss(plain, mesh2).backward()
+        _loss(plain, mesh2).backward()
+        for p in plain.parameters():
+            p.grad.reduce_("gpu", "avg")
+        got = [[dm.inspect(p.grad, gpu=r) for r in range(2)] for p in hooked.parameters()]
+        want = [dm.inspect(p.grad, gpu=1) for p in plain.parameters()]
+    for (g0, g1), w in zip(got, want):
+        assert torch.allclose(g1, w, atol=1e-6) and torch.equal(g0, g1)

@@ -1,0 +1,111 @@
+"""``dm.random`` on a 2-rank mesh: forks, new states, per-stream generators (Monarch's
+``monarch.random``; docs/user_guide.md, random numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dask_monarch as dm
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _local(seed: int, *shapes: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(n, generator=g) for n in shapes]
+
+
+def test_new_state_is_a_seed_s_state_without_touching_the_generators(mesh2):
+    with mesh2.activate():
+        dm.random.manual_seed(1)
+        a = torch.rand(3)
+        fresh = dm.random.new_state(7)  # the generators in use go on as if nothing happened
+        b = torch.rand(3)
+        dm.random.set_state(fresh)
+        c = torch.rand(3)
+        got = [dm.inspect((a, b, c), gpu=r) for r in range(2)]
+        cpu_bytes = torch.get_rng_state().numel()
+        state = dm.inspect(fresh, gpu=1)
+    a1, b1 = _local(1, 3, 3)
+    (c7,) = _local(7, 3)
+    for a_, b_, c_ in got:
+        assert torch.equal(a_, a1) and torch.equal(b_, b1) and torch.equal(c_, c7)
+    assert torch.equal(state[:cpu_bytes], torch.Generator().manual_seed(7).get_state())
+    assert state[cpu_bytes] == 0  # CPU ranks: no CUDA part
+
+
+def test_fork_rng_restores_the_generators_on_the_way_out(mesh2):
+    with mesh2.activate():
+        dm.random.manual_seed(3)
+        with dm.random.fork_rng():
+            inside = torch.rand(4)
+        after = torch.rand(4)
+        with dm.random.fork_rng(dm.random.new_state(9)):
+            seeded = torch.rand(2)
+        last = torch.rand(4)
+        got = dm.inspect((inside, after, seeded, last), gpu=1)
+    first, second = _local(3, 4, 4)
+    (nine,) = _local(9, 2)
+    assert torch.equal(got[0], first) and torch.equal(got[1], first)
+    assert torch.equal(got[2], nine) and torch.equal(got[3], second)
+
+
+def test_a_stream_with_its_own_generator_draws_independently(mesh2):
+    data = dm.Stream("rng_data")
+    with mesh2.activate():
+        dm.random.manual_seed(0)
+        dm.random.seed_stream(5, data)
+        main_first = torch.rand(3)
+        with data.activate():
+            own = [torch.rand(3), torch.randn(2, 2), torch.empty(4).uniform_()]
+            fork = dm.random.get_state()
+            again = torch.rand(3)
+            dm.random.set_state(fork)
+            replay = torch.rand(3)
+            drawn = dm.inspect([*own, again, replay], gpu=1)
+        main_second = torch.rand(3)  # main's default generator never saw data's draws
+        mains = dm.inspect((main_first, main_second), gpu=0)
+    g = torch.Generator().manual_seed(5)
+    expected = [torch.rand(3, generator=g), torch.randn(2, 2, generator=g)]
+    expected.append(torch.empty(4).uniform_(generator=g))
+    expected.append(torch.rand(3, generator=g))
+    for got, want in zip(drawn, expected):
+        assert torch.equal(got, want)
+    assert torch.equal(drawn[4], drawn[3])  # get_state/set_state act on the stream's generator
+    assert all(torch.equal(x, y) for x, y in zip(mains, _local(0, 3, 3)))
+
+
+def test_seeding_a_stream_again_reseeds_its_generator(mesh2):
+    data = dm.Stream("rng_reseed")
+    with mesh2.activate(), data.activate():
+        dm.random.seed_stream(11)
+        first = torch.rand(2)
+        dm.random.manual_seed(11)  # under the stream: its own generator
+        second = torch.rand(2)
+        dm.random.seed_stream(11)
+        third = torch.rand(2)
+        got = dm.inspect((first, second, third), gpu=1)
+    (want,) = _local(11, 2)
+    assert all(torch.equal(x, want) for x in got)
+
+
+def test_make_deterministic_sets_each_rank_and_can_be_undone(mesh2):
+    now = dm.remote("dask_monarch.random._deterministic_now", propagate="inspect")
+    with mesh2.activate():
+        try:
+            dm.random.make_deterministic()
+            assert now.call_on_shard_and_fetch(shard={"gpu": 1}) is True
+        finally:
+            dm.random.make_deterministic(False)  # the workers are shared with other tests
+        assert now.call_on_shard_and_fetch(shard={"gpu": 1}) is False
+
+
+def test_random_needs_a_mesh_and_an_int_seed(mesh2):
+    with pytest.raises(RuntimeError, match="active mesh"):
+        dm.random.new_state(1)
+    with mesh2.activate():
+        with pytest.raises(TypeError, match="seed must be an int"):
+            dm.random.seed_stream(1.5)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            dm.random.new_state(True)
