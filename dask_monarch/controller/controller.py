@@ -160,7 +160,8 @@ class Controller:
         self._progress = threading.Condition()  # reports, completion, failure
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
-        self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
+        # (rank, lane) -> (index, future) of its newest segment, while that segment has not run
+        self._tails: dict[tuple[int, Any], tuple[int, Any]] = {}
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
@@ -177,7 +178,10 @@ class Controller:
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
         self._watch = ClientWatch(
-            client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
+            client,
+            lambda: client_problem(client),
+            lambda: [future for _, future in list(self._tails.values())],
+            self._break,
         )
 
         config.freeze_gc()
@@ -325,16 +329,27 @@ class Controller:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
+            counts = plan.counts
             for lane, key in plan.tails.items():
-                self._tails[lane] = by_key[key]
+                self._tails[lane] = (counts[lane], by_key[key])
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
+        self._release_ran()
         if plan.dropped:
             self._dropping.update(plan.dropped)
         if self._dropping:
             self._retire_dropped()
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
+
+    def _release_ran(self) -> None:
+        """Let go of the tail futures of segments their rank reported done (the caller holds
+        ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
+        chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
+        done = self._reports.done
+        for lane, (index, _) in list(self._tails.items()):
+            if done.get(lane, -1) >= index:
+                self._tails.pop(lane, None)
 
     def _retire_dropped(self) -> None:
         """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
@@ -382,8 +397,9 @@ class Controller:
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._progress:
             messages = self._reports.take_inbox()
-        if self._dropping:
-            with self._flush_lock:
+        with self._flush_lock:
+            self._release_ran()
+            if self._dropping:
                 self._retire_dropped()
         return sorted(messages, key=lambda msg: msg.seq)
 

@@ -69,8 +69,8 @@ class Reports:
         self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
         self.names: dict[int, str] = {}  # stream id -> the name the user gave it
         self.retired = 0  # segments of dropped lanes, no longer in expected/done
-        # (rank, lane) -> [(index, steps)] of segments submitted and maybe not yet run: a lost
-        # worker's message says what it was running (pruned as flushes come)
+        # (rank, lane) -> [(index, steps)] of segments submitted and not yet run: a lost
+        # worker's message says what it was running (pruned as they run: no payload outlives it)
         self.in_flight: dict[tuple[int, Any], deque] = {}
 
     # -- the streams --------------------------------------------------------------------------
@@ -174,6 +174,9 @@ class Reports:
                     key = (item.rank, item.lane)
                     if item.index > self.done.get(key, -1):
                         self.done[key] = item.index
+                        queue = self.in_flight.get(key)
+                        while queue and queue[0][0] <= item.index:  # its steps and payloads
+                            queue.popleft()
                 elif t is Fetched:
                     delivered.append(_fetch_result(item))
                 elif t is Status or t is RemoteFunctionFailed:

@@ -47,6 +47,30 @@ class DropLane(NamedTuple):
     communicators and its thread, after everything the stream ran before."""
 
 
+class Payload:
+    """A segment's pickled steps, as a task argument that the worker running it empties.
+
+    Dask keeps a task's arguments after it ran: the worker's stimulus log
+    holds its last ``distributed.admin.low-level-log-length`` events, each
+    with its task (docs/dask.md §13). A large argument in a message would stay
+    on the worker until a thousand more events passed; taken out of this
+    holder as the segment starts, it lives only as long as the segment runs.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | None) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple:
+        return (Payload, (self.data,))
+
+    def take(self) -> bytes | None:
+        """The bytes, once; None for a holder already taken."""
+        data, self.data = self.data, None
+        return data
+
+
 # --------------------------------------------------------------------------- reports
 
 
