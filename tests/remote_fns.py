@@ -224,3 +224,8 @@ def allocate(x, mib):
     block = torch.ones(mib * 2**18)  # 4-byte floats
     time.sleep(30)
     return block.sum()
+
+
+def first_plus(x, big):
+    """Reads a (large) argument, keeps nothing of it (tests/controller/test_memory.py)."""
+    return x + big[:1]

@@ -47,7 +47,7 @@ from ..protocol.messages import (
     StreamRef,
 )
 from ..protocol.ndslice import Slice
-from ..protocol.wire import ActorCall, DropLane, ReadRef
+from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
 from ..worker import construct_actor, register_actor
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
@@ -505,6 +505,21 @@ class Controller:
         ``local_state`` values.
         """
         step = ActorCall(tuple(broker_id), seq, method, ArgsKwargs.from_python(args, kwargs))
+        self._send_internal(self._ranks(ranks), stream, step)
+
+    def expect_results(
+        self, ranks: Ranks, seq: int, stream: StreamRef, function: str, results: list
+    ) -> None:
+        """Say what the ``CallFunction`` of ``seq`` on ``stream`` returns; send it just before.
+
+        ``results`` has one entry per result ref of the call: ``(shape, dtype)``
+        of a tensor, or None. Each rank checks the real results as it binds
+        them: one that is something else fails (``RemoteFunctionFailed``
+        naming ``function``, the rank and both metadata) and poisons what
+        depends on it, instead of reaching a send or a collective that
+        trusts the declared metadata.
+        """
+        step = ExpectResults(seq, function, tuple(results))
         self._send_internal(self._ranks(ranks), stream, step)
 
     # -- streams ------------------------------------------------------------------------------

@@ -42,6 +42,16 @@ class ActorCall(NamedTuple):
     args_kwargs: Any
 
 
+class ExpectResults(NamedTuple):
+    """What the call of ``seq`` on this stream returns, as its propagation said: per result
+    ref, ``(shape, dtype)`` of a tensor, or None (not checked). ``function`` names it in the
+    error of a result that is something else (see Controller.expect_results)."""
+
+    seq: int
+    function: str
+    results: tuple
+
+
 class DropLane(NamedTuple):
     """The last step of a stream's lane (:meth:`Controller.drop_stream`): free its refs, its
     communicators and its thread, after everything the stream ran before."""

@@ -74,6 +74,7 @@ class Lane:
         self.stream = rank.device.stream(str(label), mode)
         self.next_index = 0
         self.recording = None  # the ReplayState while a CallRecording replays on this lane
+        self.expected = None  # wire.ExpectResults of the next CallFunction, if it was sent one
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""
