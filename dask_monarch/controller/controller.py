@@ -160,8 +160,9 @@ class Controller:
         self._progress = threading.Condition()  # reports, completion, failure
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
-        # (rank, lane) -> (index, future) of its newest segment, while that segment has not run
-        self._tails: dict[tuple[int, Any], tuple[int, Any]] = {}
+        # (rank, lane) -> future and index of its newest segment, while that segment has not run
+        self._tails: dict[tuple[int, Any], Any] = {}
+        self._tail_index: dict[tuple[int, Any], int] = {}
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
@@ -178,10 +179,7 @@ class Controller:
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
         self._watch = ClientWatch(
-            client,
-            lambda: client_problem(client),
-            lambda: [future for _, future in list(self._tails.values())],
-            self._break,
+            client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
         )
 
         config.freeze_gc()
@@ -211,6 +209,7 @@ class Controller:
         self._restore_gap = lower_client_gap(client)
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
+        self._reports.on_done = self._release_ran_now
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
@@ -329,9 +328,9 @@ class Controller:
             futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
-            counts = plan.counts
             for lane, key in plan.tails.items():
-                self._tails[lane] = (counts[lane], by_key[key])
+                self._tails[lane] = by_key[key]
+                self._tail_index[lane] = plan.counts[lane]
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
         self._release_ran()
@@ -347,9 +346,20 @@ class Controller:
         ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
         chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
         done = self._reports.done
-        for lane, (index, _) in list(self._tails.items()):
+        for lane, index in list(self._tail_index.items()):
             if done.get(lane, -1) >= index:
                 self._tails.pop(lane, None)
+                del self._tail_index[lane]
+
+    def _release_ran_now(self) -> None:
+        """A rank finished segments (on the client's loop): let go of the tails that ran unless
+        a flush is under way (it lets go itself when it ends). A chain of segments built while
+        a lane was busy is forgotten as soon as the lane catches up, flush or no flush."""
+        if self._flush_lock.acquire(blocking=False):
+            try:
+                self._release_ran()
+            finally:
+                self._flush_lock.release()
 
     def _retire_dropped(self) -> None:
         """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
@@ -359,6 +369,7 @@ class Controller:
         for lane in gone:
             del self._dropping[lane]
             self._tails.pop(lane, None)
+            self._tail_index.pop(lane, None)
             self._compiler.forget_dropped(lane)
         streams = {stream for _, stream in self._dropping}
         for _, stream in gone:

@@ -63,6 +63,7 @@ class Reports:
         self.inbox: list = []  # controller messages not yet returned by a sync
         self.replies: dict[int, RefValue] = {}  # probe -> what it read
         self.listeners: list[Callable[[Any], None]] = []
+        self.on_done: Callable[[], None] | None = None  # after a batch that finished segments
         self.exited: set[int] = set()
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
         self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
@@ -167,6 +168,7 @@ class Reports:
         """Apply one batch of ``rank``'s reports, then hand its controller messages to listeners."""
         delivered = []  # for the inbox and the listeners, in arrival order
         seqless = False  # a ValueFailed is among them: for the listeners only
+        finished = False  # a LaneDone is among them
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -174,6 +176,7 @@ class Reports:
                     key = (item.rank, item.lane)
                     if item.index > self.done.get(key, -1):
                         self.done[key] = item.index
+                        finished = True
                         queue = self.in_flight.get(key)
                         while queue and queue[0][0] <= item.index:  # its steps and payloads
                             queue.popleft()
@@ -206,6 +209,8 @@ class Reports:
                 [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
             )
             self.progress.notify_all()
+        if finished and self.on_done is not None:
+            self.on_done()
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)
