@@ -87,9 +87,20 @@ class Remote:
         else:
             spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
 
+        declared = None
+        if spec is not None and mesh._session.capture is None:  # checked where it is bound
+            declared = [
+                (leaf[0], leaf[3]) if isinstance(leaf, Spec) else None
+                for leaf in tree_flatten(spec)[0]
+            ]
+
         def message(
             seq: int, results: list, mutates: list[int], stream_ref: m.StreamRef
         ) -> m.CallFunction:
+            if declared is not None and any(declared):
+                mesh._session.controller.expect_results(
+                    mesh._ranks, seq, stream_ref, self._name(), declared
+                )
             return m.CallFunction(
                 seq,
                 results,
@@ -139,6 +150,13 @@ class Remote:
             args_kwargs=m.ArgsKwargs.from_python(args, kwargs),
             inputs=[*handles, *objects],
         ).result()
+
+    def _name(self) -> str:
+        """How errors name the function: its import path, or module and qualified name."""
+        fn = self._fn
+        if isinstance(fn, str):
+            return fn
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
     def __repr__(self) -> str:
         name = self._fn if isinstance(self._fn, str) else getattr(self._fn, "__qualname__", "?")

@@ -259,3 +259,8 @@ def residents_alive(*_):
 
     gc.collect()
     return len(_residents)
+
+
+def first_plus(x, big):
+    """Reads a (large) argument, keeps nothing of it (tests/controller/test_memory.py)."""
+    return x + big[:1]

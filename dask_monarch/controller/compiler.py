@@ -13,6 +13,11 @@ pinned to its rank by a resource annotation and to its lane by the
   that follows a control step in message order depends on it (DESIGN
   decision 5), so worker-level effects are in place before later messages;
 * ``Exit`` drains: it depends on every lane's tail;
+* an edge to a segment that its rank already reported done is left out: the
+  order it would enforce already holds. Without it, Dask forgets each
+  segment once it ran and nothing follows it: a chain of edges would keep
+  every released task of a lane, and its payload, on the scheduler and the
+  worker for as long as the controller lives (docs/dask.md §13);
 * a dropped stream's lane (``DropLane``, its last step) leaves the compiler's
   lanes once planned; Exit still follows its tail until the controller has
   seen it run (:meth:`Compiler.forget_dropped`).
@@ -51,7 +56,7 @@ from .. import config
 from ..protocol import messages as m
 from ..protocol.names import executor_name
 from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
-from ..protocol.wire import CONTROL, DropLane
+from ..protocol.wire import CONTROL, DropLane, Payload
 from ..worker import run_segment
 from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
@@ -135,7 +140,8 @@ class Compiler:
         self.lane_counts = [0] * len(resources)  # streams each rank holds a lane for
         self.max_lanes = int(config.get("limits.lanes", 256))
         self.seqs: dict[tuple[int, Any], int] = {}  # (rank, stream) -> the newest seq sent
-        self.check = Precheck(len(resources), done)  # done: (rank, lane) -> segments run
+        self.done = {} if done is None else done  # (rank, lane) -> last segment run
+        self.check = Precheck(len(resources), self.done)
         self.refused: ProtocolError | None = None  # why a flush was refused (then broken)
 
     def executor(self, lane: Any) -> str:
@@ -261,10 +267,10 @@ class Compiler:
                 self.created.add((rank, lane))
                 new_lanes.setdefault(rank, []).append((lane, self.routers[rank].streams[lane]))
             tail = self.lanes.setdefault((rank, lane), _LaneTail())
-            after = [tail.key] if tail.key is not None else []
+            after = self._pending((rank, lane), tail)
             control = self.lanes.get((rank, CONTROL))
             if control is not None and control.next_index - 1 > tail.barrier:
-                after.append(control.key)
+                after += self._pending((rank, CONTROL), control)
                 tail.barrier = control.next_index - 1
             seg = per_rank[lane] = self._new(rank, lane, tail, after, segments)
         open_control.pop(rank, None)  # a later control step must follow this lane work
@@ -274,16 +280,21 @@ class Compiler:
         seg = open_control.get(rank)
         if seg is None:
             tail = self.lanes.setdefault((rank, CONTROL), _LaneTail())
-            after = [tail.key] if tail.key is not None else []
+            after = self._pending((rank, CONTROL), tail)
             seg = open_control[rank] = self._new(rank, CONTROL, tail, after, segments)
         if drains:
-            seg.after.extend(
-                t.key
-                for (r, lane), t in [*self.lanes.items(), *self.dropped.items()]
-                if r == rank and lane != CONTROL and t.key is not None and t.key not in seg.after
-            )
+            for lane, t in [*self.lanes.items(), *self.dropped.items()]:
+                if lane[0] == rank and lane[1] != CONTROL:
+                    seg.after.extend(k for k in self._pending(lane, t) if k not in seg.after)
         open_lanes.pop(rank, None)  # later lane work must follow this control step
         return seg
+
+    def _pending(self, lane: tuple[int, Any], tail: _LaneTail) -> list:
+        """``[key]`` of the lane's newest segment, or ``[]`` when there is none or it already
+        ran (an edge to it would only keep it alive on the scheduler: see the module docs)."""
+        if tail.key is None or self.done.get(lane, -1) >= tail.next_index - 1:
+            return []
+        return [tail.key]
 
     def _new(self, rank, lane, tail: _LaneTail, after, segments) -> Segment:
         seg = Segment(rank, lane, tail.next_index, after)
@@ -314,7 +325,7 @@ class Compiler:
                 seg.rank,
                 seg.lane,
                 seg.index,
-                payloads.get(seg),
+                Payload(payloads.get(seg)),
                 *after,
             )
             layers[f"{key[0]}-{self.token}-{seg.rank}-{seg.lane}-{seg.index}"] = MaterializedLayer(

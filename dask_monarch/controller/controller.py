@@ -51,7 +51,7 @@ from ..protocol.messages import (
     StreamRef,
 )
 from ..protocol.ndslice import Slice
-from ..protocol.wire import ActorCall, DropLane, ReadRef
+from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
 from ..worker import construct_actor, register_actor, trace_collect, trace_start
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
@@ -168,7 +168,9 @@ class Controller:
         self._progress = threading.Condition()  # reports, completion, failure
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
-        self._tails: dict[tuple[int, Any], Any] = {}  # (rank, lane) -> future of newest segment
+        # (rank, lane) -> future and index of its newest segment, while that segment has not run
+        self._tails: dict[tuple[int, Any], Any] = {}
+        self._tail_index: dict[tuple[int, Any], int] = {}
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
@@ -220,6 +222,7 @@ class Controller:
         self._restore_gap = lower_client_gap(client)
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
+        self._reports.on_done = self._release_ran_now
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
@@ -340,14 +343,36 @@ class Controller:
             self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():
                 self._tails[lane] = by_key[key]
+                self._tail_index[lane] = plan.counts[lane]
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
+        self._release_ran()
         if plan.dropped:
             self._dropping.update(plan.dropped)
         if self._dropping:
             self._retire_dropped()
         if plan.error is not None:
             self._break(DeviceException(plan.error.cause, rank=plan.error.rank))
+
+    def _release_ran(self) -> None:
+        """Let go of the tail futures of segments their rank reported done (the caller holds
+        ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
+        chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
+        done = self._reports.done
+        for lane, index in list(self._tail_index.items()):
+            if done.get(lane, -1) >= index:
+                self._tails.pop(lane, None)
+                del self._tail_index[lane]
+
+    def _release_ran_now(self) -> None:
+        """A rank finished segments (on the client's loop): let go of the tails that ran unless
+        a flush is under way (it lets go itself when it ends). A chain of segments built while
+        a lane was busy is forgotten as soon as the lane catches up, flush or no flush."""
+        if self._flush_lock.acquire(blocking=False):
+            try:
+                self._release_ran()
+            finally:
+                self._flush_lock.release()
 
     def _retire_dropped(self) -> None:
         """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
@@ -357,6 +382,7 @@ class Controller:
         for lane in gone:
             del self._dropping[lane]
             self._tails.pop(lane, None)
+            self._tail_index.pop(lane, None)
             self._compiler.forget_dropped(lane)
         streams = {stream for _, stream in self._dropping}
         for _, stream in gone:
@@ -401,8 +427,9 @@ class Controller:
         (``dm.trace`` waits this way for the work it traced)."""
         self._flush(True)
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
-        if self._dropping:
-            with self._flush_lock:
+        with self._flush_lock:
+            self._release_ran()
+            if self._dropping:
                 self._retire_dropped()
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
@@ -507,6 +534,21 @@ class Controller:
         ``local_state`` values.
         """
         step = ActorCall(tuple(broker_id), seq, method, ArgsKwargs.from_python(args, kwargs))
+        self._send_internal(self._ranks(ranks), stream, step)
+
+    def expect_results(
+        self, ranks: Ranks, seq: int, stream: StreamRef, function: str, results: list
+    ) -> None:
+        """Say what the ``CallFunction`` of ``seq`` on ``stream`` returns; send it just before.
+
+        ``results`` has one entry per result ref of the call: ``(shape, dtype)``
+        of a tensor, or None. Each rank checks the real results as it binds
+        them: one that is something else fails (``RemoteFunctionFailed``
+        naming ``function``, the rank and both metadata) and poisons what
+        depends on it, instead of reaching a send or a collective that
+        trusts the declared metadata.
+        """
+        step = ExpectResults(seq, function, tuple(results))
         self._send_internal(self._ranks(ranks), stream, step)
 
     # -- streams ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .. import config
 from ..exceptions import DeviceException
 from ..protocol import messages as m
 from ..protocol.messages import WORKER_MESSAGES
-from ..protocol.wire import ActorCall, DropLane
+from ..protocol.wire import ActorCall, DropLane, ExpectResults
 from .compiler import Compiler, InternalStep, PayloadError
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
@@ -182,6 +182,13 @@ class DryController:
         kwargs: dict | None = None,
     ) -> None:
         step = ActorCall(tuple(broker_id), seq, method, m.ArgsKwargs.from_python(args, kwargs))
+        self._send_internal(self._ranks(ranks), stream, step)
+
+    def expect_results(
+        self, ranks: Any, seq: int, stream: m.StreamRef, function: str, results: list
+    ) -> None:
+        """Counted as the step the ranks would get; there is no value to check it against."""
+        step = ExpectResults(seq, function, tuple(results))
         self._send_internal(self._ranks(ranks), stream, step)
 
     def spawn_actor(self, ranks: Any, name: str, cls: type, *args: Any, **kwargs: Any) -> Any:

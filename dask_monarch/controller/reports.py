@@ -73,14 +73,15 @@ class Reports:
         self.inbox: list = []  # controller messages not yet returned by a sync
         self.replies: dict[int, RefValue] = {}  # probe -> what it read
         self.listeners: list[Callable[[Any], None]] = []
+        self.on_done: Callable[[], None] | None = None  # after a batch that finished segments
         self.exited: set[int] = set()
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
         self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
         self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
         self.names: dict[int, str] = {}  # stream id -> the name the user gave it
         self.retired = 0  # segments of dropped lanes, no longer in expected/done
-        # (rank, lane) -> [(index, steps)] of segments submitted and maybe not yet run: a lost
-        # worker's message says what it was running (pruned as flushes come)
+        # (rank, lane) -> [(index, steps)] of segments submitted and not yet run: a lost
+        # worker's message says what it was running (pruned as they run: no payload outlives it)
         self.in_flight: dict[tuple[int, Any], deque] = {}
         self.debugging: dict[str, DebuggerPaused] = {}  # session -> a lane paused in pdb
         self.on_debugger: Callable[[DebuggerPaused], None] | None = None  # told of each
@@ -180,6 +181,7 @@ class Reports:
         delivered = []  # for the inbox and the listeners, in arrival order
         seqless = False  # a ValueFailed is among them: for the listeners only
         debugger = []  # DebuggerPaused reports, for on_debugger
+        finished = False  # a LaneDone is among them
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -187,6 +189,10 @@ class Reports:
                     key = (item.rank, item.lane)
                     if item.index > self.done.get(key, -1):
                         self.done[key] = item.index
+                        finished = True
+                        queue = self.in_flight.get(key)
+                        while queue and queue[0][0] <= item.index:  # its steps and payloads
+                            queue.popleft()
                 elif t is Fetched:
                     delivered.append(_fetch_result(item))
                 elif t is Status or t is RemoteFunctionFailed:
@@ -222,6 +228,8 @@ class Reports:
                 [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
             )
             self.progress.notify_all()
+        if finished and self.on_done is not None:
+            self.on_done()
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)

@@ -42,9 +42,43 @@ class ActorCall(NamedTuple):
     args_kwargs: Any
 
 
+class ExpectResults(NamedTuple):
+    """What the call of ``seq`` on this stream returns, as its propagation said: per result
+    ref, ``(shape, dtype)`` of a tensor, or None (not checked). ``function`` names it in the
+    error of a result that is something else (see Controller.expect_results)."""
+
+    seq: int
+    function: str
+    results: tuple
+
+
 class DropLane(NamedTuple):
     """The last step of a stream's lane (:meth:`Controller.drop_stream`): free its refs, its
     communicators and its thread, after everything the stream ran before."""
+
+
+class Payload:
+    """A segment's pickled steps, as a task argument that the worker running it empties.
+
+    Dask keeps a task's arguments after it ran: the worker's stimulus log
+    holds its last ``distributed.admin.low-level-log-length`` events, each
+    with its task (docs/dask.md §13). A large argument in a message would stay
+    on the worker until a thousand more events passed; taken out of this
+    holder as the segment starts, it lives only as long as the segment runs.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | None) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple:
+        return (Payload, (self.data,))
+
+    def take(self) -> bytes | None:
+        """The bytes, once; None for a holder already taken."""
+        data, self.data = self.data, None
+        return data
 
 
 # --------------------------------------------------------------------------- reports

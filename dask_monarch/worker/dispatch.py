@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import messages as m
-from ..protocol.wire import ActorCall, DropLane, ReadRef, StatusProbe
+from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef, StatusProbe
 from . import actor, borrow, comm, handlers, pipe, recording
 from .errors import FatalError
 from .lane import Lane
@@ -42,6 +42,7 @@ def command_group(lane: Lane, msg: m.CommandGroup) -> None:
 HANDLERS: dict[type, Handler] = {
     # calls, fetches, refs, streams, meshes, status, exit
     m.CallFunction: handlers.call_function,
+    ExpectResults: handlers.expect_results,
     m.SendValue: handlers.send_value,
     m.DeleteRefs: handlers.delete_refs,
     m.CreateStream: handlers.create_stream,

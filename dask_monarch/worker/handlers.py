@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ..protocol.messages import (
     ArgsKwargs,
     CallFunction,
@@ -23,7 +25,7 @@ from ..protocol.messages import (
     SetRefUnitTestsOnly,
     Status,
 )
-from ..protocol.wire import DropLane, Exited, Fetched, ReadRef, RefValue, StatusProbe
+from ..protocol.wire import DropLane, Exited, ExpectResults, Fetched, ReadRef, RefValue, StatusProbe
 from . import calls
 from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
@@ -68,6 +70,62 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
     if msg.remote_process_groups:
         groups = process_groups_for(lane, msg.remote_process_groups)
     call(lane, msg.seq, msg.function, msg.args_kwargs, msg.results, msg.mutates, groups)
+    expected = lane.expected
+    if expected is not None:  # a remote function whose propagation said what it returns
+        lane.expected = None
+        if expected.seq == msg.seq:
+            check_results(lane, msg, expected)
+
+
+class ResultMismatch(Exception):
+    """A remote function returned something else than its propagation said."""
+
+
+def expect_results(lane: Lane, step: ExpectResults) -> None:
+    """Note what the next call returns (it follows at once on this stream)."""
+    lane.expected = step
+
+
+def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> None:
+    """Fail each result whose shape or dtype is not what the client was told.
+
+    The client and every later message use the declared metadata (a send, a
+    collective, a fetch): a value that is something else fails here, once,
+    naming the function, the rank and both metadata; what depends on it is
+    poisoned as for any failed call (docs/protocol.md §4.1).
+    """
+    env = lane.env
+    bad, lines = [], []
+    for i, (ref, declared) in enumerate(zip(msg.results, expected.results)):
+        if ref is None or declared is None:
+            continue
+        value = env.get(ref.id)
+        if type(value) is SeqError:  # the call itself failed
+            return
+        shape, dtype = declared
+        if isinstance(value, torch.Tensor):
+            if value.dtype is dtype and tuple(value.shape) == shape:
+                continue
+            actual = f"shape {tuple(value.shape)} dtype {value.dtype}"
+        else:
+            actual = f"a {type(value).__name__}, not a tensor"
+        bad.append(ref)
+        lines.append(
+            f"result {i} (r{ref.id}) is {actual}, "
+            f"but its propagation said shape {shape} dtype {dtype}"
+        )
+    if bad:
+        fail_call(
+            lane,
+            msg.seq,
+            bad,
+            (),
+            ResultMismatch(
+                f"remote function {expected.function} on rank {lane.rank.rank}: "
+                + "; ".join(lines)
+                + ": fix its propagate, or what it returns"
+            ),
+        )
 
 
 def send_value(lane: Lane, msg: SendValue) -> None:

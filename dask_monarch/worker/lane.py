@@ -1,8 +1,9 @@
 """A stream's lane on one rank: a single-thread executor, its own ref table, its device stream.
 
 Dask runs a lane's segments through the ``executor`` annotation; the compiler
-chains consecutive segments of a lane with graph edges, so a lane holds at
-most one running task and runs its segments in order (DESIGN decisions 2, 3).
+chains each segment of a lane to the one before with a graph edge while that
+one has not run, so a lane holds at most one running task and runs its
+segments in order (DESIGN decisions 2, 3).
 Each segment carries its index: a segment seen twice (Dask re-running work
 after a lost worker) is refused, never re-executed.
 
@@ -74,6 +75,7 @@ class Lane:
         self.stream = rank.device.stream(str(label), mode)
         self.next_index = 0
         self.recording = None  # the ReplayState while a CallRecording replays on this lane
+        self.expected = None  # wire.ExpectResults of the next CallFunction, if it was sent one
         # progress, for the dashboard
         self.state = "idle"  # idle | running | waiting
         self.doing = ""

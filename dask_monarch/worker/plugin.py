@@ -34,6 +34,7 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
+from ..protocol.wire import Payload
 from .calls import InvalidRemoteFunction, pickled_code_allowed
 from .debugger import install_breakpointhook
 from .signals import ignore_sigint
@@ -417,14 +418,17 @@ def construct_actor(payload: bytes) -> Any:
 
 
 def run_segment(
-    token: str, rank: int, lane: object, index: int, payload: bytes, *after: object
+    token: str, rank: int, lane: object, index: int, payload: Payload, *after: object
 ) -> int:
     """Run segment ``index`` of ``lane`` for controller ``token``'s ``rank``.
 
     ``after`` holds the results of the tasks this one must follow (the lane's
     previous segment, the rank's last control step); only their order matters.
+    The payload's bytes are taken out of their holder: Dask keeps the task's
+    arguments in its logs, the bytes need not stay with them.
     """
+    data = payload.take()
     state = _plugin(get_worker()).rank_state(token, rank)
     if state is None:  # queued before its controller released the rank: nothing to do
         return 0
-    return state.run_segment(lane, index, payload)
+    return state.run_segment(lane, index, data)

@@ -202,3 +202,25 @@ def test_nothing_of_a_flush_with_a_protocol_error_is_submitted():
     compiler, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.BorrowDrop(3)])
     assert plan.messages == 0 and plan.graph is None and plan.keys == []
     assert plan.error is not None and compiler.refused is plan.error
+
+
+def test_no_edge_to_a_segment_that_already_ran():
+    """An edge to a segment its rank reported done would keep it, and every segment before it,
+    on the scheduler for as long as the controller lives (docs/dask.md §13)."""
+    done: dict = {}
+    compiler = Compiler("tok", ["monarch-rank0", "monarch-rank1"], done)
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    mesh = m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))
+    compile_([create, call(0, Ref(1), "torch.ones", 1), mesh], compiler=compiler)
+    done[(0, 0)] = 0  # rank 0 ran its lane's segment 0 (not its control step); rank 1 nothing
+    _, plan = compile_([call(1, Ref(2), "torch.ones", 1)], compiler=compiler)
+    rank0, rank1 = sorted(plan.keys, key=lambda k: k[2])
+    assert {(d[3], d[4]) for d in _task_deps(plan, rank0)} == {("control", 0)}
+    assert {(d[3], d[4]) for d in _task_deps(plan, rank1)} == {(0, 0), ("control", 0)}
+    done[(0, "control")] = 0
+    done[(0, 0)] = 1
+    _, plan = compile_([call(2, Ref(3), "torch.ones", 1), m.Exit()], compiler=compiler)
+    lane, exit_ = sorted((k for k in plan.keys if k[2] == 0), key=lambda k: str(k[3]))
+    assert _task_deps(plan, lane) == set()  # everything before it ran: no edge
+    assert _task_deps(plan, exit_) == {lane}  # Exit drains what did not
+    assert all(_task_deps(plan, k) for k in plan.keys if k[2] == 1)

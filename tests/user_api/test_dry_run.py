@@ -181,3 +181,12 @@ def test_a_dry_run_costs_a_normal_run_nothing():
     from dask_monarch.tensor import Tensor
 
     assert "_counting_new" not in repr(Tensor.__dict__["__new__"])
+
+
+def test_a_remote_function_with_propagate_runs_in_a_dry_run(mesh2):
+    """Its result check (the step saying what the call returns) is counted, not sent."""
+    double = dm.remote("torch.mul", propagate=lambda x, k: x)
+    with dm.dry_run(mesh2) as run, mesh2.activate():
+        y = double(torch.ones(4), 2)
+        assert y.shape == (4,)
+    assert all(figures.messages > 0 for figures in run.ranks.values())

@@ -67,7 +67,8 @@ def test_a_wrong_propagate_fails_the_sent_value_instead_of_corrupting_it(mesh):
         with pytest.raises(dm.RemoteException) as info:
             dm.inspect(moved)
     text = str(info.value.traceback or info.value)
-    assert "SendTensor" in text and "rank 0" in text
+    # caught where the result was bound, before the send could trust it
+    assert "_three_sevens" in text and "rank 0" in text
     assert "(3,)" in text and "(5,)" in text  # the real and the declared shape
     with mesh.activate():  # the ranks live on
         assert dm.inspect(torch.ones(2) + 1, gpu=1).tolist() == [2.0, 2.0]
@@ -81,9 +82,10 @@ def test_a_reduce_whose_dtype_differs_between_ranks_fails_that_value(mesh):
         with pytest.raises(dm.RemoteException) as info:
             dm.inspect(total, gpu=1)
         text = str(info.value.traceback or info.value)
-        assert "Reduce" in text and "rank 1" in text
+        # caught where rank 1 bound its input, before the Reduce could trust it
+        assert "_float64_on_rank_one" in text and "rank 1" in text
         assert "torch.float64" in text and "torch.float32" in text
-        with pytest.raises(dm.RemoteException, match="Reduce"):  # the value failed as a whole
+        with pytest.raises(dm.RemoteException, match="_float64_on_rank_one"):  # as a whole
             dm.inspect(total, gpu=0)
         assert dm.inspect(torch.ones(2) * 3, gpu=1).tolist() == [3.0, 3.0]  # no gloo abort
 
@@ -273,7 +275,33 @@ def test_fetching_a_value_whose_propagation_lied_says_so(mesh):
         assert y.shape == (3, 4)  # what the client believes
         with pytest.raises(
             dm.RemoteException,
-            match=r"rank 1 has shape \(3,\).*believes shape "
+            match=r"_three_sevens on rank \d: result 0 \(r\d+\) is shape \(3,\).*said shape "
             r"\(3, 4\)",
         ):
             dm.inspect(y, gpu=1)
+
+
+def test_a_result_that_is_not_what_propagate_said_fails_where_it_is_bound(mesh):
+    """The rank checks a remote function's result against its propagation as it binds it:
+    that value fails naming the function, the rank and both metadata; what depends on it
+    is poisoned with the same error; the worker lives on."""
+    lying = dm.remote(_three_sevens, propagate=lambda x: torch.empty(5))
+    with mesh.activate():
+        y = lying(torch.zeros(1))
+        later = y * 2  # depends on it: poisoned with the same root
+        with pytest.raises(dm.RemoteException) as info:
+            dm.inspect(y, gpu=1)
+        text = str(info.value.traceback or info.value)
+        assert "remote function test_integrity._three_sevens on rank " in text
+        assert "shape (3,) dtype torch.float32" in text  # what it returned
+        assert "shape (5,) dtype torch.float32" in text  # what its propagation said
+        assert info.value.seq is not None  # reported by the rank, as RemoteFunctionFailed
+        with pytest.raises(dm.RemoteException) as dependent:
+            dm.inspect(later, gpu=1)
+        assert "_three_sevens" in str(dependent.value.traceback or dependent.value)
+        wrong_dtype = dm.remote(
+            _three_sevens, propagate=lambda x: torch.empty(3, dtype=torch.int64)
+        )
+        with pytest.raises(dm.RemoteException, match=r"torch\.int64"):
+            dm.inspect(wrong_dtype(torch.zeros(1)), gpu=0)
+        assert dm.inspect(torch.ones(2) + 1, gpu=1).tolist() == [2.0, 2.0]  # a good op works

@@ -1,0 +1,148 @@
+"""Memory stays bounded while a controller lives: Dask forgets each segment once it ran.
+
+Each segment used to depend on the previous one of its lane forever, so the
+scheduler and the workers kept every released task of a live controller, and
+its payload; and Dask's worker-side log of recent events kept each task's
+arguments (docs/dask.md §13).
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import time
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+
+S0 = StreamRef(0)
+ADD = m.FunctionPath("torch.ops.aten.add.Tensor")
+BIG = 64 * 2**20  # bytes of the large argument
+HELD = 8 * 2**20  # a task or event whose pickle is larger still holds the argument
+
+
+def _count(tasks: dict, token: str) -> int:
+    return sum(1 for key in list(tasks) if type(key) is tuple and token in key)
+
+
+def _scheduler_tasks(token: str, dask_scheduler=None) -> int:
+    return _count(dask_scheduler.tasks, token)
+
+
+def _worker_tasks(token: str, dask_worker=None) -> int:
+    return _count(dask_worker.state.tasks, token)
+
+
+def _tasks_held(client, token: str) -> tuple[int, list[int]]:
+    scheduler = client.run_on_scheduler(_scheduler_tasks, token)
+    return scheduler, list(client.run(_worker_tasks, token).values())
+
+
+def _settled(client, token: str, most: int, timeout: float = 30) -> tuple[int, list[int]]:
+    """The tasks of ``token`` the scheduler and workers hold, once at most ``most`` (releases
+    travel asynchronously), or what they hold after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = _tasks_held(client, token)
+        if max(held[0], *held[1]) <= most or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+def test_a_live_controller_holds_o1_tasks_after_many_flushes(ctrl, client2):
+    """After K flushes, synced one by one or sent while the lane is busy, the scheduler and
+    the workers hold a bounded number of the controller's tasks, not O(K)."""
+    ctrl.send((0, 1), m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
+    args = ArgsKwargs.from_python((1.0, 2.0))
+    seq = 0
+    for _ in range(30):  # one flush per op, each synced
+        ctrl.send((0, 1), m.CallFunction(seq, [Ref(1)], [], ADD, args, S0, []))
+        ctrl.send((0, 1), m.DeleteRefs([Ref(1)]))
+        seq += 1
+        ctrl.sync()
+    held = _settled(client2, ctrl.token, 2)
+    assert held[0] <= 4 and max(held[1]) <= 2, held  # a lane and the control lane per rank
+    slow = m.FunctionPath("time.sleep")
+    for _ in range(30):  # flushes while the lane is still busy: chained, then let go
+        ctrl.send(
+            (0, 1), m.CallFunction(seq, [Ref(1)], [], slow, ArgsKwargs.from_python((0.01,)), S0, [])
+        )
+        ctrl.send((0, 1), m.DeleteRefs([Ref(1)]))
+        seq += 1
+        ctrl.flush()
+    ctrl.sync()
+    held = _settled(client2, ctrl.token, 2)
+    assert held[0] <= 4 and max(held[1]) <= 2, held
+    # order still held: a value built step by step is right
+    ctrl.send(
+        (0, 1),
+        m.CallFunction(
+            seq, [Ref(2)], [], m.FunctionPath("torch.zeros"), ArgsKwargs.from_python((1,)), S0, []
+        ),
+    )
+    for i in range(1, 21):
+        ctrl.send(
+            (0, 1),
+            m.CallFunction(
+                seq + i, [Ref(2 + i)], [], ADD, ArgsKwargs.from_python((Ref(1 + i), 1.0)), S0, []
+            ),
+        )
+        ctrl.flush()
+    assert ctrl.get_ref(1, Ref(22), S0).item() == 20.0
+
+
+def _largest(specs: list) -> int:
+    return max((len(pickle.dumps(s, protocol=5)) for s in specs if s is not None), default=0)
+
+
+def _scheduler_payload(token: str, dask_scheduler=None) -> int:
+    """Bytes of the largest pickled task of ``token`` the scheduler keeps."""
+    return _largest([ts.run_spec for key, ts in list(dask_scheduler.tasks.items()) if token in key])
+
+
+def _worker_payload(token: str, dask_worker=None) -> int:
+    """Bytes of the largest pickled task of ``token`` a worker keeps: its tasks, and the task of
+    every event in its log of recent events."""
+    state = dask_worker.state
+    specs = [ts.run_spec for key, ts in list(state.tasks.items()) if token in key]
+    specs += [
+        getattr(ev, "run_spec", None)
+        for ev in list(state.stimulus_log)
+        if token in str(getattr(ev, "key", ""))
+    ]
+    return _largest(specs)
+
+
+@pytest.mark.timeout(300)
+def test_a_big_argument_is_freed_everywhere_once_it_ran(mesh2, client2):
+    """A large tensor passed to a remote function is kept by no process once the call ran:
+    not by the scheduler's tasks, not by the workers' tasks or event logs, not by the client."""
+    token = mesh2._session.controller.token
+    fn = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x.clone())
+    with mesh2.activate():
+        x = torch.zeros(1)
+        float(dm.inspect(x[0]))
+        with dm.no_mesh.activate():
+            big = torch.ones(BIG // 4)
+        y = fn(x, big)
+        assert float(dm.inspect(y[0])) == 1.0
+        del big, y
+        gc.collect()
+        float(dm.inspect((x + 0)[0]))  # a later flush: whatever waits for one to let go does
+        deadline = time.monotonic() + 30
+        while True:
+            scheduler = client2.run_on_scheduler(_scheduler_payload, token)
+            workers = list(client2.run(_worker_payload, token).values())
+            if max(scheduler, *workers) < HELD or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert scheduler < HELD, f"the scheduler keeps a task of {scheduler} bytes"
+        assert max(workers) < HELD, f"the workers keep tasks of {workers} bytes"
+        reports = mesh2._session.controller._reports
+        kept = sum(len(queue) for queue in reports.in_flight.values())
+        assert kept == 0, f"the client keeps the steps of {kept} segments that ran"
