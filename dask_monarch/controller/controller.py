@@ -145,7 +145,13 @@ class Controller:
         if not isinstance(client, Client):
             raise TypeError(f"Controller needs a distributed.Client, got {client!r}")
         if client.asynchronous:
-            raise TypeError("Controller needs a synchronous Client (asynchronous=False)")
+            raise TypeError(
+                "dask_monarch drives a mesh with a synchronous distributed.Client, and this "
+                "one is asynchronous (Client(asynchronous=True)): create a plain Client(...) "
+                "for the mesh (in a notebook too: it runs its own event loop thread); in "
+                "async code, await the fetches (await dask_monarch.fetch_shard(t)) or run "
+                "the mesh code with asyncio.to_thread"
+            )
         if type(world_size) is not int or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -180,6 +186,11 @@ class Controller:
             client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
         )
 
+        # settings first: a bad value fails here, before any worker is claimed
+        self._flush_size = int(config.get("flush.size"))
+        self._idle = config.seconds("flush.idle")
+        self._min_age = config.seconds("flush.min-age")
+        self._max_age = config.seconds("flush.max-age")
         config.freeze_gc()
         self.workers = choose_workers(client, world_size, device, workers)
         # 'auto': NCCL for CUDA tensors, gloo for CPU ones; 'gloo': gloo for both
@@ -207,10 +218,6 @@ class Controller:
         self._restore_gap = lower_client_gap(client)
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
-        self._flush_size = int(config.get("flush.size"))
-        self._idle = config.seconds("flush.idle")
-        self._min_age = config.seconds("flush.min-age")
-        self._max_age = config.seconds("flush.max-age")
         self._flusher = threading.Thread(
             target=self._flush_loop, daemon=True, name=f"dask_monarch-flush-{self.token}"
         )
