@@ -177,6 +177,14 @@ class Capture:
         self.created.extend(outputs)
 
 
+_live: weakref.WeakSet = weakref.WeakSet()  # its controller's listener keeps a Session alive
+
+
+def live_sessions() -> list[Session]:
+    """The user-API meshes of this process not exited yet (``dask-monarch run`` exits them)."""
+    return [s for s in list(_live) if not s.closed]
+
+
 class Session:
     """Ids, history, futures and setup state shared by every view of one root mesh."""
 
@@ -205,6 +213,7 @@ class Session:
         self._unobserved: dict[int, RemoteException] = {}
         self.closed = False
         self.controller.add_listener(self._on_message)
+        _live.add(self)
 
     # -- ids ----------------------------------------------------------------------------------
 
