@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+import dask
 from distributed import Client, wait
 
 from .. import config
@@ -177,6 +178,8 @@ class Controller:
         )
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
+        # (distributed.span annotation, task-name label) of the dask_monarch.span open now
+        self.span: tuple[dict, str] | None = None
         self._closed = False
         self._rendezvous: tuple[str, int] | None = None
         self._actor_ids = itertools.count()
@@ -321,6 +324,8 @@ class Controller:
                 raise
 
     def _hand_over(self, buffer: list, final: bool | tuple[int, int]) -> None:
+        span = self.span  # set by dask_monarch.span, which flushes as it enters and leaves
+        self._compiler.span_label = span[1] if span is not None else ""
         plan = self._compiler.compile(buffer, final)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
@@ -329,7 +334,11 @@ class Controller:
         self.messages_sent += plan.messages
         self.flushes += 1
         if plan.graph is not None:
-            futures = self._client.get(plan.graph, plan.keys, sync=False)
+            if span is None:
+                futures = self._client.get(plan.graph, plan.keys, sync=False)
+            else:  # from any thread (the background flusher too): the span's annotation
+                with dask.annotate(span=span[0]):
+                    futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():

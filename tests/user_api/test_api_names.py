@@ -30,6 +30,8 @@ API_NAMES = [
     "messages",
     "ndslice",
     "no_mesh",
+    "span",
+    "MeshFuture",
 ]
 
 
