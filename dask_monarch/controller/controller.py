@@ -86,8 +86,9 @@ def client_problem(client: Client) -> str | None:
     status = client.status
     if status in ("closing", "closed"):
         return (
-            "its distributed.Client was closed; close meshes (mesh.exit(), "
-            "Controller.close()) before their client"
+            "its distributed.Client was closed, so the mesh can run nothing more: make a "
+            "new Client and a new mesh (dask_monarch.device_mesh), and exit meshes "
+            "(mesh.exit(), Controller.close()) before closing their client"
         )
     comm = client.scheduler_comm
     if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():

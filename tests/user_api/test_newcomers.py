@@ -71,7 +71,7 @@ def test_after_client_close_inspect_and_new_work_raise_clearly(cluster2):
     for attempt in (lambda: dm.inspect(y), new_work, lambda: y + 1):
         with pytest.raises(dm.DeviceException, match="Client was closed") as info:
             attempt()
-        assert "mesh.exit()" in str(info.value)
+        assert "mesh.exit()" in str(info.value) and "new mesh" in str(info.value)
     with pytest.raises((dm.DeviceException, RuntimeError)):
         mesh.exit()
 
