@@ -335,7 +335,7 @@ class LocalMeshCluster(SpecCluster):
             raise ValueError("LocalMeshCluster.scale takes a number of ranks, not memory or cores")
         if type(n) is not int or n < 0:
             raise ValueError(f"scale(n): n must be a non-negative int, got {n!r}")
-        if self.device == "cuda" and n > len(self._gpus):
+        if getattr(self, "device", None) == "cuda" and n > len(self._gpus):
             raise ValueError(f"scale({n}) but only {len(self._gpus)} GPUs are visible")
         # Dask's scale() removes the last workers of the spec: keep it in rank order
         ordered = sorted(self.worker_spec, key=_rank_number)
