@@ -47,6 +47,8 @@ _NAMES = {
     "Pipe": "pipe",
     "create_pipe": "pipe",
     "span": "spans",
+    "trace": "tracing",
+    "dry_run": "dry",
 }
 _MODULES = ("messages", "ndslice", "random")
 

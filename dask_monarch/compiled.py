@@ -124,19 +124,9 @@ class Compiled:
                 formals = {}
                 storages: dict[int, Any] = {}
                 for index, (position, t) in enumerate(tensors):
-                    shape, stride, offset, dtype, device = t._mkey
                     storage = storages.get(id(t._storage))
                     formal = Tensor(
-                        shape,
-                        stride,
-                        offset,
-                        dtype,
-                        device,
-                        session,
-                        t._mesh,
-                        t._stream,
-                        session.new_ref(),
-                        storage,
+                        *t._mkey, session, t._mesh, t._stream, session.new_ref(), storage
                     )
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(

@@ -185,22 +185,10 @@ def bind_outputs(
         results, out = [], []
         for leaf in leaves:
             if isinstance(leaf, Spec):
-                shape, stride, offset, dtype, device, alias = leaf
+                *metadata, alias = leaf  # shape, stride, offset, dtype, device
                 ref = session.new_ref()
-                out.append(
-                    Tensor(
-                        shape,
-                        stride,
-                        offset,
-                        dtype,
-                        device,
-                        session,
-                        mesh,
-                        stream,
-                        ref,
-                        alias._storage if alias is not None else None,
-                    )
-                )
+                storage = alias._storage if alias is not None else None
+                out.append(Tensor(*metadata, session, mesh, stream, ref, storage))
                 results.append(ref)
             else:
                 out.append(leaf)

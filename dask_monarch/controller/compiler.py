@@ -183,7 +183,9 @@ class Compiler:
                     for rank in ranks:
                         if seq <= seqs.get((rank, stream), -1):
                             self._bad_seq(rank, stream, seq, msg)
-                if type(msg) in ON_NAMED_STREAM:  # the hot path: one lane per rank, no fan-out
+                reduce = type(msg) is m.Reduce
+                if reduce or type(msg) in ON_NAMED_STREAM:
+                    # the hot path: one lane per rank, no fan-out (a Reduce is also checked)
                     stream = int(msg.stream)
                     for rank in ranks:
                         per_rank = open_lanes.get(rank)
@@ -195,20 +197,8 @@ class Compiler:
                             seg = self._lane(
                                 rank, stream, open_lanes, open_control, segments, new_lanes
                             )
-                        seg.steps.append(msg)
-                elif type(msg) is m.Reduce:  # one lane per rank, as above, and checked
-                    stream = int(msg.stream)
-                    for rank in ranks:
-                        per_rank = open_lanes.get(rank)
-                        seg = per_rank.get(stream) if per_rank else None
-                        if seg is None:
-                            router = routers[rank]
-                            if router.exited or stream not in router.streams:
-                                list(router.route(msg))  # raises the ProtocolError
-                            seg = self._lane(
-                                rank, stream, open_lanes, open_control, segments, new_lanes
-                            )
-                        check.reduce(rank, stream, msg)
+                        if reduce:
+                            check.reduce(rank, stream, msg)
                         seg.steps.append(msg)
                 else:
                     checked = type(msg) in CHECKED

@@ -16,6 +16,10 @@ tasks as unwanted, and whatever a worker already started returns at once on
 a released rank. (``Client.cancel`` would also cancel the dependents of each
 key, and one the controller no longer holds trips an assertion in the
 scheduler that drops the whole shared client: docs/dask.md §12.)
+
+The module is long because :class:`Controller` is one object under one lock:
+buffering, flushing, syncing and failing all read and change the same state,
+and splitting them would spread that lock's invariants over several files.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from ..protocol.messages import (
 )
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ReadRef
-from ..worker import construct_actor, register_actor
+from ..worker import construct_actor, register_actor, trace_collect, trace_start
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
@@ -186,6 +190,7 @@ class Controller:
         self._actor_ids = itertools.count()
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
+        self._clock_offsets: dict[int, float] = {}  # rank -> its worker's clock minus ours
         self._watch = ClientWatch(
             client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
         )
@@ -395,14 +400,19 @@ class Controller:
         wait forever (a collective some member was never sent) breaks the
         controller at once instead (DESIGN decision 14).
         """
-        self._flush(True)
-        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
+        self.drain(timeout)
         with self._progress:
             messages = self._reports.take_inbox()
+        return sorted(messages, key=lambda msg: msg.seq)
+
+    def drain(self, timeout: float = 60) -> None:
+        """:meth:`sync` without taking the reports: they stay for the next ``sync``
+        (``dm.trace`` waits this way for the work it traced)."""
+        self._flush(True)
+        self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         if self._dropping:
             with self._flush_lock:
                 self._retire_dropped()
-        return sorted(messages, key=lambda msg: msg.seq)
 
     def _wait(self, ready: Callable[[], bool], timeout: float, pending: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout
@@ -587,6 +597,50 @@ class Controller:
             "segments_done": done,
             "state": "broken" if self._broken else "closed" if self._closed else "running",
         }
+
+    # -- tracing ------------------------------------------------------------------------------
+
+    def start_trace(self, limit: int | None = None) -> None:
+        """Record, on every rank, what each lane runs and waits on from now (``dm.trace``).
+
+        Free while off: a rank checks once per segment. Each rank keeps at most
+        ``limit`` records (``dask_monarch.trace.max-events``).
+        """
+        self._check_usable()
+        if limit is None:
+            limit = int(config.get("trace.max-events", 1_000_000))
+        sent = time.time()
+        clocks = self._client.run(trace_start, self.token, limit, workers=list(self.workers))
+        back = time.time()
+        # a worker's clock minus ours, from the round trip (the workers' records are shifted)
+        self._clock_offsets = {
+            rank: clocks[address] - (sent + back) / 2
+            for rank, address in enumerate(self.workers)
+            if address in clocks
+        }
+
+    def collect_trace(self, stop: bool = True) -> list[dict]:
+        """Every rank's records since :meth:`start_trace` (``stop``: and end the trace).
+
+        Per rank: ``rank``, ``records`` (``(lane, kind, name, start, end, args)``,
+        times in this client's wall clock), ``lanes`` (lane -> its name),
+        ``dropped`` (records over the limit). Waits for nothing: sync first.
+        """
+        replies = self._client.run(trace_collect, self.token, stop, workers=list(self.workers))
+        offsets = self._clock_offsets
+        out = []
+        for rank, address in enumerate(self.workers):
+            reply = replies.get(address)
+            if reply is None:
+                continue
+            shift = offsets.get(rank, 0.0)
+            if shift:
+                reply["records"] = [
+                    (lane, kind, name, start - shift, end - shift, args)
+                    for lane, kind, name, start, end, args in reply["records"]
+                ]
+            out.append(reply)
+        return out
 
     # -- failure and shutdown -----------------------------------------------------------------
 

@@ -36,6 +36,10 @@ decision 14; docs/protocol.md §3, "Check before dispatch").
 
 The model is conservative about one thing only: a send waits until its
 receiver takes it (NCCL does; gloo may send small tensors eagerly).
+
+It is one long module on purpose: :class:`Precheck` is one state machine over
+every waiting message kind, and its rules read against each other (what a
+collective, a send and a borrow wait for, and what lets them go).
 """
 
 from __future__ import annotations

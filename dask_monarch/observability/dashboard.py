@@ -13,6 +13,9 @@ The scheduler's HTTP server serves (docs/dask.md §5):
   through the plugin's ``dask_monarch_state`` comm handler, plus rates
   computed here from successive snapshots (the worker's own clock, so
   polling jitter does not skew them);
+* ``/monarch/trace.json`` — the latest trace a ``dm.trace`` block handed
+  to this scheduler (:func:`publish_trace`), a Chrome/Perfetto trace the page
+  links to (404 until there is one);
 * ``/individual-monarch`` — the same page, listed in the dashboard's
   "More..." menu (the entry is made in distributed's internal table of
   Bokeh pages, so it is best effort; the page itself is a plain route).
@@ -40,6 +43,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -230,8 +234,10 @@ async def collect(scheduler: Scheduler) -> dict:
             errors=sum(len(r["errors"]) for r in ranks),
             missing_ranks=sorted(set(range(entry["world_size"])) - {r["rank"] for r in ranks}),
         )
+    latest = _traces.get(scheduler)
     return {
         "time": time.time(),
+        "trace": None if latest is None else latest["info"],
         "scheduler": scheduler.address,
         "n_workers": len(scheduler.workers),
         "workers": sorted(workers, key=lambda w: w["name"]),
@@ -258,6 +264,31 @@ class StateJSON(RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.write(json.dumps(body, default=str))
+
+
+# scheduler -> {"body": the latest trace's JSON text, "info": what the page shows of it}
+_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def publish_trace(body: str, info: dict, dask_scheduler: Scheduler | None = None) -> None:
+    """Keep ``body`` (a trace's JSON text) as the latest trace of this scheduler (``Client.
+    run_on_scheduler``): ``/monarch/trace.json`` serves it, the page links it. One is kept."""
+    _traces[dask_scheduler] = {"body": body, "info": {**info, "url": "trace.json"}}
+
+
+class TraceJSON(RequestHandler):
+    """``/monarch/trace.json``: the latest published trace (open it in ui.perfetto.dev)."""
+
+    def get(self) -> None:
+        latest = _traces.get(self.server)
+        if latest is None:
+            self.set_status(404)
+            self.write("no trace yet: run a program inside dask_monarch.trace(path)")
+            return
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("Content-Disposition", 'inline; filename="monarch-trace.json"')
+        self.write(latest["body"])
 
 
 _page_cache: dict[str, str] = {}
@@ -292,6 +323,7 @@ routes: list[tuple] = [
     (r"monarch", redirect("monarch/"), {}),
     (r"monarch/", Page, {"extra": {"root": "../"}}),
     (r"monarch/state\.json", StateJSON, {}),
+    (r"monarch/trace\.json", TraceJSON, {}),
     (PAGE_PATH.lstrip("/"), Page, {"extra": {"root": ""}}),
 ]
 

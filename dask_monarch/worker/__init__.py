@@ -17,6 +17,8 @@ from .plugin import (
     run_segment,
     set_rendezvous,
     start_rendezvous,
+    trace_collect,
+    trace_start,
 )
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "run_segment",
     "set_rendezvous",
     "start_rendezvous",
+    "trace_collect",
+    "trace_start",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask.config
@@ -21,6 +21,9 @@ from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
 from .errors import DependentError, FatalError, RefNotFound, SeqError
 from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
+
+if TYPE_CHECKING:
+    from .lane import Lane
 
 TEST_PANIC = "__test_panic"
 
@@ -136,7 +139,7 @@ def _walk(path: str) -> Callable:
 
 
 def resolve_args(
-    lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = None
+    lane: Lane, args_kwargs: ArgsKwargs, groups: dict[int, Any] | None = None
 ) -> tuple[tuple, dict]:
     """Arguments with every Ref replaced: mesh, then listed process group, then stream value."""
     if args_kwargs._payload is not None:

@@ -29,12 +29,16 @@ make peers receive garbage or abort gloo: it is a fresh failure of the result
 (reported as :class:`~dask_monarch.protocol.wire.ValueFailed`) and the rank
 takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
+
+Every handler here shares one :class:`Comms` per rank (its store, groups and
+hand-offs), which is why they live in one module of a little under 600 lines.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +60,10 @@ from . import groups
 from .errors import FatalError, SeqError
 from .lane import Lane
 
+if TYPE_CHECKING:
+    from ..protocol.messages import Ref
+    from .rank import RankState
+
 _MISSING = object()
 # (stack?, scatter?) -> the collective a Reduce is
 _KINDS = {
@@ -72,7 +80,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Comms:
     """The rendezvous and communicators one controller holds on one rank."""
 
-    def __init__(self, state):
+    def __init__(self, state: RankState):
         self.state = state
         self.server = None  # the TCPStore server, on rank 0
         self.rendezvous: tuple[str, int] | None = None
@@ -96,7 +104,7 @@ class Comms:
     def timeout(self) -> float:
         return float(self.state.settings.get("collective_timeout") or 60.0)
 
-    def group(self, key: str, ranks: list[int], what: str, lane: Lane):
+    def group(self, key: str, ranks: list[int], what: str, lane: Lane) -> dist.ProcessGroup:
         """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix.
 
         Its rendezvous blocks ``lane`` until every member's control steps
@@ -153,7 +161,7 @@ class Comms:
         self.remote.clear()
 
 
-def comms_of(state) -> Comms:
+def comms_of(state: RankState) -> Comms:
     comms = getattr(state, "comms", None)
     if comms is None:
         comms = state.comms = Comms(state)
@@ -164,7 +172,7 @@ def comms_of(state) -> Comms:
 # -- rendezvous (called through Client.run by the controller) --------------------------------
 
 
-def start_rendezvous(state) -> tuple[str, int]:
+def start_rendezvous(state: RankState) -> tuple[str, int]:
     """Start the controller's store on this worker (rank 0); returns ``(host, port)``."""
     comms = comms_of(state)
     if comms.server is None:
@@ -173,7 +181,7 @@ def start_rendezvous(state) -> tuple[str, int]:
     return comms.rendezvous
 
 
-def set_rendezvous(state, host: str, port: int) -> None:
+def set_rendezvous(state: RankState, host: str, port: int) -> None:
     comms_of(state).rendezvous = (host, port)
 
 
@@ -305,7 +313,7 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
     )
 
 
-def process_groups_for(lane: Lane, refs) -> dict[int, Any]:
+def process_groups_for(lane: Lane, refs: Iterable[Ref]) -> dict[int, dist.ProcessGroup]:
     """The torch groups a CallFunction lists, for this lane's stream (fatal if missing)."""
     comms = comms_of(lane.rank)
     found = {}

@@ -140,9 +140,15 @@ class Lane:
         """
         self.seq, self.peers, self.since = seq, peers, time.monotonic()
         self.state, self.doing = "waiting", what
+        trace = self.rank.trace  # a wait blocks anyway: one read is free here
+        if trace is not None:
+            trace.wait_begin(self, what, peers, seq)
 
     def set_running(self, what: str = "") -> None:
         self.state, self.doing = "running", what
+        trace = self.rank.trace
+        if trace is not None:
+            trace.wait_end(self)
 
     def progress(self, now: float) -> LaneProgress:
         """What the lane is doing (read from the event loop, never locks; see :meth:`snapshot`)."""

@@ -35,7 +35,10 @@ from .failures import fail_call
 from .lane import Lane, current_lane
 
 if TYPE_CHECKING:
+    from multiprocessing.queues import Queue as ProcessQueue
+
     from .device import Device
+    from .rank import RankState
 
 logger = logging.getLogger("dask_monarch.worker.pipe")
 POLL_S = 0.05
@@ -74,8 +77,8 @@ class PipeEnd:
         self,
         ranks: dict[str, int],
         sizes: dict[str, int],
-        out_queue,
-        in_queue,
+        out_queue: queue.Queue | ProcessQueue,
+        in_queue: queue.Queue | ProcessQueue,
         device: Device | None = None,
     ):
         self.ranks = ranks
@@ -115,7 +118,15 @@ def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue, device=N
 class Pipe:
     """The worker side of one pipe: the producer and its two queues."""
 
-    def __init__(self, state, msg: CreatePipe, args: tuple, kwargs: dict, ranks, sizes):
+    def __init__(
+        self,
+        state: RankState,
+        msg: CreatePipe,
+        args: tuple,
+        kwargs: dict,
+        ranks: dict[str, int],
+        sizes: dict[str, int],
+    ):
         self.state = state
         self.ref = msg.result.id
         self.key = msg.key

@@ -39,8 +39,11 @@ from .signals import ignore_sigint
 
 if TYPE_CHECKING:
     from distributed import Worker
+    from distributed.comm import Comm
 
     from ..protocol.messages import StreamCreationMode
+    from .lane import Lane
+    from .rank import RankState
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -70,7 +73,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             raise ValueError(f"batched_interval cannot be negative, got {batched_interval}")
         self.batched_interval = batched_interval
 
-    async def setup(self, worker) -> None:
+    async def setup(self, worker: Worker) -> None:
         from .. import config
 
         self.worker = worker
@@ -91,7 +94,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         for name in METRICS:
             worker.metrics[name] = functools.partial(self.metric, name)
 
-    async def teardown(self, worker) -> None:
+    async def teardown(self, worker: Worker) -> None:
         for state in list(self.ranks.values()):
             state.release()
         for handler in (REPORTS_HANDLER, STATE_HANDLER):
@@ -99,7 +102,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         for name in METRICS:
             worker.metrics.pop(name, None)
 
-    def metric(self, name: str, worker=None) -> int:
+    def metric(self, name: str, worker: Worker | None = None) -> int:
         """One of :data:`METRICS`, summed over the live ranks (read on heartbeats; no locks)."""
         ranks = [state for state in list(self.ranks.values()) if not state.released]
         lanes = [lane for state in ranks for lane in state.all_lanes()]
@@ -168,7 +171,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.extra_threads += 1
         self.worker.state.nthreads += 1
 
-    def remove_lane(self, state, lane) -> None:
+    def remove_lane(self, state: RankState, lane: Lane) -> None:
         """A dropped stream's lane ran its last step: forget it, give its thread back (on the
         loop). No task names its executor any more; a released rank already gave it back."""
         if state.lanes.get(lane.label) is lane:
@@ -180,7 +183,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             self.extra_threads -= 1
             self.worker.state.nthreads -= 1
 
-    def forget(self, state) -> None:
+    def forget(self, state: RankState) -> None:
         """Drop a released rank state; each lane's thread goes back once its work returned.
 
         Runs on the loop, where Dask picks a task's executor and hands it the
@@ -226,7 +229,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         state.release()
         return True
 
-    def rank_state(self, token: str, rank: int):
+    def rank_state(self, token: str, rank: int) -> RankState | None:
         """The state a task runs against (None: its controller left on purpose)."""
         state = self.ranks.get(token)
         if state is None and token in self.released:
@@ -242,7 +245,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
     # -- comm handlers ------------------------------------------------------------------------
 
-    async def serve_reports(self, comm, token: str) -> None:
+    async def serve_reports(self, comm: Comm, token: str) -> None:
         """Stream a controller's reports to it until it hangs up; then free its state.
 
         The controller opens this stream right after claiming the worker. Its
@@ -290,7 +293,7 @@ def _plugin(worker) -> MonarchWorkerPlugin:
     return worker.plugins[PLUGIN_NAME]
 
 
-async def describe_worker(dask_worker=None) -> dict:
+async def describe_worker(dask_worker: Worker | None = None) -> dict:
     """What a controller needs to choose ranks: GPUs, an existing rank resource."""
     gpus = await asyncio.to_thread(_gpu_count)
     resource = next(
@@ -311,7 +314,11 @@ def _gpu_count() -> int:
 
 
 async def claim_rank(
-    token: str, ranks: dict[str, int], world_size: int, settings: dict, dask_worker=None
+    token: str,
+    ranks: dict[str, int],
+    world_size: int,
+    settings: dict,
+    dask_worker: Worker | None = None,
 ) -> dict:
     """Make this worker rank ``ranks[address]`` of controller ``token`` (installs the plugin)."""
     if PLUGIN_NAME not in dask_worker.plugins:
@@ -330,21 +337,24 @@ async def create_lanes(
     _plugin(dask_worker).add_lanes(token, lanes)
 
 
-async def start_rendezvous(token: str, dask_worker=None) -> tuple[str, int]:
+async def start_rendezvous(token: str, dask_worker: Worker | None = None) -> tuple[str, int]:
     """Start controller ``token``'s store on this worker (its rank 0)."""
     from .comm import start_rendezvous as start
 
     return await asyncio.to_thread(start, _plugin(dask_worker).ranks[token])
 
 
-async def set_rendezvous(token: str, host: str, port: int, dask_worker=None) -> None:
+async def set_rendezvous(
+    token: str, host: str, port: int, dask_worker: Worker | None = None
+) -> None:
+    """Tell this worker where controller ``token``'s store is (ranks other than 0)."""
     from .comm import set_rendezvous as set_
 
     set_(_plugin(dask_worker).ranks[token], host, port)
 
 
 async def register_actor(
-    token: str, broker_id: tuple, keys: dict[str, str], dask_worker=None
+    token: str, broker_id: tuple, keys: dict[str, str], dask_worker: Worker | None = None
 ) -> None:
     """Let controller ``token`` call the Dask actor ``keys[address]`` as ``broker_id``."""
     from .actor import register_actor as register
@@ -365,6 +375,24 @@ async def release_controller(token: str, dask_worker: Worker | None = None) -> b
     return True
 
 
+async def trace_start(token: str, limit: int, dask_worker: Worker | None = None) -> float:
+    """Turn controller ``token``'s trace on for its rank here (``dm.trace``); this worker's
+    clock."""
+    from .tracing import start
+
+    return start(_plugin(dask_worker).ranks[token], limit)
+
+
+async def trace_collect(
+    token: str, stop: bool = True, dask_worker: Worker | None = None
+) -> dict | None:
+    """Controller ``token``'s trace records on this worker (None: no rank of it here)."""
+    from .tracing import collect
+
+    state = _plugin(dask_worker).ranks.get(token)
+    return None if state is None else collect(state, stop)
+
+
 # -- the tasks the controller submits --------------------------------------------------------
 
 
@@ -382,7 +410,9 @@ def construct_actor(payload: bytes) -> Any:
     return cls(*args, **kwargs)
 
 
-def run_segment(token: str, rank: int, lane: object, index: int, payload: bytes, *after) -> int:
+def run_segment(
+    token: str, rank: int, lane: object, index: int, payload: bytes, *after: object
+) -> int:
     """Run segment ``index`` of ``lane`` for controller ``token``'s ``rank``.
 
     ``after`` holds the results of the tasks this one must follow (the lane's

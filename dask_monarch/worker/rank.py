@@ -31,6 +31,10 @@ from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from distributed.batched import BatchedSend
+
     from .plugin import MonarchWorkerPlugin
 
 WAIT_POLL_S = 0.05
@@ -87,6 +91,7 @@ class RankState:
         self.pipes: dict[int, Any] = {}
         self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
         self.actor_calls: dict[tuple, Any] = {}  # (broker id, seq) -> ActorCall
+        self.trace = None  # a worker.tracing.TraceLog while dm.trace is on (checked per segment)
 
     # -- lanes --------------------------------------------------------------------------------
 
@@ -146,8 +151,12 @@ class RankState:
                 ) from None
             lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
+            trace = self.trace
             with self.device.running(lane.stream):
-                self._run_steps(lane, steps)
+                if trace is None:
+                    self._run_steps(lane, steps)
+                else:
+                    trace.run_steps(self, lane, steps, index)
         except FatalError as e:
             self.fail(f"{lane.title}: {e}")
             return 0
@@ -190,7 +199,7 @@ class RankState:
         else:
             self._pending.append(item)
 
-    def attach(self, stream) -> None:
+    def attach(self, stream: BatchedSend) -> None:
         """The controller subscribed: flush what was reported before (on the event loop)."""
         self._stream = stream
         pending, self._pending = self._pending, []
@@ -246,6 +255,8 @@ class RankState:
                     raise FatalError(f"{lane.title} timed out after {timeout}s waiting for {what}")
         finally:
             lane.state, lane.doing = before
+            if self.trace is not None:
+                self.trace.wait_end(lane)
 
     # -- failure and release ------------------------------------------------------------------
 
@@ -282,7 +293,7 @@ class RankState:
         """Release hooks of the rank's resources; lanes last so waits end first."""
         return [*self._closers, *(lane.close for lane in self.all_lanes())]
 
-    def on_release(self, hook) -> None:
+    def on_release(self, hook: Callable[[], object]) -> None:
         """Run ``hook`` when the rank is released (communicators, pipes, actors)."""
         self._closers.append(hook)
 

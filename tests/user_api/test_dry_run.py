@@ -1,0 +1,183 @@
+"""``dm.dry_run``: a program runs on the client alone, against fake tensors.
+
+No task reaches the scheduler and no rank runs a message; the report gives
+per rank the peak tensor bytes, the messages and the bytes of each collective
+and send; shape, mesh and protocol errors are raised inside the block; a
+fetch fails with DryRunError; the mesh comes out usable, and what the block
+made fails clearly if used later.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.controller.dry import DryController, DryRunError
+from dask_monarch.protocol.ndslice import Slice
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+
+
+def scheduler_counts(client) -> tuple[int, int]:
+    def counts(dask_scheduler=None):
+        return dask_scheduler.transition_counter, len(dask_scheduler.tasks)
+
+    return client.run_on_scheduler(counts)
+
+
+def rank_messages(client, token: str) -> dict[int, int]:
+    def messages(dask_worker=None):
+        plugin = dask_worker.plugins["dask_monarch"]
+        return [(s["rank"], s["messages"]) for s in plugin.state_snapshot() if s["token"] == token]
+
+    return dict(pair for pairs in client.run(messages).values() for pair in pairs)
+
+
+def program(mesh):
+    """128 KiB tensors, a borrow, an all-reduce, a send from rank 0 to rank 1."""
+    comms = dm.Stream("comms")
+    with mesh.activate():
+        a = torch.zeros(32 * 1024)  # 128 KiB
+        b = a + 1  # 128 KiB
+        del a  # its delete waits for the next batch of deletes, as in a real run
+        borrowed, borrow = comms.borrow(b)  # no new memory
+        with comms.activate():
+            total = borrowed.reduce("gpu", "sum")  # 128 KiB
+        borrow.drop()
+        moved = b.slice_mesh(gpu=0).to_mesh(mesh.slice(gpu=1))  # 128 KiB on rank 1
+    return b, total, moved
+
+
+def test_nothing_reaches_the_scheduler_or_a_rank(mesh2, client2):
+    with mesh2.activate():
+        torch.ones(3)  # the mesh is set up and has run something
+    dm.inspect(mesh2.rank("gpu"))
+    controller = mesh2._session.controller
+    gc.collect()
+    mesh2._session.flush_pending()  # the deletes of the garbage above go now, not at the entry
+    controller.sync()
+    before = (scheduler_counts(client2), rank_messages(client2, controller.token))
+    sent = controller.messages_sent, controller.flushes
+    with dm.dry_run(mesh2) as run:
+        assert isinstance(mesh2._session.controller, DryController)
+        program(mesh2)
+    assert mesh2._session.controller is controller
+    assert (controller.messages_sent, controller.flushes) == sent
+    assert scheduler_counts(client2) == before[0]
+    assert rank_messages(client2, controller.token) == before[1]
+    assert run.messages > 0
+
+
+def test_report_gives_peak_memory_messages_and_collective_and_send_bytes(mesh2):
+    with dm.dry_run(mesh2) as run:
+        b, total, moved = program(mesh2)
+        del b, total, moved
+        gc.collect()  # the borrow and its handles form a cycle
+    ranks = run.ranks
+    assert set(ranks) == {0, 1}
+    # a (its delete is batched), b and the all-reduce's result; rank 1 also gets the copy
+    assert ranks[0].peak_tensor_bytes == 3 * 128 * 1024
+    assert ranks[1].peak_tensor_bytes == 4 * 128 * 1024
+    assert ranks[0].tensor_bytes == ranks[1].tensor_bytes == 0  # all deleted at the end
+    assert ranks[0].messages > 5 and ranks[1].messages >= ranks[0].messages - 2
+    (reduce,) = run.collectives
+    assert (reduce.kind, reduce.reduction, reduce.dims) == ("all-reduce", "sum", ("gpu",))
+    assert reduce.ranks == (0, 1) and reduce.bytes == 128 * 1024
+    assert ranks[0].collective_bytes == ranks[1].collective_bytes == 128 * 1024
+    (send,) = run.sends
+    assert send.pairs == [(0, 1)] and send.bytes == 128 * 1024
+    assert (ranks[0].sent_bytes, ranks[1].received_bytes) == (128 * 1024, 128 * 1024)
+    text = run.report()
+    assert "all-reduce (sum) over ['gpu'] of ranks [0, 1]" in text
+    assert "send float32[32768] 0->1: 128.0 KiB each" in text
+    assert "384.0 KiB" in text and "512.0 KiB" in text
+
+
+def test_deleted_tensors_free_their_bytes(mesh2):
+    with dm.dry_run(mesh2) as run:
+        with mesh2.activate():
+            for _ in range(10):
+                t = torch.ones(4 * MiB)  # 16 MiB, dropped each round
+                t.drop()
+    # deletes go out in batches of 64 MiB of handles (session.DELETE_BYTES), as in a real run
+    assert 64 * MiB <= run.ranks[0].peak_tensor_bytes <= 80 * MiB
+    assert run.ranks[0].tensor_bytes == 0
+
+
+def test_shape_and_mesh_errors_are_raised_inside_the_block(mesh2, client2):
+    controller = mesh2._session.controller
+    sent = controller.messages_sent
+    with pytest.raises(RuntimeError, match="broadcast"):
+        with dm.dry_run(mesh2):
+            with mesh2.activate():
+                torch.ones(3) + torch.ones(4)
+    other = dm.device_mesh(client2, gpu=2)
+    try:
+        with pytest.raises(TypeError, match="WRONG_MESH"):
+            with dm.dry_run(mesh2):
+                with mesh2.activate():
+                    x = torch.ones(3)
+                with other.activate():
+                    y = torch.ones(3)
+                x + y
+    finally:
+        other.exit()
+    assert controller.messages_sent == sent
+
+
+def test_protocol_errors_are_raised_before_anything_runs(mesh2):
+    """A collective one member never receives: the pre-dispatch check refuses it."""
+    controller = mesh2._session.controller
+    sent = controller.messages_sent
+    with pytest.raises(dm.DeviceException, match="rank 1") as info:
+        with dm.dry_run(mesh2):
+            with mesh2.activate():
+                t = torch.ones(3)
+            session = mesh2._session
+            stream = session.stream_ref(dm.get_active_stream())
+            mesh_ref = session.mesh_ref(("gpu",), Slice.row_major([2]))
+            session.ensure_split(mesh_ref, stream, ("gpu",))
+            factory = m.Factory((3,), torch.float32, torch.strided, "cpu")
+            reduce = m.Reduce(
+                session.new_ref(), t._ref, factory, mesh_ref, stream, ["gpu"], m.ReduceOp.SUM,
+                False, False, None,
+            )  # fmt: skip
+            session.send((0,), reduce)  # rank 1 is never sent its part
+    assert "never" in str(info.value) or "wait" in str(info.value)
+    assert controller.messages_sent == sent
+    assert controller.broken is None  # the real mesh is fine
+    with mesh2.activate():
+        assert dm.inspect(torch.ones(2) * 2).tolist() == [2.0, 2.0]
+
+
+def test_a_fetch_inside_fails_clearly_and_the_mesh_comes_out_usable(mesh2):
+    with mesh2.activate():
+        before = torch.arange(4.0)
+    with dm.dry_run(mesh2) as run:
+        with mesh2.activate():
+            made = before * 2
+            with pytest.raises(DryRunError, match="nothing runs in a dry run"):
+                dm.inspect(made)
+            before.add_(100)  # never runs
+            mesh2.exit()  # ends nothing
+    assert run.exited
+    with mesh2.activate():
+        assert dm.inspect(before).tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert dm.inspect(before + 1).tolist() == [1.0, 2.0, 3.0, 4.0]
+        with pytest.raises(DryRunError, match="made inside a dask_monarch.dry_run"):
+            dm.inspect(made)
+        side = dm.Stream("after")
+        with side.activate():
+            assert dm.inspect(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_a_dry_run_costs_a_normal_run_nothing():
+    from dask_monarch.tensor import Tensor
+
+    assert "_counting_new" not in repr(Tensor.__dict__["__new__"])
