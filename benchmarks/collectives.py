@@ -113,6 +113,7 @@ def ours(sizes, ops, repeat) -> dict:
                         [],
                     ),
                 )
+                seq += 1  # seqs increase on a stream
                 ctrl.sync()
                 factory = Factory((n,), torch.float32, torch.strided, "cpu")
                 for kind in ("reduce", "send"):

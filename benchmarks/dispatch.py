@@ -39,11 +39,16 @@ def noop(x):
 
 
 def raw_dispatch(ctrl, n: int, function: m.FunctionPath, first_ref: int) -> float:
-    """Seconds to send ``n`` tiny calls to both ranks and sync (construction included)."""
+    """Seconds to send ``n`` tiny calls to both ranks and sync (construction included).
+
+    Seqs follow the refs (``first_ref + i``): they must increase on a stream across runs.
+    """
     args = ArgsKwargs.from_python((Ref(1), Ref(1)))
     start = time.perf_counter()
     for i in range(n):
-        ctrl.send((0, 1), m.CallFunction(i, [Ref(first_ref + i)], [], function, args, S0, []))
+        ctrl.send(
+            (0, 1), m.CallFunction(first_ref + i, [Ref(first_ref + i)], [], function, args, S0, [])
+        )
     ctrl.sync(timeout=600)
     elapsed = time.perf_counter() - start
     ctrl.send((0, 1), m.DeleteRefs([Ref(first_ref + i) for i in range(n)]))

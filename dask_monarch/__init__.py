@@ -46,6 +46,7 @@ _NAMES = {
     "compile": "compiled",
     "Pipe": "pipe",
     "create_pipe": "pipe",
+    "span": "spans",
     "trace": "tracing",
     "dry_run": "dry",
     "breakpoint": "debug",

@@ -40,7 +40,10 @@ class ActorMesh:
         for h in handles:
             check_usable(h)
             if h._mesh != self.mesh:
-                raise TypeError(f"WRONG_MESH: {h!r} is not on {self.mesh!r}")
+                raise TypeError(
+                    f"WRONG_MESH: an actor on {self.mesh._label()} got {h._describe()}; "
+                    "move it with t.to_mesh(mesh)"
+                )
         local_args, local_kwargs = tree_map(
             lambda x: x._ref if isinstance(x, Tensor) else x, (args, kwargs)
         )

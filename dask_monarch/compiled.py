@@ -88,7 +88,10 @@ class Compiled:
             if t.requires_grad:
                 raise ValueError("inputs of a compiled function may not require grad")
             if t._mesh != mesh:
-                raise TypeError(f"WRONG_MESH: {t!r} is not on {mesh!r}")
+                raise TypeError(
+                    f"WRONG_MESH: the compiled function got {t._describe()}, but its other "
+                    f"arguments are on {mesh._label()}; move it with t.to_mesh(mesh)"
+                )
         key = _signature(leaves, spec, tensors)
         trace = self._traces.get(key)
         if trace is not None and not trace.alive():

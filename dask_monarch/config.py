@@ -38,7 +38,17 @@ def get(key: str, default: Any = None) -> Any:
 def seconds(key: str) -> float | None:
     """A duration setting in seconds (``None`` stays ``None``)."""
     value = get(key)
-    return None if value is None else parse_timedelta(value, default="s")
+    if value is None:
+        return None
+    try:
+        return parse_timedelta(value, default="s")
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(
+            f"the setting dask_monarch.{key} (environment: "
+            f"DASK_MONARCH__{key.upper().replace('.', '__').replace('-', '_')}) is "
+            f"{value!r}, which is not a duration: give seconds (0.5) or a duration with a "
+            "unit ('5ms', '2s', '1 minute'), or null where the setting allows it"
+        ) from None
 
 
 _frozen = False

@@ -280,6 +280,11 @@ class DeviceMesh:
             dims += f", ranks={list(ranks)}" if dims else f"ranks={list(ranks)}"
         return f"DeviceMesh({dims})"
 
+    def _label(self) -> str:
+        """The repr and the id of the mesh's controller: tells two ``DeviceMesh(gpu=2)`` apart
+        (the id is the one the dashboard and the logs show)."""
+        return f"{self!r} (mesh {self._session.controller.token})"
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, DeviceMesh)
@@ -348,7 +353,16 @@ def device_mesh(
         if type(size) is not int or size < 1:
             raise ValueError(f"dimension {name}={size!r} must be a positive int")
     if client is None:
-        client = distributed.default_client()
+        try:
+            client = distributed.default_client()
+        except ValueError:
+            raise ValueError(
+                "device_mesh(client=None) uses Dask's default client, and there is none: "
+                "pass one, device_mesh(Client(cluster), ...), with e.g. "
+                "cluster = dask_monarch.LocalMeshCluster(n_ranks=4) (or Client(scheduler "
+                "address) for a running cluster), or run the script with `dask-monarch run`, "
+                "which makes one"
+            ) from None
     sizes = list(dims.values())
     warm_up()  # before the controller freezes the GC: see propagation.warm_up
     session = Session(

@@ -169,6 +169,49 @@ class Tensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return repr(self)
 
+    def _repr_html_(self) -> str:
+        """A notebook's view: what the handle is, not its value (that lives on the ranks)."""
+        from html import escape
+
+        state = " (dropped)" if self._dropped is not None else ""
+        rows = (
+            ("shape", list(self.shape)),
+            ("dtype", self.dtype),
+            ("device", self.device),
+            ("mesh", self._mesh._label()),
+            ("stream", self._stream.name),
+            ("ref", f"{self._ref}{state}"),
+        )
+        cells = "".join(f"<tr><th>{k}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
+        return (
+            f"<div><strong>dask_monarch.Tensor</strong><table>{cells}</table>"
+            "<small>values live on the ranks: <code>dask_monarch.inspect(t)</code> "
+            "fetches one</small></div>"
+        )
+
+    def _describe(self) -> str:
+        """``a float32 tensor of shape [3, 4] on DeviceMesh(gpu=2) (mesh 1a2b...)``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"a {dtype} tensor of shape {list(self.shape)} on {self._mesh._label()}"
+
+    # -- values live on the ranks: the local conversions point to the fetches --------------
+
+    def _on_the_ranks(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"{what} needs the value on the client, but {self._describe()} lives on the "
+            "ranks: fetch it with dask_monarch.inspect(t) (one rank's value, as a CPU tensor; "
+            "e.g. dask_monarch.inspect(t).numpy()) or dask_monarch.fetch_shard(t) (a future)"
+        )
+
+    def numpy(self, *, force: bool = False) -> Any:
+        raise self._on_the_ranks("t.numpy()")
+
+    def tolist(self) -> Any:
+        raise self._on_the_ranks("t.tolist()")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise self._on_the_ranks("numpy (np.asarray(t), np.array(t))")
+
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 
@@ -293,8 +336,9 @@ def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, 
         check_usable(h)
         if h._mesh is not mesh and h._mesh != mesh:
             raise misuse(
-                f"WRONG_MESH: {h!r} is on {h._mesh!r}, but {what} also uses "
-                f"tensors on {mesh!r}; move it with .to_mesh()"
+                f"WRONG_MESH: {what} uses {h._describe()} together with tensors on "
+                f"{mesh._label()}; an op runs on one mesh: move the tensor with "
+                "t.to_mesh(mesh)"
             )
         if h._stream is not stream:
             raise misuse(

@@ -1,7 +1,7 @@
 """Data-parallel training of a small MLP on a 2x2 mesh, checked against one process.
 
-    dask-monarch run examples/train_mlp.py --ranks 4        # embedded cluster
-    python examples/train_mlp.py                            # the same, started here
+    dask-monarch run --ranks 4 examples/train_mlp.py --steps 10   # embedded cluster
+    python examples/train_mlp.py                                  # the same, started here
 
 Every rank builds the same model (same seed) and draws the same full batch,
 then trains on its own quarter of it. Gradients are averaged over both mesh

@@ -54,7 +54,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from .. import config
 from ..protocol import messages as m
-from ..protocol.names import executor_name
+from ..protocol.names import executor_name, task_name
 from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL, DropLane, Payload
 from ..worker import run_segment
@@ -82,13 +82,30 @@ _SEQ_OF[m.CallRecording] = lambda msg: (msg.seq, None)
 
 # Families of bookkeeping steps: a segment is named after its other work, if any.
 _BOOKKEEPING = ("status", "stream", "delete")
+# A segment of mixed work is named after the first of these it holds: communication, then
+# replays, then ops, then fetches (the task stream shows compute, communication, fetches).
+_PRECEDENCE = (
+    *("reduce", "send", "recording", "call", "actor", "pipe", "fetch", "borrow", "ref"),
+    *("comm", "mesh", "exit"),  # control steps: communicators, meshes, exit
+    *_BOOKKEEPING,  # a segment of bookkeeping only
+)
 
 
-def segment_name(steps: list) -> str:
-    """``monarch_<what ran>``: the family of the segment's work, ``segment`` when mixed."""
-    families = {FAMILY.get(type(s), "segment") for s in steps}
+def segment_name(steps: list, span_label: str = "") -> str:
+    """``monarch_<what dominates>`` (``monarch_ops``, ``monarch_reduce``, ...), with the label
+    of the ``dask_monarch.span`` it was issued in (:func:`~..protocol.names.span_label`)."""
+    families = set()
+    for s in steps:
+        if type(s) is m.CommandGroup:  # a coalesced group: named after what is inside
+            families.update(FAMILY.get(type(inner), "segment") for inner in s.messages)
+        else:
+            families.add(FAMILY.get(type(s), "segment"))
     work = families.difference(_BOOKKEEPING) or families
-    return f"monarch_{work.pop()}" if len(work) == 1 else "monarch_segment"
+    if len(work) == 1:
+        family = work.pop()
+    else:
+        family = next((f for f in _PRECEDENCE if f in work), "segment")
+    return task_name(family, span_label)
 
 
 @dataclass
@@ -99,8 +116,8 @@ class Segment:
     after: list  # keys this segment must follow
     steps: list = field(default_factory=list)
 
-    def key(self, token: str) -> tuple:
-        return (segment_name(self.steps), token, self.rank, self.lane, self.index)
+    def key(self, token: str, span_label: str = "") -> tuple:
+        return (segment_name(self.steps, span_label), token, self.rank, self.lane, self.index)
 
 
 @dataclass
@@ -143,6 +160,7 @@ class Compiler:
         self.done = {} if done is None else done  # (rank, lane) -> last segment run
         self.check = Precheck(len(resources), self.done)
         self.refused: ProtocolError | None = None  # why a flush was refused (then broken)
+        self.span_label = ""  # of the dask_monarch.span the next flush was issued in
 
     def executor(self, lane: Any) -> str:
         return executor_name(self.token, lane)
@@ -304,7 +322,7 @@ class Compiler:
         return seg
 
     def _plan(self, segments: list[Segment], new_lanes, count, error) -> Plan:
-        final = {id(seg): seg.key(self.token) for seg in segments}
+        final = {id(seg): seg.key(self.token, self.span_label) for seg in segments}
         for tail in self.lanes.values():  # later flushes follow the real keys
             if isinstance(tail.key, _PendingKey):
                 tail.key = final[id(tail.key.segment)]

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+import dask
 from distributed import Client, wait
 
 from .. import config
@@ -89,8 +90,9 @@ def client_problem(client: Client) -> str | None:
     status = client.status
     if status in ("closing", "closed"):
         return (
-            "its distributed.Client was closed; close meshes (mesh.exit(), "
-            "Controller.close()) before their client"
+            "its distributed.Client was closed, so the mesh can run nothing more: make a "
+            "new Client and a new mesh (dask_monarch.device_mesh), and exit meshes "
+            "(mesh.exit(), Controller.close()) before closing their client"
         )
     comm = client.scheduler_comm
     if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():
@@ -153,7 +155,13 @@ class Controller:
         if not isinstance(client, Client):
             raise TypeError(f"Controller needs a distributed.Client, got {client!r}")
         if client.asynchronous:
-            raise TypeError("Controller needs a synchronous Client (asynchronous=False)")
+            raise TypeError(
+                "dask_monarch drives a mesh with a synchronous distributed.Client, and this "
+                "one is asynchronous (Client(asynchronous=True)): create a plain Client(...) "
+                "for the mesh (in a notebook too: it runs its own event loop thread); in "
+                "async code, await the fetches (await dask_monarch.fetch_shard(t)) or run "
+                "the mesh code with asyncio.to_thread"
+            )
         if type(world_size) is not int or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -183,6 +191,8 @@ class Controller:
         self._attach = config.get("debug.attach", "auto")  # may a wait attach to a paused rank
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
+        # (distributed.span annotation, task-name label) of the dask_monarch.span open now
+        self.span: tuple[dict, str] | None = None
         self._closed = False
         self._rendezvous: tuple[str, int] | None = None
         self._actor_ids = itertools.count()
@@ -193,6 +203,11 @@ class Controller:
             client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
         )
 
+        # settings first: a bad value fails here, before any worker is claimed
+        self._flush_size = int(config.get("flush.size"))
+        self._idle = config.seconds("flush.idle")
+        self._min_age = config.seconds("flush.min-age")
+        self._max_age = config.seconds("flush.max-age")
         config.freeze_gc()
         self.workers = choose_workers(
             client, world_size, device, workers, distinct_hosts=distinct_hosts
@@ -223,10 +238,6 @@ class Controller:
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
-        self._flush_size = int(config.get("flush.size"))
-        self._idle = config.seconds("flush.idle")
-        self._min_age = config.seconds("flush.min-age")
-        self._max_age = config.seconds("flush.max-age")
         self._flusher = threading.Thread(
             target=self._flush_loop, daemon=True, name=f"dask_monarch-flush-{self.token}"
         )
@@ -330,6 +341,8 @@ class Controller:
                 raise
 
     def _hand_over(self, buffer: list, final: bool | tuple[int, int]) -> None:
+        span = self.span  # set by dask_monarch.span, which flushes as it enters and leaves
+        self._compiler.span_label = span[1] if span is not None else ""
         plan = self._compiler.compile(buffer, final)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
@@ -338,7 +351,11 @@ class Controller:
         self.messages_sent += plan.messages
         self.flushes += 1
         if plan.graph is not None:
-            futures = self._client.get(plan.graph, plan.keys, sync=False)
+            if span is None:
+                futures = self._client.get(plan.graph, plan.keys, sync=False)
+            else:  # from any thread (the background flusher too): the span's annotation
+                with dask.annotate(span=span[0]):
+                    futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
             for lane, key in plan.tails.items():

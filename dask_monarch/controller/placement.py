@@ -1,8 +1,9 @@
 """Placement: which workers a controller's ranks run on, and the per-rank state it sets up there.
 
-The workers are chosen in a stable order (GPU workers first, then by rank
-resource and name in natural order), claimed as ranks, given lanes as flushes
-need them and, for the first collective, a store rendezvous. Each step is one
+The workers are chosen in a stable order (:func:`rank_order`: GPU workers
+first, explicit rank resources next, then names in natural order), claimed
+as ranks, given lanes as flushes need them and, for the first collective, a
+store rendezvous. Each step is one
 ``client.run`` on the workers concerned; the functions here hold no state (but
 who lowered a client's batched-send gap), the
 :class:`~dask_monarch.controller.Controller` keeps what they return.
@@ -21,6 +22,7 @@ from distributed import Client
 from distributed.comm.addressing import get_address_host
 
 from .. import config
+from ..protocol.names import RESOURCE_PREFIX
 from ..worker import (
     claim_rank,
     create_lanes,
@@ -97,15 +99,11 @@ def choose_workers(
         return chosen
 
     def candidates(info: dict[str, dict]) -> list[str]:
-        """GPU workers first, then by rank resource / name in natural order (rank2 < rank10)."""
+        """The workers that may become ranks, in rank order (:func:`rank_order`)."""
         if device == "cuda":
             info = {a: i for a, i in info.items() if i["gpus"]}
 
-        def order(addr: str) -> tuple:
-            i = info[addr]
-            return (not i["gpus"], natural_key(i["resource"] or ""), natural_key(i["name"]), addr)
-
-        chosen = sorted(info, key=order)
+        chosen = sorted(info, key=lambda address: rank_order(address, info[address]))
         if distinct_hosts:
             first_of_host: dict[str, str] = {}
             for a in chosen:
@@ -230,6 +228,23 @@ def describe_workers(
         else:
             note_silent(a)
     return info, silent
+
+
+_RANK_RESOURCE = re.compile(re.escape(RESOURCE_PREFIX) + r"rank(\d+)$")
+
+
+def rank_order(address: str, described: dict) -> tuple:
+    """The sort key that makes ranks stable: a worker keeps its rank across meshes.
+
+    GPU workers first; among them, workers started with a rank resource
+    (``monarch-rank<N>``) by N; then the others by name in natural order
+    (``w2 < w10``), then address. The resource a worker without a rank gets
+    when a controller first claims it (``monarch-<name>``) plays no part, so
+    the order does not depend on which meshes ran before.
+    """
+    match = _RANK_RESOURCE.match(described["resource"] or "")
+    explicit = (0, int(match.group(1))) if match else (1, 0)
+    return (not described["gpus"], explicit, natural_key(str(described["name"])), address)
 
 
 def claim_ranks(

@@ -95,6 +95,63 @@ class MeshFuture(concurrent.futures.Future):
             return e
         return None
 
+    # -- the ways Dask and asyncio users wait ---------------------------------------------------
+
+    def __await__(self) -> Any:
+        """``await f``: the value, without blocking the event loop (a notebook's, say)."""
+        return self._result_async().__await__()
+
+    async def _result_async(self) -> Any:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        resolved = asyncio.Event()
+
+        def wake(_: concurrent.futures.Future) -> None:
+            try:
+                loop.call_soon_threadsafe(resolved.set)
+            except RuntimeError:  # the loop closed while we waited
+                pass
+
+        self.add_done_callback(wake)
+        controller = self._session.controller
+        await loop.run_in_executor(None, controller.flush)
+        while not self.done():
+            try:
+                await asyncio.wait_for(resolved.wait(), 0.05)
+            except asyncio.TimeoutError:
+                if controller.broken is not None or controller.closed:
+                    break  # result() raises what happened
+        return await loop.run_in_executor(None, self.result)
+
+    def __dask_graph__(self) -> Any:
+        """Refuse Dask's collection helpers: ``distributed.wait``, ``progress``, ``compute``
+        would otherwise see no Dask future here and answer at once, wrongly."""
+        raise TypeError(
+            f"{self!r} is a dask_monarch MeshFuture, not a distributed.Future: wait for it "
+            "with f.result(), `await f`, concurrent.futures.wait([f]) or "
+            "concurrent.futures.as_completed([f]) (not distributed.wait/as_completed/progress)"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<MeshFuture seq {self.seq}, {self._state.lower()}: a dask_monarch future for "
+            "f.result(), await f, concurrent.futures.wait/as_completed>"
+        )
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        state = self._state.lower()
+        if state == "finished":
+            error = super().exception(timeout=0)
+            state = f"failed: {type(error).__name__}" if error is not None else "resolved"
+        return (
+            f"<div><strong>dask_monarch.MeshFuture</strong> seq {self.seq}: "
+            f"{escape(state)}<br><small>f.result() (or <code>await f</code>) waits for the "
+            "value</small></div>"
+        )
+
 
 class Capture:
     """Messages held back instead of sent (coalescing, or a recording being traced)."""
@@ -122,6 +179,14 @@ class Capture:
             if ref < first:
                 self.captured[ref] = handle
         self.created.extend(outputs)
+
+
+_live: weakref.WeakSet = weakref.WeakSet()  # its controller's listener keeps a Session alive
+
+
+def live_sessions() -> list[Session]:
+    """The user-API meshes of this process not exited yet (``dask-monarch run`` exits them)."""
+    return [s for s in list(_live) if not s.closed]
 
 
 class Session:
@@ -161,6 +226,7 @@ class Session:
         self._unobserved: dict[int, RemoteException] = {}
         self.closed = False
         self.controller.add_listener(self._on_message)
+        _live.add(self)
 
     # -- ids ----------------------------------------------------------------------------------
 

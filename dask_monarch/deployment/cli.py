@@ -226,7 +226,14 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
     scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
     if not (scheduler_address or scheduler_file):
         raise click.UsageError("give --scheduler-address or --scheduler-file")
-    report = describe_cluster(scheduler_address, scheduler_file)
+    try:
+        report = describe_cluster(scheduler_address, scheduler_file)
+    except OSError as e:  # refused, timed out, unresolvable: no traceback, what to check
+        where = scheduler_address or f"the address in {scheduler_file}"
+        raise click.ClickException(
+            f"cannot reach the scheduler at {where}: {e}. Is the scheduler running there "
+            "(dask scheduler, or the cluster's scheduler_address)?"
+        ) from None
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
         return

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -201,6 +202,12 @@ def uses_tls(security: Security | None) -> bool:
     return has_certs
 
 
+def _rank_number(name: Any) -> tuple:
+    """``rank12`` -> (0, 12): rank workers in rank order, any other name after them."""
+    number = str(name).removeprefix("rank")
+    return (0, int(number), "") if number.isdigit() else (1, 0, str(name))
+
+
 class LocalMeshCluster(SpecCluster):
     """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
 
@@ -255,26 +262,21 @@ class LocalMeshCluster(SpecCluster):
         if memory_limit == "auto":
             memory_limit = MEMORY_LIMIT // n_ranks
         gap = config.seconds("comm.batched-interval")
-        workers = {}
-        for i in range(n_ranks):
-            options = rank_worker_options(
-                f"rank{i}",
-                rank=i,
-                torch_threads=threads,
-                memory_limit=memory_limit,
-                gpus=gpus if device == "cuda" else None,
-                gpu_index=i,
-                host="127.0.0.1",
-                profile=profile,
-                silence_logs=silence_logs,
-                batched_interval=gap,
-            )
-            if security is not None:
-                options["security"] = security
-            workers[f"rank{i}"] = {
-                "cls": RankNanny,
-                "options": {**options, **(worker_options or {})},
-            }
+        self._gpus = gpus if device == "cuda" else []
+        self._rank_settings = {
+            "torch_threads": threads,
+            "memory_limit": memory_limit,
+            "gpus": gpus if device == "cuda" else None,
+            "host": "127.0.0.1",
+            "profile": profile,
+            "silence_logs": silence_logs,
+            "batched_interval": gap,
+        }
+        self._rank_extra = {
+            **({"security": security} if security is not None else {}),
+            **(worker_options or {}),
+        }
+        workers = dict(self._rank_spec(i) for i in range(n_ranks))
         scheduler_options: dict[str, Any] = {
             "host": "127.0.0.1",
             "port": scheduler_port,
@@ -306,6 +308,41 @@ class LocalMeshCluster(SpecCluster):
             security=security,
             **kwargs,
         )
+
+    def _rank_spec(self, i: int) -> tuple[str, dict]:
+        """The name and the worker spec of rank ``i`` (the recipe every rank worker follows)."""
+        options = rank_worker_options(f"rank{i}", rank=i, gpu_index=i, **self._rank_settings)
+        return f"rank{i}", {"cls": RankNanny, "options": {**options, **self._rank_extra}}
+
+    def new_worker_spec(self) -> dict:
+        """The next rank worker: the lowest rank not running (Dask's scale() adds these)."""
+        i = next(i for i in itertools.count() if f"rank{i}" not in self.worker_spec)
+        name, spec = self._rank_spec(i)
+        return {name: spec}
+
+    @property
+    def _supports_scaling(self) -> bool:
+        return True
+
+    def scale(self, n: int = 0, memory: Any = None, cores: Any = None) -> Any:
+        """Run ``n`` rank workers: ``rank0 .. rank<n-1>`` (the highest ranks go first).
+
+        A mesh holding a rank that goes away breaks (DeviceException); ranks
+        keep their names and rank resources, so the workers that stay keep
+        their ranks. CUDA ranks are limited to the visible GPUs.
+        """
+        if memory is not None or cores is not None:
+            raise ValueError("LocalMeshCluster.scale takes a number of ranks, not memory or cores")
+        if type(n) is not int or n < 0:
+            raise ValueError(f"scale(n): n must be a non-negative int, got {n!r}")
+        if getattr(self, "device", None) == "cuda" and n > len(self._gpus):
+            raise ValueError(f"scale({n}) but only {len(self._gpus)} GPUs are visible")
+        # Dask's scale() removes the last workers of the spec: keep it in rank order
+        ordered = sorted(self.worker_spec, key=_rank_number)
+        self.worker_spec = {name: self.worker_spec[name] for name in ordered}
+        result = super().scale(n)
+        self.n_ranks = n
+        return result
 
     async def _close(self) -> None:
         """Close as Dask does; whatever that leaves running after a failed start is stopped.

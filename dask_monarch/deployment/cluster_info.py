@@ -23,7 +23,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
     """The scheduler, its dashboard link and one row per worker, rank workers first, in order."""
     from distributed import Client
 
-    from ..controller.placement import natural_key
+    from ..controller.placement import rank_order
     from ..worker import describe_worker
 
     if scheduler_file:
@@ -50,7 +50,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
                     "resources": w.get("resources", {}),
                 }
             )
-        rows.sort(key=lambda r: (r["resource"] is None, natural_key(r["resource"] or r["name"])))
+        rows.sort(key=lambda r: rank_order(r["address"], r))  # the order controllers take
         link = client.dashboard_link
         scheduler = client.scheduler.address
     return {"scheduler": scheduler, "dashboard": link, "workers": rows}

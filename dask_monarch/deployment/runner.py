@@ -15,7 +15,9 @@ Exit status: the script's own (``sys.exit``); 0 when it returns; 1 when it
 raises; 3 for a :class:`dask_monarch.RemoteException` (a remote function
 failed: its remote traceback is printed) and 4 for a
 :class:`dask_monarch.DeviceException` (the mesh broke). (2, a usage error,
-is the command line's.) Problems found before the script starts (no
+is the command line's.) A failure nobody fetched, on a mesh the script
+left without ``mesh.exit()``, is reported when the script ends and turns a
+status of 0 into 3 (4 if the mesh broke). Problems found before the script starts (no
 scheduler, too few workers, no GPU) raise :class:`SetupError`.
 
 Only the standard library is imported at import time; Dask and the
@@ -102,6 +104,7 @@ def run(
             if line is not None:
                 line.stop()
         if code != EXIT_INTERRUPTED:
+            code = _exit_meshes(code, sys.stderr)
             _close_controllers()
             return code
         with _second_interrupt_exits():  # the cluster closes now, quietly and promptly
@@ -176,10 +179,12 @@ def _connect(
         try:
             client.wait_for_workers(ranks, timeout=timeout)
         except TimeoutError:
+            have = len(client.scheduler_info(n_workers=-1)["workers"])  # before closing
             client.close()
             raise SetupError(
-                f"the cluster has {len(client.scheduler_info()['workers'])} workers, "
-                f"fewer than --ranks {ranks}, after {timeout:g}s"
+                f"the cluster has {have} worker{'s' if have != 1 else ''}, fewer than "
+                f"--ranks {ranks}, after waiting {timeout:g}s: start more workers, or "
+                "ask for fewer ranks"
             ) from None
     return client
 
@@ -207,6 +212,29 @@ def _embedded_client(
         raise SetupError(str(e)) from None
     with cluster, Client(cluster, set_as_default=True) as client:
         yield client
+
+
+def _exit_meshes(code: int, stderr: TextIO) -> int:
+    """Exit the meshes the script left open, as ``mesh.exit()`` would: a remote failure
+    nobody fetched is reported, and a script that otherwise succeeded exits non-zero."""
+    from ..controller.session import live_sessions
+
+    for session in live_sessions():
+        try:
+            session.exit()
+        except Exception as e:
+            stderr.write(
+                "dask-monarch: the script ended with a failure nobody fetched on a mesh "
+                "it did not exit:\n"
+            )
+            status = report_exception(e, stderr)
+            stderr.write(
+                "dask-monarch: fetch results (dask_monarch.inspect) or call mesh.exit() "
+                "in the script to see failures where they happen\n"
+            )
+            stderr.flush()
+            code = code or status
+    return code
 
 
 def _close_controllers(drain: bool = True) -> None:

@@ -36,6 +36,7 @@ exception messages (:func:`redact`), which may quote argument values.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -380,6 +381,50 @@ def dask_setup(scheduler: Scheduler) -> None:
     install(scheduler)
 
 
+# Worker metrics in bytes: the Workers table formats them as it formats its own memory columns.
+BYTE_METRICS = ("monarch_tensor_bytes",)
+
+
+def format_byte_columns(root: Any) -> None:
+    """Give the :data:`BYTE_METRICS` columns of the Bokeh tables under ``root`` a bytes
+    formatter (``1.5 MiB``, not ``1572864``)."""
+    from bokeh.models import DataTable, NumberFormatter
+
+    for table in root.select({"type": DataTable}):
+        for column in table.columns:
+            if column.field in BYTE_METRICS:
+                column.formatter = NumberFormatter(format="0.0 b")
+
+
+def _format_worker_table() -> None:
+    """Make distributed's Workers table show :data:`BYTE_METRICS` as bytes.
+
+    It formats only the metrics it knows (its formatters are fixed in
+    ``WorkerTable.__init__``), so each new table gets ours after it is built;
+    best effort, as the menu entry is: without it the figures stay plain numbers.
+    """
+    try:
+        from distributed.dashboard.components.scheduler import WorkerTable
+    except Exception as e:  # no bokeh, or the internal module moved
+        logger.debug("Workers table left unformatted: %r", e)
+        return
+    original = WorkerTable.__init__
+    if getattr(original, "_dask_monarch", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            format_byte_columns(self.root)
+        except Exception as e:  # only cosmetic
+            logger.debug("Workers table left unformatted: %r", e)
+
+    __init__._dask_monarch = True  # type: ignore[attr-defined]
+    WorkerTable.__init__ = __init__
+
+
 # Imported by a scheduler preload inside Scheduler.__init__, before the dashboard starts:
 # the "More..." entry must be in the table by then.
 _register_more_menu_page()
+_format_worker_table()

@@ -4,7 +4,14 @@ It reads :meth:`Controller.progress` of every live controller (messages
 sent, segments done, broken or not) from a daemon thread, so the script
 being run never waits on the display. Settings: ``dask_monarch.cli.
 progress-interval`` (refresh) and ``dask_monarch.cli.progress-delay`` (a
-short run shows no line at all). While a rank is paused in pdb the line
+short run shows no line at all).
+
+On a terminal the script's own output never lands on the line: while the
+line runs, ``sys.stdout`` and ``sys.stderr`` (those that are terminals) are
+wrapped, so each write first erases the line and, once the output ends with
+a newline, draws it again below (what tqdm's ``write`` and rich's live
+display do). The line is drawn only once a mesh has sent messages: its first
+figures are real ones, never "0 meshes, 0 messages". While a rank is paused in pdb the line
 says so, and on a terminal it is erased and not redrawn: the debugger
 session owns the terminal then (docs/debugging.md).
 """
@@ -12,9 +19,10 @@ session owns the terminal then (docs/debugging.md).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +51,57 @@ class ProgressLine:
         self._start = time.monotonic()
         self._last = (self._start, 0)
         self._shown = ""
+        self._lock = threading.RLock()  # the terminal: the line and the script's writes
+        self._on_screen = False  # the line is drawn now
+        self._mid_line = False  # the script's output ended without a newline: do not draw
+        self._wrapped: list[tuple[str, _AroundTheLine]] = []
 
     def start(self) -> None:
+        if self.tty:  # the script's writes to this terminal erase and redraw the line
+            for name in ("stdout", "stderr"):
+                stream = getattr(sys, name)
+                if getattr(stream, "isatty", lambda: False)():
+                    wrapper = _AroundTheLine(stream, self)
+                    setattr(sys, name, wrapper)
+                    self._wrapped.append((name, wrapper))
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.tty and self._shown:
+        with self._lock:
+            for name, wrapper in self._wrapped:
+                if getattr(sys, name) is wrapper:  # unless the script replaced it since
+                    setattr(sys, name, wrapper.inner)
+            self._wrapped.clear()
+            self._erase()
+
+    # -- the terminal -------------------------------------------------------------------------
+
+    def _erase(self) -> None:
+        """Take the line off the screen (lock held)."""
+        if self._on_screen:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
+            self._on_screen = False
+
+    def _draw(self) -> None:
+        """Put the line back, unless the script is in the middle of a line (lock held)."""
+        if self._shown and not self._mid_line and not self._stop.is_set():
+            self.stream.write("\r" + self._shown + "\x1b[K")
+            self.stream.flush()
+            self._on_screen = True
+
+    def _around(self, inner: TextIO, text: str) -> int:
+        """Write the script's ``text`` to ``inner`` with the line out of the way."""
+        with self._lock:
+            self._erase()
+            written = inner.write(text)
+            if text:
+                inner.flush()
+                self._mid_line = not text.endswith("\n")
+                self._draw()
+            return written
 
     def line(self) -> str:
         """The text of the line now."""
@@ -93,17 +142,38 @@ class ProgressLine:
             except Exception as e:  # a display must never fail the run
                 logger.debug("progress line skipped a refresh: %r", e)
                 continue
+            if key[0] == 0 or key[1] == 0:
+                continue  # no mesh, or no message yet: nothing real to show
             if self.tty and key[-1]:  # a pdb session may own the terminal: leave it alone
-                if self._shown:
-                    self.stream.write("\r\x1b[K")
+                with self._lock:
+                    self._erase()
                     self._shown = ""
-                    self.stream.flush()
                 continue
             if self.tty:
-                self.stream.write("\r" + text + "\x1b[K")
-            elif key != shown:  # a log file gets a line per change, not per tick
+                with self._lock:
+                    self._shown = text
+                    self._draw()
+                    continue
+            if key != shown:  # a log file gets a line per change, not per tick
                 self.stream.write(text + "\n")
-            else:
-                continue
-            shown, self._shown = key, text
-            self.stream.flush()
+                self.stream.flush()
+                shown, self._shown = key, text
+
+
+class _AroundTheLine:
+    """A terminal stream of the script (``sys.stdout``/``sys.stderr``) that moves the progress
+    line out of the way of each write; everything else is the stream's own."""
+
+    def __init__(self, inner: TextIO, line: ProgressLine) -> None:
+        self.inner = inner
+        self._line = line
+
+    def write(self, text: str) -> int:
+        return self._line._around(self.inner, text)
+
+    def writelines(self, lines: Any) -> None:
+        for text in lines:
+            self.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

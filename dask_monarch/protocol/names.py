@@ -9,6 +9,7 @@ the plugin's setup import this module.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # -- the worker plugin ---------------------------------------------------------------------
@@ -49,6 +50,37 @@ def executor_name(token: str, lane: Any) -> str:
 def executor_prefix(token: str) -> str:
     """How every executor name of controller ``token`` starts."""
     return executor_name(token, "")
+
+
+# -- task keys: the task stream's colours and Dask's task groups -----------------------------
+
+# Dask colours the task stream by a key's prefix (``key_split``) and groups tasks by its first
+# element; a segment's is ``monarch_<work>`` plus, inside ``dask_monarch.span``, the span's
+# label. Work families whose task name differs from the protocol family:
+TASK_WORK_NAMES = {"call": "ops"}
+
+
+def task_name(family: str, span_label: str = "") -> str:
+    """``monarch_ops``, ``monarch_reduce``, ... (``span_label``: from :func:`span_label`)."""
+    return f"monarch_{TASK_WORK_NAMES.get(family, family)}{span_label}"
+
+
+def span_label(name: str, span_id: str) -> str:
+    """``-forward-1a2b3c4d``: a span's part of a task name.
+
+    Its letters join the prefix (``monarch_ops-forward``: a colour of its own
+    in the task stream; ``key_split`` keeps only alphabetic words), its id
+    (8 hex digits, which ``key_split`` drops) makes a task group per span, as
+    ``distributed``'s spans need: a group belongs to the span it first met.
+    """
+    words = "-".join(_keepable(w) for w in re.findall(r"[A-Za-z]+", name))
+    return f"-{words}-{span_id[:8]}" if words else f"-{span_id[:8]}"
+
+
+def _keepable(word: str) -> str:
+    """``key_split`` drops an 8-letter word that starts like hex (``backward``): capitalised,
+    it stays (``Backward``)."""
+    return word.capitalize() if len(word) == 8 and word[0] in "abcdef" else word
 
 
 # -- output descriptions -------------------------------------------------------------------

@@ -110,17 +110,45 @@ def _task_deps(plan, key):
 def test_segment_keys_name_their_work():
     create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
     _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), m.DeleteRefs([Ref(1)])])
-    assert {key_split(k) for k in plan.keys} == {"monarch_call"}
+    assert {key_split(k) for k in plan.keys} == {"monarch_ops"}
     c, plan = compile_([create, fetch(0, Ref(1))])
     assert {key_split(k) for k in plan.keys} == {"monarch_fetch"}
     _, plan = compile_([create, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S0)])
     assert {key_split(k) for k in plan.keys} == {"monarch_borrow"}
     _, plan = compile_([create, call(0, Ref(1), "torch.ones", 1), fetch(1, Ref(1))])
-    assert {key_split(k) for k in plan.keys} == {"monarch_segment"}
+    assert {key_split(k) for k in plan.keys} == {"monarch_ops"}  # ops dominate a fetch
     _, plan = compile_([m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))])
     assert {key_split(k) for k in plan.keys} == {"monarch_mesh"}
     _, plan = compile_([m.RequestStatus(0)])
     assert {key_split(k) for k in plan.keys} == {"monarch_status"}
+
+
+def test_mixed_segments_are_named_after_what_dominates():
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    mesh = m.CreateDeviceMesh(Ref(9), ["x"], Slice.row_major([2]))
+    factory = m.Factory((1,), torch.float32, torch.strided, "cpu")
+    c, _ = compile_([create, mesh, m.BackendNetworkInit(), m.SplitComm(["x"], Ref(9), S0)])
+    both = (0, 1)
+    plan = c.compile(
+        [
+            (both, call(4, Ref(4), "torch.ones", 1)),
+            (
+                both,
+                m.Reduce(
+                    Ref(5), Ref(4), factory, Ref(9), S0, ["x"], m.ReduceOp.SUM, False, False, None
+                ),
+            ),
+            (both, fetch(6, Ref(5))),
+        ]
+    )
+    assert {key_split(k) for k in plan.keys} == {"monarch_reduce"}, plan.error  # comm first
+    group = m.CommandGroup([call(7, Ref(7), "torch.ones", 1), call(8, Ref(8), "torch.ones", 1)])
+    plan = c.compile([(both, group)])
+    assert {key_split(k) for k in plan.keys} == {"monarch_ops"}  # named after what is inside
+    c.span_label = "-forward-1a2b3c4d"
+    plan = c.compile([(both, call(9, Ref(10), "torch.ones", 1))])
+    assert {key_split(k) for k in plan.keys} == {"monarch_ops-forward"}  # the colour
+    assert {k[0] for k in plan.keys} == {"monarch_ops-forward-1a2b3c4d"}  # the task group
 
 
 def test_segments_are_pinned_and_chained():

@@ -213,3 +213,141 @@ def test_run_a_module_with_m(tmp_path, address):
     done = run_cli(["run", "--scheduler-address", address, "-q", "-m", "job_module", "x"], tmp_path)
     assert done.returncode == 0, explain(done)
     assert "module __main__ ['x'] 2" in done.stdout
+
+
+# -------------------------------------------------------------------------------- issue 17
+
+
+@pytest.mark.timeout(300)
+def test_more_ranks_than_workers_says_fewer_than_ranks(tmp_path, address):
+    (tmp_path / "noop.py").write_text("print('never runs')\n")
+    done = run_cli(
+        ["run", "--scheduler-address", address, "--ranks", "6", "noop.py"],
+        tmp_path,
+        env={"DASK_MONARCH__CLI__WAIT_FOR_WORKERS": "2s"},
+    )
+    assert done.returncode == 1, explain(done)
+    assert "the cluster has 2 workers, fewer than --ranks 6" in done.stderr, explain(done)
+    assert "Traceback" not in done.stderr and "IOLoop is closed" not in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_info_on_an_unreachable_scheduler_is_a_short_clear_error(tmp_path):
+    done = run_cli(
+        ["info", "--scheduler-address", "tcp://127.0.0.1:1"],
+        tmp_path,
+        env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"},
+    )
+    assert done.returncode == 1, explain(done)
+    assert "cannot reach the scheduler at tcp://127.0.0.1:1" in done.stderr, explain(done)
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 3, explain(done)
+
+
+@pytest.mark.timeout(300)
+def test_a_remote_failure_nobody_fetched_fails_the_run(tmp_path, address):
+    (tmp_path / "unfetched.py").write_text(
+        textwrap.dedent("""\
+        import torch
+        import dask_monarch as dm
+
+        mesh = dm.device_mesh(gpu=2)
+        with mesh.activate():
+            dm.remote("remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
+        print("script done")
+        """)
+    )
+    done = run_cli(["run", "--scheduler-address", address, "-q", "unfetched.py"], tmp_path)
+    assert "script done" in done.stdout, explain(done)
+    assert done.returncode == 3, explain(done)
+    assert "failure nobody fetched" in done.stderr, explain(done)
+    assert "boom from a remote function" in done.stderr, explain(done)
+
+
+def _terminal_lines(raw: str) -> list[str]:
+    """What a terminal shows for ``raw``: carriage returns, erase-to-end-of-line, newlines."""
+    lines, line, col = [], [], 0
+    i = 0
+    while i < len(raw):
+        if raw.startswith("\x1b[K", i):
+            del line[col:]
+            i += 3
+            continue
+        ch = raw[i]
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append("".join(line))
+            line, col = [], 0
+        else:
+            if col < len(line):
+                line[col] = ch
+            else:
+                line.append(ch)
+            col += 1
+        i += 1
+    if line:
+        lines.append("".join(line))
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_progress_line_never_garbles_the_script_output(tmp_path, address):
+    """On a terminal the line is erased before the script writes and drawn again after;
+    its first figures are real ones."""
+    import pty
+    import select
+
+    (tmp_path / "script.py").write_text(
+        PRELUDE
+        + textwrap.dedent("""\
+        import time
+        for step in range(12):
+            ctrl.send([0, 1], call(step, Ref(step + 1), "torch.ones", 1))
+            ctrl.sync()
+            print(f"step {step:3d}  loss {1 / (step + 1):.5f}")
+            print("partial", end="", flush=True)
+            time.sleep(0.1)
+            print(" line", file=sys.stderr)
+            time.sleep(0.1)
+        """)
+    )
+    environ = {
+        **os.environ,
+        "DASK_MONARCH__CLI__PROGRESS_DELAY": "0s",
+        "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "20ms",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p),
+    }
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        command() + ["run", "--scheduler-address", address, "-q", "script.py"],
+        cwd=tmp_path,
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([leader], [], [], 1)
+        if ready:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the terminal closed with the process
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif process.poll() is not None:
+            break
+    os.close(leader)
+    assert process.wait(timeout=60) == 0
+    raw = b"".join(chunks).decode(errors="replace")
+    shown = _terminal_lines(raw)
+    steps = [x for x in shown if "step" in x]
+    assert steps == [f"step {s:3d}  loss {1 / (s + 1):.5f}" for s in range(12)], shown
+    assert shown.count("partial line") == 12, shown
+    drawn = [x for x in raw.replace("\n", "\r").split("\r") if x.startswith("dask-monarch: ")]
+    assert drawn, raw  # the line was shown while the script ran ...
+    assert all(x.startswith("dask-monarch: 1 mesh, ") for x in drawn), drawn  # ... real figures
+    assert not any(x.startswith("dask-monarch: 0 ") or " 0 messages" in x for x in drawn)

@@ -260,3 +260,37 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" data-state="idle"'
     ) in dom
     assert '<span class="last-done-seq">3</span>' in dom
+
+
+@pytest.mark.timeout(120)
+def test_workers_table_shows_tensor_bytes_as_bytes():
+    """distributed's Workers table formats only its own metrics; ours get a bytes format."""
+    import asyncio
+
+    from bokeh.models import DataTable, NumberFormatter
+    from distributed import Scheduler, Worker
+    from distributed.dashboard.components.scheduler import WorkerTable
+
+    import dask_monarch.dashboard  # noqa: F401  (the scheduler preload)
+
+    async def build() -> dict:
+        async with (
+            Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as scheduler,
+            Worker(
+                scheduler.address,
+                nthreads=1,
+                metrics={"monarch_tensor_bytes": lambda worker: 3 << 20},
+            ) as worker,
+        ):
+            await worker.heartbeat()
+            table = WorkerTable(scheduler)
+            table.update()
+            columns = {
+                c.field: c for t in table.root.select({"type": DataTable}) for c in t.columns
+            }
+            return {"column": columns.get("monarch_tensor_bytes"), "data": table.source.data}
+
+    built = asyncio.run(build())
+    formatter = built["column"].formatter
+    assert isinstance(formatter, NumberFormatter) and formatter.format == "0.0 b", formatter
+    assert 3 << 20 in built["data"]["monarch_tensor_bytes"]  # the figure stays a number

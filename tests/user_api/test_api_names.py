@@ -35,6 +35,8 @@ API_NAMES = [
     "OpaqueRef",
     "grad_generator",
     "ddp_hooks",
+    "span",
+    "MeshFuture",
 ]
 
 

@@ -1,0 +1,191 @@
+"""What a newcomer from Dask or PyTorch meets first: the messages, the futures, the notebook views.
+
+Each message says what happened and what to do, and names the mesh (with an
+id that tells two meshes apart) and the tensor's shape; ``MeshFuture`` works
+with ``await`` and ``concurrent.futures``, and Dask's own future helpers
+refuse it with a TypeError that says what to call instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+import distributed
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# -------------------------------------------------------------------------------- messages
+
+
+def test_wrong_mesh_names_both_meshes_with_ids_and_the_shape(client2, mesh2):
+    other = dm.device_mesh(client2, gpu=2)
+    try:
+        with mesh2.activate():
+            x = torch.ones(3, 4)
+        with other.activate():
+            y = torch.ones(3, 4)
+        with mesh2.activate(), pytest.raises(TypeError, match="WRONG_MESH") as info:
+            x + y
+        text = str(info.value)
+        ours, theirs = mesh2._session.controller.token, other._session.controller.token
+        assert ours in text and theirs in text, text  # two DeviceMesh(gpu=2) told apart
+        assert "shape [3, 4]" in text and "to_mesh" in text, text
+    finally:
+        other.exit()
+
+
+@pytest.mark.parametrize(
+    "convert", [np.asarray, lambda t: t.numpy(), lambda t: t.tolist(), np.array]
+)
+def test_local_conversions_point_to_inspect(mesh2, convert):
+    with mesh2.activate():
+        x = torch.ones(3, 4)
+    with pytest.raises(RuntimeError, match=r"dask_monarch\.inspect") as info:
+        convert(x)
+    assert "shape [3, 4]" in str(info.value) and "subclass" not in str(info.value)
+    assert dm.inspect(x).numpy().shape == (3, 4)  # the way it points to works
+
+
+def test_after_client_close_inspect_and_new_work_raise_clearly(cluster2):
+    client = Client(cluster2, set_as_default=False)
+    mesh = dm.device_mesh(client, gpu=2)
+    with mesh.activate():
+        y = torch.ones(2) * 3
+    client.close()
+
+    def new_work() -> None:
+        with mesh.activate():
+            torch.zeros(2) + 1
+
+    for attempt in (lambda: dm.inspect(y), new_work, lambda: y + 1):
+        with pytest.raises(dm.DeviceException, match="Client was closed") as info:
+            attempt()
+        assert "mesh.exit()" in str(info.value) and "new mesh" in str(info.value)
+    with pytest.raises((dm.DeviceException, RuntimeError)):
+        mesh.exit()
+
+
+def test_device_mesh_without_a_client_says_how_to_make_one():
+    code = (
+        "import dask_monarch as dm\n"
+        "try:\n"
+        "    dm.device_mesh(host=2, gpu=2)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    out = _python(code)
+    assert "default client" in out and "LocalMeshCluster" in out and "dask-monarch run" in out
+
+
+def test_a_bad_config_value_names_the_key_and_the_value():
+    out = _python(
+        "import dask_monarch.config as c\nc.seconds('flush.idle')\n",
+        DASK_MONARCH__FLUSH__IDLE="banana",
+        check=False,
+    )
+    assert "dask_monarch.flush.idle" in out and "'banana'" in out, out
+    assert "DASK_MONARCH__FLUSH__IDLE" in out and "KeyError" not in out, out
+
+
+def test_an_async_client_gets_a_clear_error(cluster2):
+    async def make() -> str:
+        async with Client(
+            cluster2.scheduler_address, asynchronous=True, set_as_default=False
+        ) as client:
+            try:
+                dm.device_mesh(client, gpu=2)
+            except TypeError as e:
+                return str(e)
+        return "accepted"
+
+    text = asyncio.run(make())
+    assert "asynchronous" in text and "Client(" in text, text
+
+
+def _python(code: str, check: bool = True, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+# -------------------------------------------------------------------------------- futures
+
+
+def test_mesh_future_is_awaitable(mesh2):
+    with mesh2.activate():
+        x = torch.arange(4.0) * 2
+
+    async def fetch() -> torch.Tensor:
+        return await dm.fetch_shard(x, gpu=1)
+
+    assert asyncio.run(fetch()).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_mesh_future_awaits_a_remote_failure(mesh2):
+    with mesh2.activate():
+        bad = dm.remote("tests.remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
+
+    async def fetch() -> None:
+        await dm.fetch_shard(bad)
+
+    with pytest.raises(dm.RemoteException):
+        asyncio.run(fetch())
+
+
+def test_mesh_future_with_concurrent_futures(mesh2):
+    with mesh2.activate():
+        x = torch.ones(2)
+        futures = [dm.fetch_shard(x * i, gpu=i % 2) for i in range(4)]
+    done, not_done = concurrent.futures.wait(futures, timeout=120)
+    assert len(done) == 4 and not not_done
+    got = sorted(f.result()[0].item() for f in concurrent.futures.as_completed(futures))
+    assert got == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "dask_helper",
+    [
+        distributed.wait,
+        lambda f: distributed.progress(f),
+        lambda f: list(distributed.as_completed([f])),
+    ],
+)
+def test_dask_future_helpers_refuse_a_mesh_future(client2, mesh2, dask_helper):
+    with mesh2.activate():
+        future = dm.fetch_shard(torch.ones(2))
+    with pytest.raises(TypeError, match=r"concurrent\.futures"):
+        dask_helper(future)
+    assert future.result().tolist() == [1.0, 1.0]
+
+
+# -------------------------------------------------------------------------------- notebooks
+
+
+def test_html_reprs_of_tensor_and_future(mesh2):
+    with mesh2.activate():
+        x = torch.ones(3, 4)
+    html = x._repr_html_()
+    assert "dask_monarch.Tensor" in html and "[3, 4]" in html
+    assert mesh2._session.controller.token in html and "inspect" in html
+    future = dm.fetch_shard(x)
+    future.result()
+    html = future._repr_html_()
+    assert "MeshFuture" in html and "resolved" in html
