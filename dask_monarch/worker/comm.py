@@ -29,11 +29,17 @@ make peers receive garbage or abort gloo: it is a fresh failure of the result
 (reported as :class:`~dask_monarch.protocol.wire.ValueFailed`) and the rank
 takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
+
+No wait on a peer outlives its controller: a rendezvous polls for its members
+(:meth:`Comms.arrive`) and a gloo op is waited for in slices
+(:func:`.groups.finish`), both giving up as soon as the controller fails or
+releases the rank, instead of at the collective timeout.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -57,6 +63,7 @@ from .errors import FatalError, SeqError
 from .lane import Lane
 
 _MISSING = object()
+ARRIVAL_POLL_S = 0.05  # how often a rendezvous checks its members and its controller
 # (stack?, scatter?) -> the collective a Reduce is
 _KINDS = {
     (False, False): "all-reduce",
@@ -109,6 +116,7 @@ class Comms:
         peers = tuple((r, lane.label) for r in ranks if r != state.rank)
         lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
         try:
+            self.arrive(f"{self.prefix}{key}/", ranks, what)
             return groups.new_group(
                 self.store,
                 f"{self.prefix}{key}/",
@@ -120,6 +128,35 @@ class Comms:
             )
         finally:
             lane.set_running()
+
+    def arrive(self, prefix: str, ranks: list[int], what: str) -> None:
+        """Say this rank reached the rendezvous under ``prefix``; wait until every member did.
+
+        The part of building a group that waits on peers, done here in short
+        polls rather than inside gloo's store wait: it gives up as soon as the
+        controller fails or releases the rank (a member that never comes would
+        otherwise hold the lane until the collective timeout), and a timeout
+        names the members that never came.
+        """
+        state = self.state
+        store = dist.PrefixStore(prefix, self.store)
+        store.set(f"arrived/{state.rank}", b"1")
+        keys = [f"arrived/{r}" for r in ranks]
+        deadline = time.monotonic() + self.timeout
+        while not store.check(keys):
+            if state.abort.is_set():
+                raise FatalError(
+                    f"{what}: rank {state.rank} stopped waiting for the rendezvous of ranks "
+                    f"{_ranks_text(ranks)}: {state.failed or 'the rank was released'}"
+                )
+            if time.monotonic() > deadline:
+                missing = [r for r in ranks if not store.check([f"arrived/{r}"])]
+                raise FatalError(
+                    f"{what}: ranks {_ranks_text(missing)} never reached the rendezvous of "
+                    f"ranks {_ranks_text(ranks)} within {self.timeout:g}s "
+                    "(dask_monarch.timeouts.collective): send it to every member"
+                )
+            time.sleep(ARRIVAL_POLL_S)
 
     def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
@@ -213,7 +250,11 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
         f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
         peers=tuple((r, lane.label) for r in world if r != lane.rank.rank),
     )
-    _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
+    work = _fatal_call(
+        "BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world, async_op=True
+    )
+    cuda = warm_up.is_cuda and groups.uses_nccl(comms.world)
+    _fatal_call("BackendNetworkInit warm-up", _finish, lane, work, cuda)
     lane.set_running()
 
 
@@ -411,7 +452,7 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     lane.set_waiting(
         f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks {members}", peers=peers
     )
-    output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
+    output = _fatal_call(f"Reduce over {list(dims)}", _collective, lane, pg, msg, value, out)
     lane.set_running()
     if mismatch is not None:
         _report_mismatch(lane, mismatch, msg.result)
@@ -426,19 +467,42 @@ def reduce(lane: Lane, msg: Reduce) -> None:
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _finish(lane: Lane, work, cuda: bool) -> None:
+    """Wait for a collective or send; give up when the controller fails or releases the rank.
+
+    A gloo op is waited for in slices (a peer that never comes holds the op,
+    not the lane, until the collective timeout); an NCCL op is only enqueued
+    on the device here, so its wait never blocks on a peer.
+    """
+    if cuda:
+        work.wait()
+        return
+    state = lane.rank
+    if not groups.finish(work, state.abort.is_set):
+        raise FatalError(
+            f"{lane.title} stopped waiting for its peers: {state.failed or 'the rank was released'}"
+        )
+
+
+def _collective(
+    lane: Lane, pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
     n = pg.size()
+    cuda = value.is_cuda and groups.uses_nccl(pg)
     if msg.reduction == "stack":
         if not msg.scatter:  # all-gather: [n, *shape]
             if msg.in_place:
                 raise FatalError("Reduce: an in-place stack is not possible (the shape grows)")
             output = value.new_empty((n, *value.shape))
-            _all_gather(output.view(-1), value.contiguous().view(-1), group=pg)
+            work = _all_gather(
+                output.view(-1), value.contiguous().view(-1), group=pg, async_op=True
+            )
+            _finish(lane, work, cuda)
         else:  # all-to-all: chunks along dim 0
             output = value if msg.in_place else out if out is not None else value.clone()
             source = value.clone() if output is value else value.contiguous()
             gathered = output if output.is_contiguous() else torch.empty_like(output)
-            dist.all_to_all_single(gathered, source, group=pg)
+            _finish(lane, dist.all_to_all_single(gathered, source, group=pg, async_op=True), cuda)
             if gathered is not output:
                 output.copy_(gathered)
             return output
@@ -457,9 +521,10 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
                     f"Reduce: scattering needs dim 0 of size {n}, got {tuple(value.shape)}"
                 )
             output = value.new_empty(value.shape[1:])
-            dist.reduce_scatter_tensor(
-                output.view(-1), value.contiguous().view(-1), op=op, group=pg
+            work = dist.reduce_scatter_tensor(
+                output.view(-1), value.contiguous().view(-1), op=op, group=pg, async_op=True
             )
+            _finish(lane, work, cuda)
         else:  # all-reduce
             if msg.in_place:
                 output = value
@@ -468,7 +533,7 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
                 output = out
             else:
                 output = value.clone()
-            dist.all_reduce(output, op=op, group=pg)
+            _finish(lane, dist.all_reduce(output, op=op, group=pg, async_op=True), cuda)
             return output
     if out is not None:
         out.copy_(output)
@@ -572,8 +637,9 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             buffer = msg.factory.empty()
             lane.env[msg.result.id] = buffer
             recv = (buffer, from_rank)
+        cuda = (send or recv)[0].is_cuda and groups.uses_nccl(pg)
         for work in groups.point_to_point(pg, send, recv, tag):
-            work.wait()
+            _finish(lane, work, cuda)
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
     lane.set_running()

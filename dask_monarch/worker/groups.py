@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -91,12 +92,34 @@ def new_group(
 
 
 def release_group(pg: dist.ProcessGroup) -> None:
-    """Forget the group and stop its backends (a thread blocked in it ends at its timeout)."""
+    """Forget the group and stop its backends (a peer blocked in it then fails fast; an op
+    of ours that waits on a peer ends at its timeout, off the lane: :func:`finish`)."""
     c10d._world.pg_group_ranks.pop(pg, None)
     try:
         pg.shutdown()
     except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
         logger.debug("shutting down process group %r: %r", pg, e)
+
+
+def finish(work, stopped: Callable[[], bool], poll: float = 0.05) -> bool:
+    """Wait for ``work`` (a gloo op's); False as soon as ``stopped()`` says to give up.
+
+    Waits in slices of ``poll`` seconds, each returning the moment the op
+    completes, so a finished op costs nothing extra; the op itself goes on
+    without the caller until it completes or fails at its own timeout. Not for
+    NCCL works: their ``wait(timeout)`` blocks the host on the GPU.
+    """
+    step = datetime.timedelta(seconds=poll)
+    while True:
+        try:
+            work.wait(step)
+            return True
+        except RuntimeError:
+            if work.is_completed():  # the op failed (or completed as the slice ended)
+                work.wait()  # raises the op's own error, if any
+                return True
+            if stopped():
+                return False
 
 
 def point_to_point(
