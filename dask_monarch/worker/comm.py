@@ -31,9 +31,10 @@ takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
 
 No wait on a peer outlives its controller: a rendezvous polls for its members
-(:meth:`Comms.arrive`) and a gloo op is waited for in slices
+(:meth:`Comms.arrive`) and a gloo collective is waited for in slices
 (:func:`.groups.finish`), both giving up as soon as the controller fails or
-releases the rank, instead of at the collective timeout.
+releases the rank, instead of at the collective timeout; a send or receive
+fails fast when the peer's release closes its communicator.
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 def _finish(lane: Lane, work, cuda: bool) -> None:
-    """Wait for a collective or send; give up when the controller fails or releases the rank.
+    """Wait for a collective; give up when the controller fails or releases the rank.
 
     A gloo op is waited for in slices (a peer that never comes holds the op,
     not the lane, until the collective timeout); an NCCL op is only enqueued
@@ -637,9 +638,10 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             buffer = msg.factory.empty()
             lane.env[msg.result.id] = buffer
             recv = (buffer, from_rank)
-        cuda = (send or recv)[0].is_cuda and groups.uses_nccl(pg)
+        # a plain wait: a timed wait on a gloo send or receive closes its pair when it expires
+        # (the peer's release closes it, so this one fails fast then too)
         for work in groups.point_to_point(pg, send, recv, tag):
-            _finish(lane, work, cuda)
+            work.wait()
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
     lane.set_running()

@@ -106,8 +106,9 @@ def finish(work, stopped: Callable[[], bool], poll: float = 0.05) -> bool:
 
     Waits in slices of ``poll`` seconds, each returning the moment the op
     completes, so a finished op costs nothing extra; the op itself goes on
-    without the caller until it completes or fails at its own timeout. Not for
-    NCCL works: their ``wait(timeout)`` blocks the host on the GPU.
+    without the caller until it completes or fails at its own timeout. For gloo
+    collectives only: a timed wait on a gloo send or receive closes its pair when
+    it expires, and an NCCL work's ``wait(timeout)`` blocks the host on the GPU.
     """
     step = datetime.timedelta(seconds=poll)
     while True:
