@@ -239,7 +239,12 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
         comms.store = comms.server
     else:
         comms.store = _fatal_call(
-            "connecting to the controller's store", groups.connect_store, host, port, comms.timeout
+            "connecting to the controller's store",
+            groups.connect_store,
+            host,
+            port,
+            comms.timeout,
+            lane.rank.abort.is_set,
         )
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,8 +46,31 @@ def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
-def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+CONNECT_ATTEMPT_S = 1.0  # one try at reaching a store (torch retries within it)
+
+
+def connect_store(
+    host: str, port: int, timeout: float, stopped: Callable[[], bool] | None = None
+) -> dist.TCPStore:
+    """A client of the store at ``host:port`` (operations then time out after ``timeout``).
+
+    Connects in short attempts, so that it gives up as soon as ``stopped()``
+    says so (the controller failed or released the rank: the store may be gone
+    with it), not after ``timeout``: torch retries a refused connection until then.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        attempt = max(min(CONNECT_ATTEMPT_S, deadline - time.monotonic()), 0.1)
+        try:
+            store = dist.TCPStore(
+                host, port, None, False, timeout=datetime.timedelta(seconds=attempt)
+            )
+        except dist.DistNetworkError:
+            if time.monotonic() >= deadline or (stopped is not None and stopped()):
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        return store
 
 
 def new_group(

@@ -95,3 +95,19 @@ def test_a_rendezvous_gives_up_when_its_controller_fails(client):
         create_streams(other, BOTH, S0)
         other.send(BOTH, call(0, Ref(1), "torch.ones", 2))
         assert other.sync(timeout=120) == []
+
+
+@pytest.mark.timeout(120)
+def test_connecting_to_a_store_that_is_gone_gives_up_when_told():
+    """torch retries a refused connection until the store's timeout; the rank tries in short
+    attempts and stops once its controller failed or released it (the store left with it)."""
+    from dask_monarch.worker import groups
+
+    store, port = groups.start_store("127.0.0.1", 60)
+    del store  # the controller's store is gone: its port refuses connections
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        groups.connect_store("127.0.0.1", port, 60, lambda: time.monotonic() - start > 1)
+    took = time.monotonic() - start
+    print(f"gave up after {took:.1f}s")
+    assert took < 30  # not at the 60 s timeout
