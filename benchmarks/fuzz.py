@@ -44,6 +44,8 @@ import fuzz  # noqa: E402
 
 import dask_monarch as dm  # noqa: E402
 
+PIDS_EVERY = 20  # sequences between two looks at the workers' process ids
+
 
 def _pids(client: Client) -> set[int]:
     return set(client.run(os.getpid).values())
@@ -95,13 +97,15 @@ def main() -> None:
     done_seeds: set[int] = set()
     n = 0
     submitted = 0
-    restart = False
+    restart = lost = False
+    looked = 0
     try:
         pids = _pids(client)
         while submitted < args.sequences or pending:
             while submitted < args.sequences and len(pending) < args.parallel and not restart:
-                if len(client.nthreads()) < 2:  # a worker died: its nanny starts another
+                if lost:  # a worker died: its nanny starts another
                     client.wait_for_workers(2, timeout=300)
+                    lost = False
                 seed = args.seed + submitted
                 pending.add(pool.submit(_one, client, seed, args.bound, rest_bound))
                 submitted += 1
@@ -112,6 +116,7 @@ def main() -> None:
                 counts[outcome.kind] += 1
                 counts[("valid" if sequence.valid else "invalid", outcome.kind)] += 1
                 n += 1
+                lost = lost or outcome.kind == "lost"
                 if outcome.kind == "hang":
                     hangs.append(seed)
                 if sequence.valid and outcome.kind == "refused":
@@ -133,7 +138,8 @@ def main() -> None:
                         flush=True,
                     )
                 elif rest > 0.5:
-                    print(f"seed {seed}: its tasks took {rest:.1f}s to leave", flush=True)
+                    if rest > 5 or args.verbose:
+                        print(f"seed {seed}: its tasks took {rest:.1f}s to leave", flush=True)
                     waited += 1
                     waited_s += rest
                 if n % args.check_every == 0 or n == args.sequences:
@@ -146,6 +152,9 @@ def main() -> None:
                         f"{dict((k, v) for k, v in counts.items() if isinstance(k, str))}",
                         flush=True,
                     )
+            if n - looked < PIDS_EVERY and not (lost or restart or not pending):
+                continue  # each look asks every worker: not after every sequence
+            looked = n
             now = _pids(client)
             if now != pids:
                 restarts += len(pids - now)

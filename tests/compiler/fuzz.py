@@ -583,10 +583,12 @@ def quiesce(client: Any, timeout: float = 60.0, token: str = "monarch") -> float
     on the workers (a broken controller's lane may still be leaving a wait); the seconds
     waited, or None if some still are after ``timeout`` (a worker lost an execution slot)."""
     start = time.monotonic()
+    pause = 0.05
     while executing(client, token):
         if time.monotonic() - start > timeout:
             return None
-        time.sleep(0.1)
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)  # each look asks every worker: few of them
     return time.monotonic() - start
 
 
