@@ -31,7 +31,9 @@ takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
 
 No wait on a peer outlives its controller: a rendezvous polls for its members
-(:meth:`Comms.arrive`) and a gloo collective is waited for in slices
+(:meth:`Comms.arrive`), then builds the group on a thread of its own (gloo
+retries a member that left until the timeout), and a gloo collective is
+waited for in slices
 (:func:`.groups.finish`), both giving up as soon as the controller fails or
 releases the rank, instead of at the collective timeout; a send or receive
 fails fast when the peer's release closes its communicator.
@@ -115,18 +117,39 @@ class Comms:
         if state.torch_device is not None:
             cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
         peers = tuple((r, lane.label) for r in ranks if r != state.rank)
-        lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
+        waiting = f"{what} (the rendezvous of ranks {_ranks_text(ranks)})"
+        lane.set_waiting(waiting, peers=peers)
         try:
             self.arrive(f"{self.prefix}{key}/", ranks, what)
-            return groups.new_group(
-                self.store,
-                f"{self.prefix}{key}/",
-                ranks,
-                state.rank,
-                host=self.host,
-                timeout=self.timeout,
-                cuda=cuda,
-            )
+            # gloo connects to every member inside the constructor, retrying a member that left
+            # until the timeout: built on a thread of its own, so that the lane is free as soon as
+            # the controller fails or releases the rank (the thread ends at that timeout)
+            built: list = []
+            done = threading.Event()
+
+            def build() -> None:
+                try:
+                    built.append(
+                        groups.new_group(
+                            self.store,
+                            f"{self.prefix}{key}/",
+                            ranks,
+                            state.rank,
+                            host=self.host,
+                            timeout=self.timeout,
+                            cuda=cuda,
+                        )
+                    )
+                except BaseException as e:
+                    built.append(e)
+                finally:
+                    done.set()
+
+            threading.Thread(target=build, name=f"{lane.executor_name}-group", daemon=True).start()
+            state.wait(lane, done, waiting, peers=peers)
+            if isinstance(built[0], BaseException):
+                raise built[0]
+            return built[0]
         finally:
             lane.set_running()
 

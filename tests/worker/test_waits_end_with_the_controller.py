@@ -97,6 +97,41 @@ def test_a_rendezvous_gives_up_when_its_controller_fails(client):
         assert other.sync(timeout=120) == []
 
 
+def _pretend_arrived(prefix: str, rank: int, token: str, dask_worker=None) -> None:
+    """Write ``rank``'s arrival at the rendezvous under ``prefix`` into controller ``token``'s
+    store (on its rank 0's worker), as if that rank had reached it and then left."""
+    import torch.distributed as dist
+
+    from dask_monarch.protocol.names import PLUGIN_NAME
+
+    comms = dask_worker.plugins[PLUGIN_NAME].ranks[token].comms
+    dist.PrefixStore(prefix, comms.server).set(f"arrived/{rank}", b"1")
+
+
+@pytest.mark.timeout(400)
+def test_a_group_whose_peer_left_after_arriving_is_given_up_with_its_controller(client):
+    """Rank 1 came to the rendezvous and left: rank 0 sits in gloo's connect to it (which
+    retries until the collective timeout); closing the controller frees the lane at once."""
+    with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
+        ctrl = dm.Controller(client, world_size=2)
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice(0, [2], [1])))
+    ctrl.send(BOTH, m.BackendNetworkInit())
+    assert ctrl.sync(timeout=120) == []
+    rank0 = ctrl.workers[0]  # its worker holds the store
+    prefix = f"world/split/{MESH.id}/{S0.id}/gpu/0-1/"
+    client.run(_pretend_arrived, prefix, 1, ctrl.token, workers=[rank0])
+    ctrl.send(0, m.SplitComm(["gpu"], MESH, S0))
+    ctrl.flush()
+    wait_until(lambda: running(client, ctrl.token), 60, "rank 0 to enter the rendezvous")
+    time.sleep(2)  # past the arrivals, inside gloo's connect
+    assert running(client, ctrl.token)
+    ctrl.close(timeout=0)
+    took = wait_until(lambda: not running(client, ctrl.token), 2 * COLLECTIVE_TIMEOUT, "the lane")
+    print(f"the lane was free {took:.1f}s after close")
+    assert took < COLLECTIVE_TIMEOUT / 2
+
+
 @pytest.mark.timeout(120)
 def test_connecting_to_a_store_that_is_gone_gives_up_when_told():
     """torch retries a refused connection until the store's timeout; the rank tries in short
