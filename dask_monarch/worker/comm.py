@@ -30,13 +30,21 @@ make peers receive garbage or abort gloo: it is a fresh failure of the result
 takes part with zeros of the declared shape. A failure inside a collective (a
 peer gone, a timeout) is fatal: the controller fails with DeviceException.
 
+No wait on a peer outlives its controller: a rendezvous polls for its members
+(:meth:`Comms.arrive`), then builds the group on a thread of its own (gloo
+retries a member that left until the timeout), and a gloo collective is
+waited for in slices (:func:`.groups.finish`), both giving up as soon as the controller fails or
+releases the rank, instead of at the collective timeout; a send or receive
+fails fast when the peer's release closes its communicator.
+
 Every handler here shares one :class:`Comms` per rank (its store, groups and
-hand-offs), which is why they live in one module of a little under 600 lines.
+hand-offs), which is why they live in one module of about 700 lines.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +72,7 @@ if TYPE_CHECKING:
     from .rank import RankState
 
 _MISSING = object()
+ARRIVAL_POLL_S = 0.05  # how often a rendezvous checks its members and its controller
 # (stack?, scatter?) -> the collective a Reduce is
 _KINDS = {
     (False, False): "all-reduce",
@@ -115,19 +124,70 @@ class Comms:
         if state.torch_device is not None:
             cuda = "gloo" if state.settings.get("backend", "auto") == "gloo" else "nccl"
         peers = tuple((r, lane.label) for r in ranks if r != state.rank)
-        lane.set_waiting(f"{what} (the rendezvous of ranks {_ranks_text(ranks)})", peers=peers)
+        waiting = f"{what} (the rendezvous of ranks {_ranks_text(ranks)})"
+        lane.set_waiting(waiting, peers=peers)
         try:
-            return groups.new_group(
-                self.store,
-                f"{self.prefix}{key}/",
-                ranks,
-                state.rank,
-                host=self.host,
-                timeout=self.timeout,
-                cuda=cuda,
-            )
+            self.arrive(f"{self.prefix}{key}/", ranks, what)
+            # gloo connects to every member inside the constructor, retrying a member that left
+            # until the timeout: built on a thread of its own, so that the lane is free as soon as
+            # the controller fails or releases the rank (the thread ends at that timeout)
+            built: list = []
+            done = threading.Event()
+
+            def build() -> None:
+                try:
+                    built.append(
+                        groups.new_group(
+                            self.store,
+                            f"{self.prefix}{key}/",
+                            ranks,
+                            state.rank,
+                            host=self.host,
+                            timeout=self.timeout,
+                            cuda=cuda,
+                        )
+                    )
+                except BaseException as e:
+                    built.append(e)
+                finally:
+                    done.set()
+
+            threading.Thread(target=build, name=f"{lane.executor_name}-group", daemon=True).start()
+            state.wait(lane, done, waiting, peers=peers)
+            if isinstance(built[0], BaseException):
+                raise built[0]
+            return built[0]
         finally:
             lane.set_running()
+
+    def arrive(self, prefix: str, ranks: list[int], what: str) -> None:
+        """Say this rank reached the rendezvous under ``prefix``; wait until every member did.
+
+        The part of building a group that waits on peers, done here in short
+        polls rather than inside gloo's store wait: it gives up as soon as the
+        controller fails or releases the rank (a member that never comes would
+        otherwise hold the lane until the collective timeout), and a timeout
+        names the members that never came.
+        """
+        state = self.state
+        store = dist.PrefixStore(prefix, self.store)
+        store.set(f"arrived/{state.rank}", b"1")
+        keys = [f"arrived/{r}" for r in ranks]
+        deadline = time.monotonic() + self.timeout
+        while not store.check(keys):
+            if state.abort.is_set():
+                raise FatalError(
+                    f"{what}: rank {state.rank} stopped waiting for the rendezvous of ranks "
+                    f"{_ranks_text(ranks)}: {state.failed or 'the rank was released'}"
+                )
+            if time.monotonic() > deadline:
+                missing = [r for r in ranks if not store.check([f"arrived/{r}"])]
+                raise FatalError(
+                    f"{what}: ranks {_ranks_text(missing)} never reached the rendezvous of "
+                    f"ranks {_ranks_text(ranks)} within {self.timeout:g}s "
+                    "(dask_monarch.timeouts.collective): send it to every member"
+                )
+            time.sleep(ARRIVAL_POLL_S)
 
     def handoff(self, key: Any) -> tuple[threading.Event, list]:
         """A one-shot channel between two lanes of this rank (same-rank copies)."""
@@ -209,7 +269,12 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
         comms.store = comms.server
     else:
         comms.store = _fatal_call(
-            "connecting to the controller's store", groups.connect_store, host, port, comms.timeout
+            "connecting to the controller's store",
+            groups.connect_store,
+            host,
+            port,
+            comms.timeout,
+            lane.rank.abort.is_set,
         )
     comms.prefix = f"{msg.unique_id or 'world'}/"
     world = list(range(lane.rank.world_size))
@@ -221,7 +286,11 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
         f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
         peers=tuple((r, lane.label) for r in world if r != lane.rank.rank),
     )
-    _fatal_call("BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world)
+    work = _fatal_call(
+        "BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world, async_op=True
+    )
+    cuda = warm_up.is_cuda and groups.uses_nccl(comms.world)
+    _fatal_call("BackendNetworkInit warm-up", _finish, lane, work, cuda)
     lane.set_running()
 
 
@@ -419,7 +488,7 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     lane.set_waiting(
         f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks {members}", peers=peers
     )
-    output = _fatal_call(f"Reduce over {list(dims)}", _collective, pg, msg, value, out)
+    output = _fatal_call(f"Reduce over {list(dims)}", _collective, lane, pg, msg, value, out)
     lane.set_running()
     if mismatch is not None:
         _report_mismatch(lane, mismatch, msg.result)
@@ -434,19 +503,42 @@ def reduce(lane: Lane, msg: Reduce) -> None:
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _finish(lane: Lane, work, cuda: bool) -> None:
+    """Wait for a collective; give up when the controller fails or releases the rank.
+
+    A gloo op is waited for in slices (a peer that never comes holds the op,
+    not the lane, until the collective timeout); an NCCL op is only enqueued
+    on the device here, so its wait never blocks on a peer.
+    """
+    if cuda:
+        work.wait()
+        return
+    state = lane.rank
+    if not groups.finish(work, state.abort.is_set):
+        raise FatalError(
+            f"{lane.title} stopped waiting for its peers: {state.failed or 'the rank was released'}"
+        )
+
+
+def _collective(
+    lane: Lane, pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
     n = pg.size()
+    cuda = value.is_cuda and groups.uses_nccl(pg)
     if msg.reduction == "stack":
         if not msg.scatter:  # all-gather: [n, *shape]
             if msg.in_place:
                 raise FatalError("Reduce: an in-place stack is not possible (the shape grows)")
             output = value.new_empty((n, *value.shape))
-            _all_gather(output.view(-1), value.contiguous().view(-1), group=pg)
+            work = _all_gather(
+                output.view(-1), value.contiguous().view(-1), group=pg, async_op=True
+            )
+            _finish(lane, work, cuda)
         else:  # all-to-all: chunks along dim 0
             output = value if msg.in_place else out if out is not None else value.clone()
             source = value.clone() if output is value else value.contiguous()
             gathered = output if output.is_contiguous() else torch.empty_like(output)
-            dist.all_to_all_single(gathered, source, group=pg)
+            _finish(lane, dist.all_to_all_single(gathered, source, group=pg, async_op=True), cuda)
             if gathered is not output:
                 output.copy_(gathered)
             return output
@@ -465,9 +557,10 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
                     f"Reduce: scattering needs dim 0 of size {n}, got {tuple(value.shape)}"
                 )
             output = value.new_empty(value.shape[1:])
-            dist.reduce_scatter_tensor(
-                output.view(-1), value.contiguous().view(-1), op=op, group=pg
+            work = dist.reduce_scatter_tensor(
+                output.view(-1), value.contiguous().view(-1), op=op, group=pg, async_op=True
             )
+            _finish(lane, work, cuda)
         else:  # all-reduce
             if msg.in_place:
                 output = value
@@ -476,7 +569,7 @@ def _collective(pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None) 
                 output = out
             else:
                 output = value.clone()
-            dist.all_reduce(output, op=op, group=pg)
+            _finish(lane, dist.all_reduce(output, op=op, group=pg, async_op=True), cuda)
             return output
     if out is not None:
         out.copy_(output)
@@ -580,6 +673,8 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             buffer = msg.factory.empty()
             lane.env[msg.result.id] = buffer
             recv = (buffer, from_rank)
+        # a plain wait: a timed wait on a gloo send or receive closes its pair when it expires
+        # (the peer's release closes it, so this one fails fast then too)
         for work in groups.point_to_point(pg, send, recv, tag):
             work.wait()
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -78,8 +80,31 @@ def start_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
-def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+CONNECT_ATTEMPT_S = 1.0  # one try at reaching a store (torch retries within it)
+
+
+def connect_store(
+    host: str, port: int, timeout: float, stopped: Callable[[], bool] | None = None
+) -> dist.TCPStore:
+    """A client of the store at ``host:port`` (operations then time out after ``timeout``).
+
+    Connects in short attempts, so that it gives up as soon as ``stopped()``
+    says so (the controller failed or released the rank: the store may be gone
+    with it), not after ``timeout``: torch retries a refused connection until then.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        attempt = max(min(CONNECT_ATTEMPT_S, deadline - time.monotonic()), 0.1)
+        try:
+            store = dist.TCPStore(
+                host, port, None, False, timeout=datetime.timedelta(seconds=attempt)
+            )
+        except dist.DistNetworkError:
+            if time.monotonic() >= deadline or (stopped is not None and stopped()):
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        return store
 
 
 def new_group(
@@ -125,12 +150,35 @@ def new_group(
 
 
 def release_group(pg: dist.ProcessGroup) -> None:
-    """Forget the group and stop its backends (a thread blocked in it ends at its timeout)."""
+    """Forget the group and stop its backends (a peer blocked in it then fails fast; an op
+    of ours that waits on a peer ends at its timeout, off the lane: :func:`finish`)."""
     c10d._world.pg_group_ranks.pop(pg, None)
     try:
         pg.shutdown()
     except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
         logger.debug("shutting down process group %r: %r", pg, e)
+
+
+def finish(work: dist.Work, stopped: Callable[[], bool], poll: float = 0.05) -> bool:
+    """Wait for ``work`` (a gloo op's); False as soon as ``stopped()`` says to give up.
+
+    Waits in slices of ``poll`` seconds, each returning the moment the op
+    completes, so a finished op costs nothing extra; the op itself goes on
+    without the caller until it completes or fails at its own timeout. For gloo
+    collectives only: a timed wait on a gloo send or receive closes its pair when
+    it expires, and an NCCL work's ``wait(timeout)`` blocks the host on the GPU.
+    """
+    step = datetime.timedelta(seconds=poll)
+    while True:
+        try:
+            work.wait(step)
+            return True
+        except RuntimeError:
+            if work.is_completed():  # the op failed (or completed as the slice ended)
+                work.wait()  # raises the op's own error, if any
+                return True
+            if stopped():
+                return False
 
 
 def point_to_point(

@@ -536,6 +536,7 @@ class Outcome:
     kind: str  # ok | refused | failed | hang | lost (a worker died)
     seconds: float
     error: str = ""
+    token: str = ""  # the controller's (its tasks' keys name it)
 
 
 def run(client: Any, sequence: Sequence, bound: float = 60.0) -> Outcome:
@@ -564,29 +565,30 @@ def run(client: Any, sequence: Sequence, bound: float = 60.0) -> Outcome:
         kind, error = "hang", str(e)
     finally:
         ctrl.close()
-    return Outcome(kind, time.monotonic() - start, error)
+    return Outcome(kind, time.monotonic() - start, error, ctrl.token)
 
 
-def _executing(dask_worker: Any = None) -> list[str]:
-    return [
-        f"{ts.key} ({ts.state})" for ts in dask_worker.state.executing if "monarch" in str(ts.key)
-    ]
+def _executing(token: str = "monarch", dask_worker: Any = None) -> list[str]:
+    return [f"{ts.key} ({ts.state})" for ts in dask_worker.state.executing if token in str(ts.key)]
 
 
-def executing(client: Any) -> list[str]:
-    """The rank tasks the workers are executing (or believe they are)."""
-    return [key for keys in client.run(_executing).values() for key in keys]
+def executing(client: Any, token: str = "monarch") -> list[str]:
+    """The rank tasks the workers are executing (or believe they are); only those of
+    controller ``token`` if given."""
+    return [key for keys in client.run(_executing, token).values() for key in keys]
 
 
-def quiesce(client: Any, timeout: float = 60.0) -> float | None:
-    """Wait until no rank task of any controller is executing on the workers (a broken
-    controller's lane may still be inside a collective until its timeout); the seconds
+def quiesce(client: Any, timeout: float = 60.0, token: str = "monarch") -> float | None:
+    """Wait until no rank task of any controller (or of controller ``token``) is executing
+    on the workers (a broken controller's lane may still be leaving a wait); the seconds
     waited, or None if some still are after ``timeout`` (a worker lost an execution slot)."""
     start = time.monotonic()
-    while executing(client):
+    pause = 0.05
+    while executing(client, token):
         if time.monotonic() - start > timeout:
             return None
-        time.sleep(0.1)
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)  # each look asks every worker: few of them
     return time.monotonic() - start
 
 
