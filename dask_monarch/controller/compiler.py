@@ -296,6 +296,11 @@ class Compiler:
 
     def _control(self, rank, open_control, open_lanes, segments, drains) -> Segment:
         seg = open_control.get(rank)
+        if seg is not None and drains and seg.steps:
+            # a draining step (Exit) waits for every lane: it starts a segment of its own, or
+            # the control steps before it in the segment would wait for those lanes too (a
+            # rendezvous the peers' lane work follows would then wait on itself)
+            seg = None
         if seg is None:
             tail = self.lanes.setdefault((rank, CONTROL), _LaneTail())
             after = self._pending((rank, CONTROL), tail)

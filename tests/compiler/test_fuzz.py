@@ -12,12 +12,14 @@ from pathlib import Path
 
 import dask
 import pytest
+import torch
 from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch import messages as m
 from dask_monarch.controller.compiler import Compiler
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+from dask_monarch.ndslice import Slice
 
 sys.path.insert(0, str(Path(__file__).parent))  # fuzz.py sits here (also when imported by path)
 import fuzz  # noqa: E402
@@ -127,3 +129,34 @@ def test_a_borrow_id_used_again_before_its_drop_ran_is_refused(fuzz_client):
         ctrl.sync(timeout=60)
         _lend_and_return(ctrl, 1, Ref(4), Ref(2), S1, S0)
         ctrl.sync(timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_exit_does_not_hold_the_control_steps_before_it(fuzz_client):
+    """Seed 4005737: rank 0 got a Reduce, then a BackendNetworkPointToPointInit and Exit; rank 1
+    the init before its Reduce. Exit's drain (every lane) was put on the control segment that
+    also held the init, so rank 0's init waited for its Reduce, which waited for rank 1's,
+    which follows rank 1's init, which waits for rank 0's: a hang until the collective
+    timeout that the pre-dispatch check (rightly) does not see."""
+    mesh = Ref(9)
+    factory = m.Factory((2,), torch.float32, torch.strided, "cpu")
+    reduce = m.Reduce(
+        Ref(2), Ref(1), factory, mesh, S0, ["gpu"], m.ReduceOp.SUM, False, False, None
+    )
+    ctrl = dm.Controller(fuzz_client, world_size=2)
+    try:
+        both = (0, 1)
+        ctrl.send(both, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
+        ctrl.send(both, m.CreateDeviceMesh(mesh, ["gpu"], Slice(0, [2], [1])))
+        ctrl.send(both, m.BackendNetworkInit())
+        ctrl.send(both, m.SplitComm(["gpu"], mesh, S0))
+        ctrl.send(both, _call(0, Ref(1), "torch.ones", 2))
+        ctrl.send(1, m.BackendNetworkPointToPointInit(S0, S0))
+        ctrl.send(1, reduce)
+        ctrl.send(1, m.Exit())
+        ctrl.send(0, reduce)
+        ctrl.send(0, m.BackendNetworkPointToPointInit(S0, S0))
+        ctrl.send(0, m.Exit())
+        ctrl.sync(timeout=60)  # before: DeviceException, the Reduce timed out after 15 s
+    finally:
+        ctrl.close()
