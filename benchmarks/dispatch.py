@@ -21,6 +21,7 @@ Medians over the repeats.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -167,15 +168,14 @@ def main() -> None:
         )
         ctrl.sync()
         rows = []
+        bases = itertools.count(10**7, 10**7)  # seqs increase on a stream across runs
         for label, fn in (
             ("aten.add (3 floats)", "torch.ops.aten.add.Tensor"),
             ("no-op function", "operator.add"),
         ):
             function = m.FunctionPath(fn)
-            raw_dispatch(ctrl, 1000, function, 10**6)  # warm up
-            times = [
-                raw_dispatch(ctrl, args.n, function, 10**7 * (r + 1)) for r in range(args.repeat)
-            ]
+            raw_dispatch(ctrl, 1000, function, next(bases))  # warm up
+            times = [raw_dispatch(ctrl, args.n, function, next(bases)) for _ in range(args.repeat)]
             rows.append((label, statistics.median(times)))
         bare_dask(client, 200)
         dask_time = statistics.median(bare_dask(client, args.dask_n) for _ in range(args.repeat))

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from torch.utils._pytree import tree_flatten
 
 from . import messages as m
-from .wire import DropLane, ReadRef, StatusProbe
+from .wire import ActorCall, DropLane, ExpectResults, ReadRef, StatusProbe
 
 Fail = Callable[[str], Exception]
 
@@ -167,6 +167,8 @@ FAMILY: dict[type, str] = {
     ReadRef: "ref",
     StatusProbe: "status",
     DropLane: "stream",
+    ExpectResults: "call",  # sent just before the call whose results it describes
+    ActorCall: "actor",
 }
 
 

@@ -252,3 +252,11 @@ def test_no_edge_to_a_segment_that_already_ran():
     assert _task_deps(plan, lane) == set()  # everything before it ran: no edge
     assert _task_deps(plan, exit_) == {lane}  # Exit drains what did not
     assert all(_task_deps(plan, k) for k in plan.keys if k[2] == 1)
+
+
+def test_every_step_a_worker_handles_names_its_segment():
+    """A step without a family would name its segment ``monarch_segment`` in the task stream."""
+    from dask_monarch.protocol.rules import FAMILY
+    from dask_monarch.worker.dispatch import HANDLERS
+
+    assert [t.__name__ for t in HANDLERS if t not in FAMILY] == []
