@@ -8,8 +8,6 @@ the shared 2-rank cluster.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 import warnings
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 from distributed import Client
 from raw import S0, S1, S2, call, create_streams, fetch
+from workers import frozen
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -40,17 +39,6 @@ def frozen_client():
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
         client.wait_for_workers(2)
         yield client
-
-
-@contextlib.contextmanager
-def stopped(client: Client, address: str):
-    """The worker process at ``address`` frozen with SIGSTOP (SIGCONT on the way out)."""
-    pid = client.run(os.getpid, workers=[address])[address]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def wait_until(predicate, timeout: float = 60.0, what: str = "a condition"):
@@ -78,7 +66,7 @@ def test_a_frozen_rank_fails_the_controller_naming_it(frozen_client):
         create_streams(ctrl, BOTH, S0)
         ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
         assert ctrl.sync(timeout=60) == []
-        with stopped(frozen_client, ctrl.workers[1]):
+        with frozen(frozen_client, ctrl.workers[1]):
             start = time.monotonic()
             ctrl.send(BOTH, call(1, Ref(2), "torch.ones", 2))
             with pytest.raises(dm.DeviceException) as info:
@@ -109,7 +97,7 @@ def test_inspect_on_a_frozen_rank_raises_device_exception(frozen_client):
         with mesh.activate():
             x = torch.ones(3)
             assert dm.inspect(x, gpu=1).tolist() == [1.0, 1.0, 1.0]
-            with stopped(frozen_client, mesh._session.controller.workers[1]):
+            with frozen(frozen_client, mesh._session.controller.workers[1]):
                 start = time.monotonic()
                 with pytest.raises(dm.DeviceException) as info:
                     dm.inspect(x + 1, gpu=1)  # no timeout: the heartbeat ends the wait

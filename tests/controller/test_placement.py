@@ -8,15 +8,13 @@ of their own.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import time
 
 import dask.config
 import pytest
 import torch
 from distributed import Client
+from workers import frozen
 
 import dask_monarch as dm
 from dask_monarch.controller import placement
@@ -27,16 +25,6 @@ def client3():
     with dm.LocalMeshCluster(n_ranks=3, device="cpu") as cluster, Client(cluster) as client:
         client.wait_for_workers(3)
         yield client
-
-
-@contextlib.contextmanager
-def frozen(client: Client, address: str):
-    pid = client.run(os.getpid, workers=[address])[address]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.timeout(180)
