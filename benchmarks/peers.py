@@ -1,0 +1,296 @@
+"""dask_monarch next to Monarch 0.7.0: the same shapes, in one run, alternating.
+
+    bash benchmarks/monarch_env.sh                  # once: makes /work/monarch-venv
+    python benchmarks/peers.py --monarch-python /work/monarch-venv/bin/python \\
+        [--rounds 3] [--ops 2000] [--fetches 100]
+
+Monarch runs in its own Python (``torchmonarch`` pins its own torch; this
+script starts it as a subprocess that serves one measurement at a time), on a
+2-process mesh of its own (``this_host().spawn_procs(per_host={"gpus": 2})``,
+tensor engine on CPU); dask_monarch on a 2-rank ``LocalMeshCluster`` in this
+process. Each round runs every measurement on both, the order swapped every
+round, so both see the same machine at the same minutes. Measurements:
+
+* ``t = t + 1`` on a 4-element tensor, ``--ops`` times, then one fetch
+  (microseconds per op);
+* ``acc = ones + acc`` on 100x100 tensors, ``--ops`` times, then one fetch;
+* one ``x = x + 1`` on a scalar then ``fetch_shard(x).result()``, median of
+  ``--fetches`` (milliseconds), next to a bare ``client.submit(f).result()``
+  on the same Dask cluster.
+
+dask_monarch also runs the 100x100 loop under ``dm.compile`` (blocks of 100
+adds) and locally, for the compiled-dispatch figure. Collectives are not
+compared: Monarch 0.7.0's tensor engine has no CPU communicator (a
+``reduce`` fails with "no comm found for stream"), so
+``benchmarks/collectives.py`` compares ours with raw gloo instead. Prints
+medians per round and over all rounds, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+PREFIX = "PEERS "  # result lines on the Monarch subprocess's stdout
+BLOCK = 100  # adds per compiled call
+
+
+# -- the measurements, written once for both (``fetch`` is the framework's fetch_shard) ----------
+
+
+def add4(fetch, ops: int) -> float:
+    """Seconds per ``t = t + 1`` on 4 elements, ``ops`` of them, then one fetch."""
+    t = torch.zeros(4)
+    fetch(t).result()
+    start = time.perf_counter()
+    for _ in range(ops):
+        t = t + 1
+    fetch(t).result()
+    return (time.perf_counter() - start) / ops
+
+
+def add100(fetch, ops: int) -> float:
+    """Seconds per ``acc = ones + acc`` on 100x100, ``ops`` of them, then one fetch."""
+    ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
+    fetch(acc).result()
+    start = time.perf_counter()
+    for _ in range(ops):
+        acc = ones + acc
+    fetch(acc).result()
+    return (time.perf_counter() - start) / ops
+
+
+def fetch_latency(fetch, n: int) -> float:
+    """Median seconds of one ``x = x + 1`` on a scalar, then its fetch."""
+    x = torch.zeros(())
+    fetch(x).result()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        x = x + 1
+        fetch(x).result()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+MEASURES = {"add4": add4, "add100": add100, "fetch": fetch_latency}
+
+
+# -- Monarch, in its own Python ------------------------------------------------------------------
+
+
+def serve_monarch() -> None:
+    """The subprocess: a 2-process Monarch mesh; one JSON request per stdin line."""
+    from monarch.config import configure
+
+    # a loaded machine spawns slowly: Monarch's own 30 s limits fail the spawn
+    configure(
+        actor_spawn_max_idle="300s",
+        mesh_proc_spawn_max_idle="300s",
+        host_spawn_ready_timeout="300s",
+    )
+    from monarch import fetch_shard
+    from monarch.actor import this_host
+
+    torch.set_num_threads(1)
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    with procs.activate():
+        fetch_shard(torch.zeros(())).result()
+        print(PREFIX + json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            request = json.loads(line)
+            seconds = MEASURES[request["measure"]](fetch_shard, request["n"])
+            print(PREFIX + json.dumps({"seconds": seconds}), flush=True)
+
+
+class MonarchPeer:
+    """The Monarch subprocess, asked for one measurement at a time."""
+
+    def __init__(self, python: str) -> None:
+        self.process = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--serve-monarch"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX) :])
+        raise RuntimeError(f"the Monarch subprocess ended (exit code {self.process.wait()})")
+
+    def measure(self, name: str, n: int) -> float:
+        self.process.stdin.write(json.dumps({"measure": name, "n": n}) + "\n")
+        self.process.stdin.flush()
+        return self._read()["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+# -- dask_monarch --------------------------------------------------------------------------------
+
+
+def noop(x):
+    return x
+
+
+def dm_compiled(dm, ops: int) -> float:
+    """Seconds per add of ``acc = ones + acc`` on 100x100 under ``dm.compile`` (blocks of 100)."""
+
+    @dm.compile
+    def block(acc, ones):
+        for _ in range(BLOCK):
+            acc = ones + acc
+        return acc
+
+    ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
+    acc = block(acc, ones)  # traced and defined outside the timing
+    dm.fetch_shard(acc).result()
+    start = time.perf_counter()
+    for _ in range(ops // BLOCK):
+        acc = block(acc, ones)
+    dm.fetch_shard(acc).result()
+    return (time.perf_counter() - start) / (ops // BLOCK * BLOCK)
+
+
+def local(ops: int) -> float:
+    ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
+    start = time.perf_counter()
+    for _ in range(ops):
+        acc = ones + acc
+    float(acc[0, 0])
+    return (time.perf_counter() - start) / ops
+
+
+def bare_submit(client, n: int) -> float:
+    client.submit(noop, -1, pure=False).result()
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        client.submit(noop, i, pure=False).result()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--monarch-python", help="a Python with torchmonarch 0.7.0 installed")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ops", type=int, default=2000, help="ops per dispatch measurement")
+    parser.add_argument("--fetches", type=int, default=100, help="round trips per latency figure")
+    parser.add_argument("--serve-monarch", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_monarch:
+        serve_monarch()
+        return
+
+    from distributed import Client
+
+    import dask_monarch as dm
+
+    torch.set_num_threads(1)
+    n = {"add4": args.ops, "add100": args.ops, "fetch": args.fetches}
+    results: dict[tuple[str, str], list[float]] = {}
+
+    def record(who: str, what: str, seconds: float) -> None:
+        results.setdefault((who, what), []).append(seconds)
+
+    peer = MonarchPeer(args.monarch_python) if args.monarch_python else None
+    try:
+        with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
+            mesh = dm.device_mesh(client, gpu=2)
+
+            def on_mesh(fn, *args):
+                with mesh.activate():
+                    return fn(*args)
+
+            for name, fn in MEASURES.items():  # warm up: caches, lanes, traces
+                on_mesh(fn, dm.fetch_shard, min(n[name], 200))
+            on_mesh(dm_compiled, dm, 10 * BLOCK)
+            bare_submit(client, 10)
+            for r in range(args.rounds):
+                for name, fn in MEASURES.items():
+                    order = ["dm", "monarch"] if r % 2 == 0 else ["monarch", "dm"]
+                    for who in order:
+                        if who == "dm":
+                            record("dask_monarch", name, on_mesh(fn, dm.fetch_shard, n[name]))
+                        elif peer is not None:
+                            record("Monarch 0.7.0", name, peer.measure(name, n[name]))
+                    if name == "fetch":
+                        record("bare Dask submit().result()", name, bare_submit(client, n[name]))
+                    if name == "add100":
+                        record("dask_monarch compiled", name, on_mesh(dm_compiled, dm, n[name]))
+                        record("local torch", name, local(n[name]))
+                print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+            mesh.exit()
+    finally:
+        if peer is not None:
+            peer.close()
+    report(results, args)
+
+
+def report(results: dict, args) -> None:
+    def med(who: str, what: str) -> float | None:
+        values = results.get((who, what))
+        return statistics.median(values) if values else None
+
+    def runs(who: str, what: str, scale: float) -> str:
+        return " / ".join(f"{v * scale:.1f}" for v in results.get((who, what), []))
+
+    print(
+        f"\n2 ranks, {args.rounds} alternating rounds; torch {torch.__version__}; "
+        f"median of the rounds (each round's figure in brackets)"
+    )
+    rows = [
+        ("add4", f"t = t + 1, 4 elements, {args.ops} ops then fetch", "us/op", 1e6),
+        ("add100", f"acc = ones + acc, 100x100, {args.ops} ops then fetch", "us/op", 1e6),
+        ("fetch", f"x = x + 1 then fetch_shard(x).result(), median of {args.fetches}", "ms", 1e3),
+    ]
+    for what, title, unit, scale in rows:
+        print(f"\n{title} ({unit})")
+        ours = med("dask_monarch", what)
+        for who in (
+            "dask_monarch",
+            "Monarch 0.7.0",
+            "dask_monarch compiled",
+            "local torch",
+            "bare Dask submit().result()",
+        ):
+            value = med(who, what)
+            if value is None:
+                continue
+            line = f"  {who:<30}{value * scale:>10.2f}   [{runs(who, what, scale)}]"
+            if who == "Monarch 0.7.0" and ours:
+                ratio = value / ours
+                line += (
+                    f"   dask_monarch {ratio:.1f}x faster"
+                    if ratio >= 1
+                    else f"   dask_monarch {1 / ratio:.2f}x slower"
+                )
+            if who == "bare Dask submit().result()" and ours:
+                line += f"   dask_monarch / this = {ours / value:.2f}"
+            if who == "dask_monarch compiled":
+                base = med("local torch", what)
+                line += f"   {(value - base) * scale:.2f} over local"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
