@@ -49,6 +49,7 @@ from ..protocol.messages import (
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ReadRef
 from ..worker import construct_actor, register_actor
+from . import intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
@@ -207,6 +208,8 @@ class Controller:
         self._restore_gap = lower_client_gap(client)
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
+        # flushes go to the scheduler's intake, or through Client.get where it is off or refused
+        self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
         self._flush_size = int(config.get("flush.size"))
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
@@ -321,12 +324,22 @@ class Controller:
             add_lanes(self._client, self.token, self.workers, plan.new_lanes, self._reports.names)
         self.messages_sent += plan.messages
         self.flushes += 1
-        if plan.graph is not None:
-            futures = self._client.get(plan.graph, plan.keys, sync=False)
+        if plan.tasks:
+            if self._intake:
+                futures = intake.futures(self._client, plan.tasks)
+            else:
+                futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
+            tails, let_go = self._tails, []
             for lane, key in plan.tails.items():
-                self._tails[lane] = by_key[key]
+                old = tails.get(lane)
+                if old is not None:
+                    let_go.append(old)
+                tails[lane] = by_key[key]
+            if self._intake:
+                intake.send(self._client, self.token, plan.tasks, let_go)
+            del let_go
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
         if plan.dropped:
