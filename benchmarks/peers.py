@@ -88,13 +88,20 @@ MEASURES = {"add4": add4, "add100": add100, "fetch": fetch_latency}
 
 def serve_monarch() -> None:
     """The subprocess: a 2-process Monarch mesh; one JSON request per stdin line."""
+    import torch._dynamo  # noqa: F401  (imported by the first fetch: slow on a loaded machine)
     from monarch.config import configure
 
-    # a loaded machine spawns slowly: Monarch's own 30 s limits fail the spawn
+    # a loaded machine is slow to spawn and to answer: Monarch's own limits (30 s and less) fail
+    slow = "600s"
     configure(
-        actor_spawn_max_idle="300s",
-        mesh_proc_spawn_max_idle="300s",
-        host_spawn_ready_timeout="300s",
+        actor_spawn_max_idle=slow,
+        mesh_proc_spawn_max_idle=slow,
+        host_spawn_ready_timeout=slow,
+        get_actor_state_max_idle=slow,
+        get_proc_state_max_idle=slow,
+        message_delivery_timeout=slow,
+        supervision_watchdog_timeout=slow,
+        mesh_attach_config_timeout=slow,
     )
     from monarch import fetch_shard
     from monarch.actor import this_host
