@@ -45,6 +45,9 @@ def _ids(msg: Any) -> tuple:
     if isinstance(data, dict):
         op = data.get("op", "")
         keys = data.get("keys") or ()
+        segments = data.get("segments")  # the scheduler's dask_monarch intake
+        if segments is not None:
+            keys = [s[0] for s in getattr(segments, "data", segments)]
         key = data.get("key")
         out = [str(_seg(k)) for k in keys] + ([str(_seg(key))] if key is not None else [])
         return tuple(f"{op}:{k}" for k in out) or (f"{op}:",)
@@ -111,12 +114,32 @@ class SchedulerStamps(SchedulerPlugin):
 
         scheduler.stream_handlers["update-graph"] = update_graph
 
+    def wrap_intake(self) -> None:
+        """The dask_monarch intake's handler, once a controller registered it."""
+        from dask_monarch.controller.intake import OP
+
+        handler = self.scheduler.stream_handlers.get(OP)
+        if handler is None or getattr(handler, "_timeline", False):
+            return
+
+        def intake(**kwargs: Any) -> Any:
+            ids = [f"intake:{_seg(s[0])}" for s in kwargs.get("segments", ())]
+            self.log.append((time.time(), "scheduler", "intake handler start", ids))
+            try:
+                return handler(**kwargs)
+            finally:
+                self.log.append((time.time(), "scheduler", "intake handler end", ids))
+
+        intake._timeline = True
+        self.scheduler.stream_handlers[OP] = intake
+
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         self.log.append((time.time(), "scheduler", f"{start}->{finish}", [f"task:{_seg(key)}"]))
 
 
 def _wrap_scheduler_comms(dask_scheduler: Any = None) -> None:
     log = dask_scheduler._timeline
+    dask_scheduler.plugins[SchedulerStamps.name].wrap_intake()
     for addr, bcomm in dask_scheduler.stream_comms.items():
         _wrap_comm(bcomm.comm, log, "scheduler", f"worker {addr}")
     for bcomm in dask_scheduler.client_comms.values():
@@ -152,19 +175,24 @@ def _wrap_worker(dask_worker: Any = None) -> None:
     _wrap_comm(dask_worker.batched_stream.comm, log, where, "scheduler")
     if not getattr(RankState, "_timeline", False):
         RankState._timeline = True
-        run_segment, deliver = RankState.run_segment, RankState._deliver
+        run_segment, report, deliver = RankState.run_segment, RankState.report, RankState._deliver
 
         def timed_run_segment(self, label, index, payload):
             log.append((time.time(), where, "lane start", [f"task:{self.rank}/{label}/{index}"]))
             return run_segment(self, label, index, payload)
 
+        def timed_report(self, item):
+            log.append((time.time(), where, "report made", list(_ids(item))))
+            return report(self, item)
+
         def timed_deliver(self, item):
-            log.append((time.time(), where, "report queued", list(_ids(item))))
+            log.append((time.time(), where, "report on the loop", list(_ids(item))))
             if self._stream is not None:
                 _wrap_comm(self._stream.comm, log, where, "report")
             return deliver(self, item)
 
-        RankState.run_segment, RankState._deliver = timed_run_segment, timed_deliver
+        RankState.run_segment, RankState.report = timed_run_segment, timed_report
+        RankState._deliver = timed_deliver
 
 
 def _worker_log(dask_worker: Any = None) -> list:

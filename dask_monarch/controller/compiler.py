@@ -49,15 +49,14 @@ from operator import attrgetter
 from typing import Any
 
 import cloudpickle
-from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from .. import config
 from ..protocol import messages as m
 from ..protocol.names import executor_name, task_name
 from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
-from ..protocol.wire import CONTROL, DropLane, Payload
-from ..worker import run_segment
+from ..protocol.wire import CONTROL, DropLane
+from .intake import make_task
 from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
 
@@ -129,9 +128,9 @@ class _LaneTail:
 
 @dataclass
 class Plan:
-    """One flush: a graph to submit, lanes to create first; or a protocol error and nothing."""
+    """One flush: tasks to submit, lanes to create first; or a protocol error and nothing."""
 
-    graph: HighLevelGraph | None
+    tasks: list  # one (key, rank, lane, index, payload, after, resource, executor) per segment
     keys: list
     tails: dict  # (rank, lane) -> key of the newest segment
     # rank -> (stream id, creation mode) of the lanes to create before submitting
@@ -142,6 +141,22 @@ class Plan:
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
     dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
     segments: list = field(default_factory=list)  # what each task runs (lost-worker messages)
+    token: str = ""
+
+    @property
+    def graph(self) -> HighLevelGraph | None:
+        """The tasks as a graph for ``Client.get``: a layer per segment holding its annotations
+        (the scheduler's intake takes ``tasks`` as they are: controller/intake.py)."""
+        if not self.tasks:
+            return None
+        layers = {}
+        for task in self.tasks:
+            key, rank, lane, index = task[:4]
+            layers[f"{key[0]}-{self.token}-{rank}-{lane}-{index}"] = MaterializedLayer(
+                {key: make_task(self.token, task)},
+                annotations={"resources": {task[6]: 1}, "executor": task[7]},
+            )
+        return HighLevelGraph(layers, {name: set() for name in layers})
 
 
 class Compiler:
@@ -243,7 +258,7 @@ class Compiler:
                 error = check.waiting(*final) if type(final) is tuple else check.waiting()
         if error is not None:  # refused: nothing of this flush runs
             self.refused = error
-            return Plan(None, [], {}, {}, {}, 0, error)
+            return Plan([], [], {}, {}, {}, 0, error)
         plan = self._plan(segments, new_lanes, count, error)
         plan.rendezvous = rendezvous
         for lane in dropped:  # after _plan: the tails hold their final keys
@@ -331,35 +346,29 @@ class Compiler:
         for tail in self.lanes.values():  # later flushes follow the real keys
             if isinstance(tail.key, _PendingKey):
                 tail.key = final[id(tail.key.segment)]
-        layers, tails, counts = {}, {}, {}
+        tasks, tails, counts = [], {}, {}
         payloads = _Payloads()
+        resources = self.resources
         for seg in segments:
             key = final[id(seg)]
             tails[(seg.rank, seg.lane)] = key
             counts[(seg.rank, seg.lane)] = seg.index
-            after = [
-                TaskRef(final[id(k.segment)] if isinstance(k, _PendingKey) else k)
-                for k in seg.after
-            ]
-            task = Task(
-                key,
-                run_segment,
-                self.token,
-                seg.rank,
-                seg.lane,
-                seg.index,
-                Payload(payloads.get(seg)),
-                *after,
+            after = [final[id(k.segment)] if isinstance(k, _PendingKey) else k for k in seg.after]
+            tasks.append(
+                (
+                    key,
+                    seg.rank,
+                    seg.lane,
+                    seg.index,
+                    payloads.get(seg),
+                    after,
+                    resources[seg.rank],
+                    self.executor(seg.lane),
+                )
             )
-            layers[f"{key[0]}-{self.token}-{seg.rank}-{seg.lane}-{seg.index}"] = MaterializedLayer(
-                {key: task},
-                annotations={
-                    "resources": {self.resources[seg.rank]: 1},
-                    "executor": self.executor(seg.lane),
-                },
-            )
-        graph = HighLevelGraph(layers, {name: set() for name in layers}) if layers else None
-        return Plan(graph, list(final.values()), tails, new_lanes, counts, count, error)
+        plan = Plan(tasks, list(final.values()), tails, new_lanes, counts, count, error)
+        plan.token = self.token
+        return plan
 
 
 class _PendingKey:

@@ -54,6 +54,7 @@ from ..protocol.messages import (
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
 from ..worker import construct_actor, register_actor, trace_collect, trace_start
+from . import intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
@@ -238,6 +239,8 @@ class Controller:
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
+        # flushes go to the scheduler's intake, or through Client.get where it is off or refused
+        self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
         self._flusher = threading.Thread(
             target=self._flush_loop, daemon=True, name=f"dask_monarch-flush-{self.token}"
         )
@@ -350,17 +353,27 @@ class Controller:
             add_lanes(self._client, self.token, self.workers, plan.new_lanes, self._reports.names)
         self.messages_sent += plan.messages
         self.flushes += 1
-        if plan.graph is not None:
-            if span is None:
+        if plan.tasks:
+            if self._intake:
+                futures = intake.futures(self._client, plan.tasks)
+            elif span is None:
                 futures = self._client.get(plan.graph, plan.keys, sync=False)
             else:  # from any thread (the background flusher too): the span's annotation
                 with dask.annotate(span=span[0]):
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.segments)
+            # the previous tails are let go only after the flush that may follow them is queued
+            tails, let_go = self._tails, []
             for lane, key in plan.tails.items():
-                self._tails[lane] = by_key[key]
+                old = tails.get(lane)
+                if old is not None:
+                    let_go.append(old)
+                tails[lane] = by_key[key]
                 self._tail_index[lane] = plan.counts[lane]
+            if self._intake:
+                intake.send(self._client, self.token, plan.tasks, let_go, span[0] if span else None)
+            del let_go
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
         self._release_ran()

@@ -9,6 +9,8 @@ named after what dominates them (ops, reduce, fetch).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -60,7 +62,13 @@ def test_training_loop_shows_spans_and_named_task_groups(client2, mesh2):
         # no span: named after what dominates
         total = w.reduce("gpu", "sum")
         dm.inspect(total)
-    view = client2.run_on_scheduler(_scheduler_view)
+    # fine performance metrics reach the scheduler with the workers' heartbeats: wait for one
+    deadline = time.monotonic() + 30
+    while True:
+        view = client2.run_on_scheduler(_scheduler_view)
+        if any(view[i]["metrics"] for i in ids["forward"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for name, span_ids in ids.items():
         assert len(set(span_ids)) == steps  # a span per phase and step
         for span_id in span_ids:
