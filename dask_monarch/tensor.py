@@ -319,11 +319,12 @@ _active_mesh: ContextVar[DeviceMesh | None] = ContextVar("dask_monarch_active_me
 active_mesh: Callable[[], DeviceMesh | None] = _active_mesh.get
 
 
-def placement(handles: list[Tensor], what: str, hint: str) -> tuple[DeviceMesh, Stream]:
+def placement(handles: list[Tensor], what: object, hint: str) -> tuple[DeviceMesh, Stream]:
     """The mesh and stream a use of ``handles`` runs on, after the checks of docs/protocol.md §1.2.
 
     Every handle must be usable, on one mesh, and on the active stream; with no
-    handles the active mesh is used. ``hint`` ends the WRONG_STREAM message.
+    handles the active mesh is used. ``what`` (an op or a name) is formatted only
+    into an error; ``hint`` ends the WRONG_STREAM message.
     """
     stream = get_active_stream()
     if not handles:
@@ -441,7 +442,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     handles: list[Tensor] = []
     ref_args = tuple(_scan(a, handles) for a in args)
     ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
-    mesh, stream = placement(handles, str(func), "borrow it first")
+    mesh, stream = placement(handles, func, "borrow it first")
     info = op_info(func)
     plan = mesh._propagator.plan(func, info, args, kwargs, handles)
     session = mesh._session
