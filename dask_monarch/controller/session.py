@@ -146,9 +146,9 @@ class MeshFuture(concurrent.futures.Future):
         raise TypeError(_not_for_dask(self, "client.submit/map/scatter and task graphs"))
 
     def __reduce__(self) -> Any:
-        """Refuse pickling (``client.scatter``, a ``dm.remote`` argument): the value lives in
-        this process only, and it may not have arrived yet."""
-        raise TypeError(_not_for_dask(self, "pickling (remote function arguments, scatter)"))
+        """Refuse pickling (a remote function's argument, ``client.run``): the value lives in
+        this process only, and may not have arrived yet."""
+        raise TypeError(_not_for_dask(self, "pickling (a remote function's arguments)"))
 
     def __repr__(self) -> str:
         return (
@@ -176,7 +176,7 @@ def _not_for_dask(future: MeshFuture, what: str) -> str:
         f"MeshFuture seq {future.seq} ({future._state.lower()}) is a dask_monarch future, not a "
         f"distributed.Future: {what} cannot use it. Get its value with f.result() (not "
         "client.gather(f)); `await f` in async code, [f.result() for f in futures] for several, "
-        "dm.inspect(t) for a tensor's value at once. Wait for several with "
+        "dm.inspect(t) to fetch a tensor and wait in one call. Wait for several with "
         "concurrent.futures.wait/as_completed, and pass values, not MeshFutures, to "
         "client.submit/map/scatter and remote functions"
     )

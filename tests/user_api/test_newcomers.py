@@ -2,8 +2,9 @@
 
 Each message says what happened and what to do, and names the mesh (with an
 id that tells two meshes apart) and the tensor's shape; ``MeshFuture`` works
-with ``await`` and ``concurrent.futures``, and Dask's own future helpers
-refuse it with a TypeError that says what to call instead.
+with ``await`` and ``concurrent.futures``, and Dask's own future helpers and
+task arguments refuse it with a TypeError that says what to call instead
+(``client.gather`` cannot: it hands the future back, whose repr says so).
 """
 
 from __future__ import annotations
