@@ -125,8 +125,8 @@ class MeshFuture(concurrent.futures.Future):
         return await loop.run_in_executor(None, self.result)
 
     # Dask finds futures by type and by protocol; each hook it reads here refuses, so no Dask
-    # tool answers silently and wrongly. Client.gather reads none (it returns a MeshFuture
-    # unchanged); a TaskRef subclass would reach it but silence wait/progress: docs/dask.md §5.
+    # tool answers silently and wrongly. Client.gather reads none: a mesh's client gets a
+    # gather that resolves MeshFutures (controller/gather.py, docs/dask.md §5).
 
     def __dask_graph__(self) -> Any:
         """Refuse Dask's collection helpers: ``distributed.wait``, ``progress``, ``compute``
@@ -174,8 +174,9 @@ def _not_for_dask(future: MeshFuture, what: str) -> str:
     """The refusal every Dask hook of a MeshFuture raises: what it is, what to call instead."""
     return (
         f"MeshFuture seq {future.seq} ({future._state.lower()}) is a dask_monarch future, not a "
-        f"distributed.Future: {what} cannot use it. Get its value with f.result() (not "
-        "client.gather(f)); `await f` in async code, [f.result() for f in futures] for several, "
+        f"distributed.Future: {what} cannot use it. Get its value with f.result() (or "
+        "client.gather(f) on the mesh's client); `await f` in async code, "
+        "[f.result() for f in futures] for several, "
         "dm.inspect(t) to fetch a tensor and wait in one call. Wait for several with "
         "concurrent.futures.wait/as_completed, and pass values, not MeshFutures, to "
         "client.submit/map/scatter and remote functions"
