@@ -124,19 +124,36 @@ class MeshFuture(concurrent.futures.Future):
                     break  # result() raises what happened
         return await loop.run_in_executor(None, self.result)
 
+    # Dask finds futures by type and by protocol; each hook it reads here refuses, so no Dask
+    # tool answers silently and wrongly. Client.gather reads none: a mesh's client gets a
+    # gather that resolves MeshFutures (controller/gather.py, docs/dask.md §5).
+
     def __dask_graph__(self) -> Any:
         """Refuse Dask's collection helpers: ``distributed.wait``, ``progress``, ``compute``
         would otherwise see no Dask future here and answer at once, wrongly."""
         raise TypeError(
-            f"{self!r} is a dask_monarch MeshFuture, not a distributed.Future: wait for it "
-            "with f.result(), `await f`, concurrent.futures.wait([f]) or "
-            "concurrent.futures.as_completed([f]) (not distributed.wait/as_completed/progress)"
+            _not_for_dask(self, "distributed.wait/as_completed/progress, compute and delayed")
         )
+
+    @property
+    def __dask_future__(self) -> bool:
+        """Refuse being a task's argument (``client.submit(fn, f)``, ``client.map``): the
+        scheduler would wait for a key no worker holds."""
+        raise TypeError(_not_for_dask(self, "client.submit/map and task graphs"))
+
+    def __dask_tokenize__(self) -> Any:
+        """Refuse Dask's tokenizing (``client.submit``, ``client.scatter`` hash arguments)."""
+        raise TypeError(_not_for_dask(self, "client.submit/map/scatter and task graphs"))
+
+    def __reduce__(self) -> Any:
+        """Refuse pickling (a remote function's argument, ``client.run``): the value lives in
+        this process only, and may not have arrived yet."""
+        raise TypeError(_not_for_dask(self, "pickling (a remote function's arguments)"))
 
     def __repr__(self) -> str:
         return (
-            f"<MeshFuture seq {self.seq}, {self._state.lower()}: a dask_monarch future for "
-            "f.result(), await f, concurrent.futures.wait/as_completed>"
+            f"<MeshFuture seq {self.seq}, {self._state.lower()}: a dask_monarch future, not a "
+            "distributed.Future: f.result(), await f, concurrent.futures.wait/as_completed>"
         )
 
     def _repr_html_(self) -> str:
@@ -151,6 +168,19 @@ class MeshFuture(concurrent.futures.Future):
             f"{escape(state)}<br><small>f.result() (or <code>await f</code>) waits for the "
             "value</small></div>"
         )
+
+
+def _not_for_dask(future: MeshFuture, what: str) -> str:
+    """The refusal every Dask hook of a MeshFuture raises: what it is, what to call instead."""
+    return (
+        f"MeshFuture seq {future.seq} ({future._state.lower()}) is a dask_monarch future, not a "
+        f"distributed.Future: {what} cannot use it. Get its value with f.result() (or "
+        "client.gather(f) on the mesh's client); `await f` in async code, "
+        "[f.result() for f in futures] for several, "
+        "dm.inspect(t) to fetch a tensor and wait in one call. Wait for several with "
+        "concurrent.futures.wait/as_completed, and pass values, not MeshFutures, to "
+        "client.submit/map/scatter and remote functions"
+    )
 
 
 class Capture:

@@ -2,8 +2,9 @@
 
 Each message says what happened and what to do, and names the mesh (with an
 id that tells two meshes apart) and the tensor's shape; ``MeshFuture`` works
-with ``await`` and ``concurrent.futures``, and Dask's own future helpers
-refuse it with a TypeError that says what to call instead.
+with ``await`` and ``concurrent.futures``, and Dask's own future helpers and
+task arguments refuse it with a TypeError that says what to call instead;
+``client.gather`` on a mesh's client gives its value.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import pickle
 import subprocess
 import sys
 
+import dask
 import distributed
 import numpy as np
 import pytest
@@ -174,6 +177,80 @@ def test_dask_future_helpers_refuse_a_mesh_future(client2, mesh2, dask_helper):
     with pytest.raises(TypeError, match=r"concurrent\.futures"):
         dask_helper(future)
     assert future.result().tolist() == [1.0, 1.0]
+
+
+def _identity(x):
+    return x
+
+
+# What a MeshFuture passed where Dask expects a value or a task argument does: each must raise a
+# TypeError naming f.result() (before: "Could not serialize object of type LLGExpr", a
+# TokenizationError or "cannot pickle '_thread.RLock' object"), and never reach the scheduler.
+_AS_AN_ARGUMENT = {
+    "submit": lambda client, f: client.submit(_identity, f),
+    "submit_impure": lambda client, f: client.submit(_identity, f, pure=False),
+    "submit_keyword": lambda client, f: client.submit(_identity, x=f, pure=False),
+    "map": lambda client, f: client.map(_identity, [f, f]),
+    "scatter": lambda client, f: client.scatter(f),
+    "scatter_list": lambda client, f: client.scatter([f]),
+    "pickle": lambda client, f: pickle.dumps(f),
+    "dask_compute": lambda client, f: dask.compute(f),
+    "client_compute": lambda client, f: client.compute(f),
+    "delayed": lambda client, f: dask.delayed(_identity)(f).compute(),
+}
+
+
+@pytest.mark.parametrize("use", _AS_AN_ARGUMENT.values(), ids=list(_AS_AN_ARGUMENT))
+def test_dask_refuses_a_mesh_future_as_a_value_saying_what_to_call(client2, mesh2, use):
+    with mesh2.activate():
+        future = dm.fetch_shard(torch.ones(2))
+    with pytest.raises(TypeError, match=r"MeshFuture seq \d+") as info:
+        use(client2, future)
+    text = str(info.value)
+    assert "f.result()" in text and "[f.result() for f in futures]" in text, text
+    assert "client.gather(f)" in text, text
+    assert not [k for k in client2.futures if "_identity" in str(k)]  # no task was made
+    assert future.result().tolist() == [1.0, 1.0]
+
+
+def test_a_mesh_future_as_a_remote_function_argument_is_refused(mesh2):
+    first_plus = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x)
+    with mesh2.activate():
+        x = torch.ones(2)
+        future = dm.fetch_shard(x)
+        with pytest.raises(TypeError, match=r"MeshFuture seq \d+.*f\.result\(\)"):
+            first_plus(x, future)
+        y = first_plus(x, future.result())  # what the message says to do
+    assert dm.inspect(y).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda f: f, lambda f: [f, f], lambda f: {"loss": f, "more": (f, [f])}],
+    ids=["one", "list", "nested"],
+)
+def test_client_gather_gives_the_values_of_mesh_futures(client2, mesh2, wrap):
+    """``client.gather`` on a mesh's client resolves MeshFutures like its own futures
+    (controller/gather.py), also mixed with Dask futures in one call."""
+    with mesh2.activate():
+        future = dm.fetch_shard(torch.ones(2))
+    dask_future = client2.submit(_identity, 7, pure=False)
+    got = client2.gather([wrap(future), dask_future])
+    value = future.result()
+    assert str(got) == str([wrap(value), 7])
+    assert torch.equal(client2.gather(future), value)
+
+
+def test_client_gather_of_a_failed_mesh_future_raises_or_skips(client2, mesh2):
+    boom = dm.remote("tests.remote_fns.boom", propagate=lambda x: x)
+    with mesh2.activate():
+        x = torch.ones(2)
+        bad = dm.fetch_shard(boom(x))
+        good = dm.fetch_shard(x)
+    with pytest.raises(dm.RemoteException):
+        client2.gather([good, bad])
+    skipped = client2.gather([good, bad], errors="skip")  # as Dask's gather skips: None
+    assert torch.equal(skipped[0], good.result()) and skipped[1] is None
 
 
 # -------------------------------------------------------------------------------- notebooks
