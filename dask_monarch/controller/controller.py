@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
-from distributed import Client, wait
+from distributed import Client, Future, wait
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
@@ -239,6 +239,7 @@ class Controller:
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
+        self._finishing: set = set()  # keys of tails that ran, let go once Dask finished them
         # flushes go to the scheduler's intake, or through Client.get where it is off or refused
         self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
         self._flusher = threading.Thread(
@@ -388,11 +389,25 @@ class Controller:
         """Let go of the tail futures of segments their rank reported done (the caller holds
         ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
         chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
-        done = self._reports.done
+        done, tails = self._reports.done, self._tails
         for lane, index in list(self._tail_index.items()):
             if done.get(lane, -1) >= index:
-                self._tails.pop(lane, None)
+                tail = tails.get(lane)
+                if tail is not None and tail.status == "pending":
+                    # the rank's report beat its task-finished to the scheduler: released now,
+                    # the task would be cancelled there and missing from the task stream and
+                    # the span metrics; let go of it once the scheduler says it finished
+                    if tail.key not in self._finishing:
+                        self._finishing.add(tail.key)
+                        tail.add_done_callback(self._tail_finished)
+                    continue
+                tails.pop(lane, None)
                 del self._tail_index[lane]
+
+    def _tail_finished(self, future: Future) -> None:
+        """A tail that ran finished on the scheduler too (on Dask's callback thread)."""
+        self._finishing.discard(future.key)
+        self._release_ran_now()
 
     def _release_ran_now(self) -> None:
         """A rank finished segments (on the client's loop): let go of the tails that ran unless

@@ -85,10 +85,11 @@ def test_a_flush_becomes_ordinary_tasks_without_update_graph(client2, tmp_path):
                 time.sleep(0.05)
             gate.touch()
             assert ctrl.sync() == []
-            # the dashboard's task stream shows them like any other task (its entries come
-            # with the workers' task-finished, which can trail the reports)
+            # the task stream records a task when the scheduler learns it finished, which can
+            # trail the reports: wait until none of them is processing any more
             while time.monotonic() < deadline:
-                if set(later.values()) <= {entry["key"] for entry in task_stream.data}:
+                states = client2.run_on_scheduler(_task_view, list(later.values()))
+                if all(v is None or v[0] == "memory" for v in states.values()):
                     break
                 time.sleep(0.05)
         # no generic graph submission: the flushes came through the intake
