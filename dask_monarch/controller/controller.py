@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
-from distributed import Client, Future, wait
+from distributed import Client, wait
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
@@ -68,6 +68,7 @@ logger = logging.getLogger("dask_monarch.controller")
 
 SHUTDOWN_TIMEOUT = 2.0  # seconds a closing controller waits for the client's loop to let go
 CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
+TAIL_RETRY_S = 0.05  # a tail that ran but Dask has not finished is looked at again after this
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
 # Messages whose fields may hold any Python value: checked at send (the others hold plain data
@@ -239,7 +240,7 @@ class Controller:
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
-        self._finishing: set = set()  # keys of tails that ran, let go once Dask finished them
+        self._retry_armed = False  # a pass over tails that ran but Dask did not finish is due
         # flushes go to the scheduler's intake, or through Client.get where it is off or refused
         self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
         self._flusher = threading.Thread(
@@ -389,25 +390,29 @@ class Controller:
         """Let go of the tail futures of segments their rank reported done (the caller holds
         ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
         chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
-        done, tails = self._reports.done, self._tails
+        done, tails, unfinished = self._reports.done, self._tails, False
         for lane, index in list(self._tail_index.items()):
             if done.get(lane, -1) >= index:
                 tail = tails.get(lane)
                 if tail is not None and tail.status == "pending":
                     # the rank's report beat its task-finished to the scheduler: released now,
                     # the task would be cancelled there and missing from the task stream and
-                    # the span metrics; let go of it once the scheduler says it finished
-                    if tail.key not in self._finishing:
-                        self._finishing.add(tail.key)
-                        tail.add_done_callback(self._tail_finished)
+                    # the span metrics; let go of it on a pass once the scheduler says it finished
+                    unfinished = True
                     continue
                 tails.pop(lane, None)
                 del self._tail_index[lane]
+        if unfinished and not self._retry_armed and not self._closed:
+            loop = self._client.loop  # a timer on the client's loop: no thread, nothing at exit
+            if loop is not None:
+                self._retry_armed = True
+                loop.add_callback(loop.call_later, TAIL_RETRY_S, self._retry_release)
 
-    def _tail_finished(self, future: Future) -> None:
-        """A tail that ran finished on the scheduler too (on Dask's callback thread)."""
-        self._finishing.discard(future.key)
-        self._release_ran_now()
+    def _retry_release(self) -> None:
+        """Another pass over the tails that ran (on the client's loop)."""
+        self._retry_armed = False
+        if not self._closed:
+            self._release_ran_now()
 
     def _release_ran_now(self) -> None:
         """A rank finished segments (on the client's loop): let go of the tails that ran unless
