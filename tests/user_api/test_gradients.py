@@ -231,3 +231,31 @@ def test_a_compiled_step_holds_forward_backward_hooks_and_optimizer(mesh2):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)  # replicas agree
         assert torch.allclose(a0, b0, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain[-1], replayed[-1]))
+
+
+def test_ddp_hooks_lend_one_flat_copy_per_bucket(mesh2):
+    """Each borrow costs every rank two hand-offs between its lane threads: a bucket of
+    several gradients is lent as one flat copy, not gradient by gradient."""
+    from dask_monarch.protocol import messages as m
+
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        hooks = dm.ddp_hooks(model, "gpu")  # one bucket of all six parameters
+
+        @dm.compile
+        def backward():
+            _loss(model, mesh2).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            return grads
+
+        dm.random.manual_seed(5)
+        grads = backward()
+        (trace,) = backward._traces.values()
+        got = [dm.inspect(g, gpu=0) for g in grads]
+        hooks.remove()
+        dm.random.manual_seed(5)
+        want = [dm.inspect(g.reduce("gpu", "avg"), gpu=0) for g in backward.fn()]
+    borrows = [msg for ranks, msg in trace.messages if isinstance(msg, m.BorrowCreate)]
+    assert len(hooks.buckets) == 1 and len(borrows) == 1
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
