@@ -87,8 +87,8 @@ def _compile(state: RankState, cmd: Any) -> Any:
 
     Simple: one result, and refs only as top-level arguments. A container
     argument without refs (a shape, a list of dims) is a constant of the
-    recording, handed to every replay as is: only to torch operators, which
-    never change their arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64,
+    recording, handed to every replay as is: only to ATen operators, which
+    never change their list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64,
     16])`` are a quarter of a training step's commands).
     """
     if (
@@ -106,7 +106,7 @@ def _compile(state: RankState, cmd: Any) -> Any:
     args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
     if not cmd.args_kwargs.flat and (
         type(cmd.function) is not m.FunctionPath
-        or not cmd.function.path.startswith("torch.ops.")
+        or not cmd.function.path.startswith("torch.ops.aten.")
         or any(_holds_ref(a) for a in args if type(a) is not m.Ref)
         or any(_holds_ref(v) for v in kwargs.values())
     ):
