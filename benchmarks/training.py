@@ -234,13 +234,17 @@ class Mesh:
             trace = time.perf_counter()
             dm.inspect(step().reduce(DIMS, "avg"))
             trace = time.perf_counter() - trace
+            controller = mesh._session.controller
             before = self._cpu()
+            flushes, messages = controller.flushes, controller.messages_sent
             start = time.perf_counter()
             for _ in range(steps):
                 loss = step()
             dm.inspect(loss.reduce(DIMS, "avg")).item()
             elapsed = time.perf_counter() - start
             after = self._cpu()
+            flushes = (controller.flushes - flushes) / steps
+            messages = (controller.messages_sent - messages) / steps
             weights = dm.inspect([p.detach() for p in model.parameters()])
             hooks.remove()
         mesh.exit()
@@ -249,6 +253,8 @@ class Mesh:
             "cpu": {k: after[k] - before[k] for k in after},
             "weights": weights,
             "first": trace,
+            "flushes": flushes,
+            "messages": messages,
         }
 
     def close(self) -> None:
@@ -345,7 +351,11 @@ def main() -> None:
                     same += ", " + _compare(rs, runs[(hidden, batch_size, "ddp")], "DDP")
             first = ""
             if "first" in rs[0]:
-                first = f"; first step {statistics.median(r['first'] for r in rs) * 1e3:.0f} ms"
+                first = (
+                    f"; first step {statistics.median(r['first'] for r in rs) * 1e3:.0f} ms; "
+                    f"per step {statistics.median(r['flushes'] for r in rs):.2f} flushes, "
+                    f"{statistics.median(r['messages'] for r in rs):.0f} messages"
+                )
             print(
                 f"  {path:<10}{seconds / args.steps * 1e3:>9.2f}{ratio:>7}  {cpu_text}{same}{first}"
             )
