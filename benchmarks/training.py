@@ -48,7 +48,6 @@ import dask_monarch as dm
 FEATURES = 16
 WORLD = 4
 
-
 DIMS = ("host", "gpu")
 PATHS = ("local", "ddp", "mesh", "compiled")
 
