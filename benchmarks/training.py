@@ -1,14 +1,29 @@
-"""Training steps of the README's example (examples/train_mlp.py) against its baselines.
+"""Data-parallel training steps on 4 ranks: dask_monarch next to torch's DistributedDataParallel.
 
-    python benchmarks/training.py [--steps 20] [--repeat 3] [--hidden 32] [--batch 64]
+    python benchmarks/training.py [--configs 32x64,1024x4096] [--steps 30] [--repeat 3]
 
-Milliseconds per step of data-parallel MLP training on 4 ranks (a 2x2 mesh,
-gradients averaged on a separate stream through borrows, as in the example),
-next to the same training in one process (plain torch, the full batch) and in
-4 plain ``torch.distributed`` processes (gloo; each trains on its quarter and
-all-reduces its gradients). The mesh run fetches the loss at its first and last
-step and the weights at the end, as the example does with a long fetch interval.
-Medians over the repeats, after one warm-up run each.
+An MLP 16-H-1 trained with SGD (lr 0.2 x min(1, 32/H)) on batches of B rows drawn on every
+rank from the same seed; each of 4 ranks trains on its quarter and the
+gradients are averaged. Four paths, run alternately in the same minutes
+(each round runs every configuration on every path, so they see the same
+machine; the first round is a warm-up):
+
+* ``local``: plain torch in this process on the full batch (the reference);
+* ``ddp``: 4 gloo processes, each with ``torch.nn.parallel.DistributedDataParallel``
+  (bucketed all-reduce overlapping backward);
+* ``mesh``: a 2x2 ``LocalMeshCluster`` mesh, plain dispatch with ``dm.ddp_hooks``
+  (bucketed all-reduce on a ``comms`` stream through mutable borrows, flushed as
+  each bucket is ready);
+* ``compiled``: the same step (data, forward, backward with the same hooks,
+  SGD step) under ``dm.compile``: one ``CallRecording`` per step.
+
+A run is one untimed step (the compiled path traces there), then ``--steps``
+timed steps and the loss averaged over the ranks fetched to this process. The
+figures are medians over the rounds: milliseconds per step, CPU milliseconds
+per step of each process (client = this process, scheduler, each worker; each
+DDP process; psutil's user + system time, whose tick is 10 ms: use enough
+steps), and ratios to DDP. The final weights of every path are compared with
+``local``'s and DDP's (``allclose``, rtol 1e-4, atol 1e-5).
 """
 
 from __future__ import annotations
@@ -18,10 +33,10 @@ import datetime
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections import defaultdict
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,103 +45,327 @@ from torch import nn
 
 import dask_monarch as dm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import train_mlp  # noqa: E402
-
 FEATURES = 16
 WORLD = 4
 
+DIMS = ("host", "gpu")
+PATHS = ("local", "ddp", "mesh", "compiled")
 
-def _ddp(rank, port, args, queue):
+
+def lr(hidden: int) -> float:
+    """SGD's learning rate: 0.2, scaled down for wide layers (0.2 diverges at 1024 hidden)."""
+    return 0.2 * min(1.0, 32 / hidden)
+
+
+def make_model(seed, hidden: int) -> nn.Module:
+    seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+def batch(batch_size: int):
+    """The full batch of a step, drawn from the current generator (seeded once per run)."""
+    x = torch.randn(batch_size, FEATURES)
+    y = (x @ torch.linspace(-1, 1, FEATURES)).tanh().unsqueeze(1)  # a target the MLP can learn
+    return x, y
+
+
+def _cpu() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+# -- plain torch ----------------------------------------------------------------------------
+
+
+def run_local(hidden: int, batch_size: int, steps: int) -> dict:
+    model = make_model(torch.manual_seed, hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr(hidden))
+    torch.manual_seed(1000)
+
+    def step():
+        x, y = batch(batch_size)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step()
+    cpu, start = _cpu(), time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    loss.item()
+    elapsed = time.perf_counter() - start
+    return {
+        "seconds": elapsed,
+        "cpu": {"client": _cpu() - cpu},
+        "weights": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+# -- torch.distributed: DistributedDataParallel, 4 gloo processes ---------------------------
+
+
+def _ddp_run(rank: int, hidden: int, batch_size: int, steps: int) -> tuple:
+    model = nn.parallel.DistributedDataParallel(make_model(torch.manual_seed, hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr(hidden))
+    torch.manual_seed(1000)
+    shard = batch_size // WORLD
+
+    def step():
+        x, y = batch(batch_size)
+        x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step()
+    dist.barrier()
+    cpu, start = _cpu(), time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    loss = loss.detach()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the loss, to "rank 0" as a fetch would
+    loss.item()
+    elapsed = time.perf_counter() - start
+    cpu = _cpu() - cpu
+    weights = [p.detach().clone() for p in model.module.parameters()] if rank == 0 else None
+    return rank, elapsed, cpu, weights
+
+
+def _ddp_rank(rank: int, port: int, commands, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=300),
     )
-    model = train_mlp.make_model(torch.manual_seed, FEATURES, args.hidden)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    times = []
-    for _ in range(args.repeat + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        for step in range(args.steps):
-            x, y = train_mlp.batch(torch.manual_seed, step, args.batch, FEATURES)
-            shard = args.batch // WORLD
-            x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-            optimizer.step()
-        dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)  # the one fetch of the loss
-        times.append(time.perf_counter() - start)
-    if rank == 0:
-        queue.put(statistics.median(times[1:]) / args.steps)
+    while True:
+        command = commands[rank].get()
+        if command is None:
+            break
+        results.put(_ddp_run(rank, *command))
     dist.destroy_process_group()
 
 
-def plain_ddp(args) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_ddp, args=(port, args, queue), nprocs=WORLD, start_method="spawn")
-    return queue.get()
+class DDP:
+    """4 long-lived gloo processes that train when told (so every round reuses them)."""
 
-
-def local(args) -> float:
-    def run():
-        start = time.perf_counter()
-        train_mlp.train_locally(
-            args.steps, args.batch, FEATURES, args.hidden, fetch_every=args.steps
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
+        self.results = ctx.SimpleQueue()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.context = mp.start_processes(
+            _ddp_rank,
+            args=(port, self.commands, self.results),
+            nprocs=WORLD,
+            start_method="spawn",
+            join=False,
         )
-        return time.perf_counter() - start
 
-    run()
-    return statistics.median(run() for _ in range(args.repeat)) / args.steps
+    def run(self, hidden: int, batch_size: int, steps: int) -> dict:
+        for q in self.commands:
+            q.put((hidden, batch_size, steps))
+        out = sorted(self.results.get() for _ in range(WORLD))
+        return {
+            "seconds": max(r[1] for r in out),
+            "cpu": {f"rank {r[0]}": r[2] for r in out},
+            "weights": out[0][3],
+        }
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        self.context.join()
 
 
-def on_mesh(args) -> float:
-    with dm.LocalMeshCluster(n_ranks=WORLD, device="cpu") as cluster, Client(cluster) as client:
+# -- dask_monarch ---------------------------------------------------------------------------
 
-        def run():
-            mesh = dm.device_mesh(client, host=2, gpu=2)
+
+def _process_cpu() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+class Mesh:
+    """A 4-rank LocalMeshCluster; each run makes a 2x2 mesh, trains on it and exits it."""
+
+    def __init__(self) -> None:
+        self.cluster = dm.LocalMeshCluster(n_ranks=WORLD, device="cpu")
+        self.client = Client(self.cluster)
+        self.names = {}  # worker address -> "rank i"
+
+    def _cpu(self) -> dict[str, float]:
+        workers = self.client.run(_process_cpu)
+        if not self.names:
+            self.names = {a: f"worker {i}" for i, a in enumerate(sorted(workers))}
+        out = {"client": _cpu(), "scheduler": self.client.run_on_scheduler(_process_cpu)}
+        out.update({self.names[a]: v for a, v in workers.items()})
+        return out
+
+    def run(self, hidden: int, batch_size: int, steps: int, compiled: bool) -> dict:
+        mesh = dm.device_mesh(self.client, host=2, gpu=2)
+        comms = dm.Stream("comms")
+        n = mesh.size(DIMS)
+        with mesh.activate():
+            model = make_model(dm.random.manual_seed, hidden)
+            optimizer = torch.optim.SGD(model.parameters(), lr=lr(hidden))
+            hooks = dm.ddp_hooks(model, DIMS, stream=comms)
+            me = mesh.rank(DIMS).reshape(1)  # this rank's position along the data dims
+            dm.random.manual_seed(1000)
+
+            def step():
+                x, y = batch(batch_size)
+                x = x.view(n, batch_size // n, FEATURES).index_select(0, me).squeeze(0)
+                y = y.view(n, batch_size // n, 1).index_select(0, me).squeeze(0)
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if compiled:
+                    optimizer.zero_grad()  # .grad is internal to the recording
+                return loss.detach()
+
+            if compiled:
+                step = dm.compile(step)
+            trace = time.perf_counter()
+            dm.inspect(step().reduce(DIMS, "avg"))
+            trace = time.perf_counter() - trace
+            controller = mesh._session.controller
+            before = self._cpu()
+            flushes, messages = controller.flushes, controller.messages_sent
             start = time.perf_counter()
-            train_mlp.train_on_mesh(
-                mesh, args.steps, args.batch, FEATURES, args.hidden, fetch_every=args.steps
-            )
+            for _ in range(steps):
+                loss = step()
+            dm.inspect(loss.reduce(DIMS, "avg")).item()
             elapsed = time.perf_counter() - start
-            mesh.exit()
-            return elapsed
+            after = self._cpu()
+            flushes = (controller.flushes - flushes) / steps
+            messages = (controller.messages_sent - messages) / steps
+            weights = dm.inspect([p.detach() for p in model.parameters()])
+            hooks.remove()
+        mesh.exit()
+        return {
+            "seconds": elapsed,
+            "cpu": {k: after[k] - before[k] for k in after},
+            "weights": weights,
+            "first": trace,
+            "flushes": flushes,
+            "messages": messages,
+        }
 
-        run()
-        return statistics.median(run() for _ in range(args.repeat)) / args.steps
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def _config(text: str) -> tuple[int, int]:
+    hidden, batch_size = text.lower().split("x")
+    return int(hidden), int(batch_size)
+
+
+def _compare(runs: list[dict], reference: list[dict], name: str) -> str:
+    """``= local (max |dw| 1e-06)``: every run's final weights against the reference's
+    (allclose, rtol 1e-4, atol 1e-5: shards sum in another order than the full batch)."""
+    if not reference:
+        return f"(no {name} run)"
+    diff, same = 0.0, True
+    for r in runs:
+        for a, b in zip(r["weights"], reference[0]["weights"]):
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                return f"not finite (against {name})"
+            diff = max(diff, (a - b).abs().max().item())
+            same = same and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    return f"{'=' if same else 'DIFFER from'} {name} (max |dw| {diff:.1e})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=64)
-    args = parser.parse_args()
-    rows = [
-        ("plain torch, 1 process, full batch", local(args)),
-        ("plain torch.distributed, 4 gloo processes", plain_ddp(args)),
-        ("dask_monarch, 2x2 mesh", on_mesh(args)),
-    ]
-    print(
-        f"\ndata-parallel MLP {FEATURES}-{args.hidden}-1, batch {args.batch}, {args.steps} steps "
-        f"then one loss fetch; median of {args.repeat} (torch {torch.__version__})"
+    parser.add_argument(
+        "--configs",
+        default="32x64,1024x4096",
+        help="comma-separated HIDDENxBATCH (default: both of issue 16: 32x64,1024x4096)",
     )
-    print(f"{'path':<44}{'ms/step':>10}")
-    for label, seconds in rows:
-        print(f"{label:<44}{seconds * 1e3:>10.2f}")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (after one warm-up)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
+    args = parser.parse_args()
+    configs = [_config(c) for c in args.configs.split(",")]
+    paths = args.paths.split(",")
+    torch.set_num_threads(1)
+
+    ddp = DDP() if "ddp" in paths else None
+    mesh = Mesh() if {"mesh", "compiled"} & set(paths) else None
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    loads = []
+    try:
+        for round_ in range(args.repeat + 1):
+            for hidden, batch_size in configs:
+                for path in paths if round_ % 2 == 0 else paths[::-1]:  # no path always first
+                    if path == "local":
+                        r = run_local(hidden, batch_size, args.steps)
+                    elif path == "ddp":
+                        r = ddp.run(hidden, batch_size, args.steps)
+                    else:
+                        r = mesh.run(hidden, batch_size, args.steps, path == "compiled")
+                    if round_ > 0:
+                        runs[(hidden, batch_size, path)].append(r)
+            loads.append(os.getloadavg()[0])
+            print(f"round {round_} done, load average {loads[-1]:.2f}", flush=True)
+    finally:
+        if ddp is not None:
+            ddp.close()
+        if mesh is not None:
+            mesh.close()
+
+    print(
+        f"\ndata-parallel MLP {FEATURES}-H-1, SGD, {WORLD} ranks; {args.steps} steps then one "
+        f"loss fetch; median of {args.repeat} rounds (torch {torch.__version__}); load average "
+        f"(1 min) over the rounds {min(loads[1:] or loads):.2f}-{max(loads):.2f}, "
+        f"{os.cpu_count()} cores"
+    )
+    for hidden, batch_size in configs:
+        print(f"\n16-{hidden}-1, batch {batch_size}")
+        ddp_ms = None
+        if runs[(hidden, batch_size, "ddp")]:
+            ddp_ms = statistics.median(r["seconds"] for r in runs[(hidden, batch_size, "ddp")])
+        print(f"  {'path':<10}{'ms/step':>9}{'x DDP':>7}  CPU ms/step per process; final weights")
+        for path in paths:
+            rs = runs[(hidden, batch_size, path)]
+            seconds = statistics.median(r["seconds"] for r in rs)
+            ratio = f"{seconds / ddp_ms:.2f}" if ddp_ms else "-"
+            cpu = {
+                k: statistics.median(r["cpu"][k] for r in rs) / args.steps * 1e3
+                for k in rs[0]["cpu"]
+            }
+            cpu_text = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+            cpu_text += f" (sum {sum(cpu.values()):.1f})"
+            same = ""
+            if path != "local":
+                same = "; weights " + _compare(rs, runs[(hidden, batch_size, "local")], "local")
+                if path != "ddp":
+                    same += ", " + _compare(rs, runs[(hidden, batch_size, "ddp")], "DDP")
+            first = ""
+            if "first" in rs[0]:
+                first = (
+                    f"; first step {statistics.median(r['first'] for r in rs) * 1e3:.0f} ms; "
+                    f"per step {statistics.median(r['flushes'] for r in rs):.2f} flushes, "
+                    f"{statistics.median(r['messages'] for r in rs):.0f} messages"
+                )
+            print(
+                f"  {path:<10}{seconds / args.steps * 1e3:>9.2f}{ratio:>7}  {cpu_text}{same}{first}"
+            )
 
 
 if __name__ == "__main__":

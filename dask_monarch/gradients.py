@@ -10,11 +10,15 @@ act on a gradient as soon as it exists, instead of after the whole backward:
   next one, so the caller's messages and backward's interleave in one
   deterministic order, as if backward were a generator.
 * :func:`ddp_hooks` hooks a module's parameters: when every gradient of a
-  bucket has been accumulated, the bucket is lent to a communication stream,
-  averaged there over the data-parallel mesh dims, and the messages so far are
-  flushed, so the ranks reduce it on that stream's lane while the main lane
-  runs the rest of backward. At the end of backward the borrows are dropped:
-  the main stream's next use of a gradient waits for its reduction.
+  bucket has been accumulated, the bucket is lent to a communication stream
+  and averaged there over the data-parallel mesh dims, so the ranks reduce it
+  on that stream's lane while the main lane runs the rest of backward. If the
+  ranks are idle the messages so far are flushed at once, so that they start;
+  while they are busy the next flush takes them (a flush costs Dask far more
+  than a message: a flush per bucket doubled a small model's step time). At
+  the end of backward the borrows are dropped: the main stream's next use of a
+  gradient waits for its reduction. Under ``dm.compile`` the hooks are traced
+  with the step, and the whole step is one recording.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class DDPHooks:
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._ready: list[list[Tensor]] = [[] for _ in self.buckets]
         self._borrows: list = []
+        self._flats: list[tuple[list[Tensor], Tensor]] = []  # (bucket, its lent flat copy)
         self._pending = False  # an end-of-backward callback is queued
         self._sync = True
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
@@ -141,34 +146,43 @@ class DDPHooks:
             self._reduce(index)
 
     def _reduce(self, index: int) -> None:
-        """Lend the bucket's gradients to the stream and average them there, now."""
+        """Lend the bucket's gradients to the stream and average them there, now.
+
+        A bucket of several gradients is copied into one flat tensor on the
+        gradients' stream (as DDP copies into its bucket), and only that is
+        lent: one borrow per bucket, not per gradient (each borrow is two
+        hand-offs between the ranks' lane threads). ``_finish`` copies the
+        averages back.
+        """
         params, self._ready[index] = self._ready[index], []
         if not params:
             return
-        lent = []
-        for p in params:
-            grad, borrow = self.stream.borrow(p.grad, mutable=True)
-            lent.append(grad)
-            self._borrows.append(borrow)
+        if len(params) == 1:
+            lent, borrow = self.stream.borrow(params[0].grad, mutable=True)
+        else:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            lent, borrow = self.stream.borrow(flat, mutable=True)
+            self._flats.append((params, flat))
+        self._borrows.append(borrow)
         with self.stream.activate():
-            if len(lent) == 1:
-                lent[0].reduce_(self.dims, self.reduction)
-            else:  # one collective per bucket
-                flat = torch.cat([g.reshape(-1) for g in lent])
-                flat.reduce_(self.dims, self.reduction)
-                for g, piece in zip(lent, flat.split([g.numel() for g in lent])):
-                    g.copy_(piece.view(g.shape))
-        lent[0]._session.controller.flush()  # to the ranks while backward goes on
+            lent.reduce_(self.dims, self.reduction)
+        session = lent._session
+        if session.capture is None and session.controller.ranks_idle():
+            session.controller.flush()  # idle ranks start on it while backward goes on
 
     def _finish(self) -> None:
         """End of backward: reduce what is left (parameters without a gradient stay out),
-        then give the gradients back to their stream."""
+        give the gradients back to their stream, copy the flat buckets' averages back."""
         self._pending = False
         for index in range(len(self.buckets)):
             self._reduce(index)
         borrows, self._borrows = self._borrows, []
         for borrow in borrows:
             borrow.drop()
+        flats, self._flats = self._flats, []
+        for params, flat in flats:
+            for p, piece in zip(params, flat.split([p.grad.numel() for p in params])):
+                p.grad.copy_(piece.view(p.grad.shape))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -264,3 +264,9 @@ def residents_alive(*_):
 def first_plus(x, big):
     """Reads a (large) argument, keeps nothing of it (tests/controller/test_memory.py)."""
     return x + big[:1]
+
+
+def grow(x, items):
+    """Changes its list argument: x + how many items it holds after one more."""
+    items.append(0)
+    return x + len(items)

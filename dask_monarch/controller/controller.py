@@ -305,6 +305,11 @@ class Controller:
         """Hand buffered messages to Dask now."""
         self._flush(False)
 
+    def ranks_idle(self) -> bool:
+        """Every segment flushed so far has run: a flush now would start work at once
+        (while they are busy, a later flush costs them nothing and Dask less)."""
+        return self._reports.ranks_idle()
+
     def _flush(self, final: bool | tuple[int, int]) -> None:
         """Flush; ``final`` before a wait: what would wait forever for more is refused (a wait
         on every lane, ``True``, or on one ``(rank, stream)``; see ``Compiler.compile``)."""

@@ -83,13 +83,19 @@ class FastCall(tuple):
 
 
 def _compile(state: RankState, cmd: Any) -> Any:
-    """A FastCall for a simple CallFunction, else the message itself (handled generically)."""
+    """A FastCall for a simple CallFunction, else the message itself (handled generically).
+
+    Simple: one result, and refs only as top-level arguments. A container
+    argument without refs (a shape, a list of dims) is a constant of the
+    recording, handed to every replay as is: only to ATen operators, which
+    never change their list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64,
+    16])`` are a quarter of a training step's commands).
+    """
     if (
         type(cmd) is not m.CallFunction
         or cmd.remote_process_groups
         or len(cmd.results) != 1
         or cmd.args_kwargs._payload is not None
-        or not cmd.args_kwargs.flat
         or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)
     ):
         return cmd
@@ -98,6 +104,13 @@ def _compile(state: RankState, cmd: Any) -> Any:
     except Exception:  # reported when the call is replayed
         return cmd
     args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
+    if not cmd.args_kwargs.flat and (
+        type(cmd.function) is not m.FunctionPath
+        or not cmd.function.path.startswith("torch.ops.aten.")
+        or any(_holds_ref(a) for a in args if type(a) is not m.Ref)
+        or any(_holds_ref(v) for v in kwargs.values())
+    ):
+        return cmd
     if any(type(v) is m.Ref for v in kwargs.values()):
         return cmd
     template, slots = [], []
@@ -115,6 +128,17 @@ def _compile(state: RankState, cmd: Any) -> Any:
     return FastCall(
         (fn, template, tuple(slots), kwargs, None if result is None else result.id, cmd)
     )
+
+
+def _holds_ref(value: Any) -> bool:
+    """A Ref, or a container with one somewhere inside."""
+    if type(value) is m.Ref:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_ref(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_ref(v) for v in value.values())
+    return False
 
 
 class ReplayState:

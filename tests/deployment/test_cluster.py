@@ -8,7 +8,7 @@ import os
 import pytest
 from distributed import Client
 
-from dask_monarch.deployment.workers import MALLOC_MMAP_THRESHOLD
+from dask_monarch.deployment.workers import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 
 
 def _worker_facts(dask_worker=None) -> dict:
@@ -20,6 +20,7 @@ def _worker_facts(dask_worker=None) -> dict:
         "daemon": multiprocessing.current_process().daemon,
         "torch_threads": torch.get_num_threads(),
         "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
     }
 
 
@@ -31,6 +32,7 @@ def test_rank_workers_are_named_pinned_and_tuned_for_torch(client2):
         assert not f["daemon"]  # pipes and data loaders may start processes
         assert f["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
         assert f["mmap_threshold"] == MALLOC_MMAP_THRESHOLD  # torch allocations stay on the heap
+        assert f["trim_threshold"] == MALLOC_TRIM_THRESHOLD  # ... and keep their pages
 
 
 def test_closing_the_cluster_removes_its_scheduler_file():

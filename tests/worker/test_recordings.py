@@ -184,6 +184,44 @@ def test_recording_with_a_borrow_and_a_reduce(ctrl):
             assert torch.equal(got[(seq, rank)], expected)
 
 
+def _plan_kinds(dask_worker, token, recording, stream):
+    from dask_monarch.worker.recording import FastCall
+
+    state = dask_worker.plugins["dask_monarch"].ranks[token]
+    return [type(c) is FastCall for c in state.recordings[recording].streams[stream].plan]
+
+
+def test_constant_lists_of_torch_operators_are_compiled_once(ctrl, client2):
+    """A shape or dims list is a constant of the recording: the operator is resolved once
+    (a FastCall), while a function that may change its list argument gets a fresh one on
+    every replay, as outside a recording."""
+    create_streams(ctrl, BOTH, S0)
+    fx, v, s, g = Ref(10), Ref(11), Ref(12), Ref(13)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            call(0, v, "torch.ops.aten.view.default", fx, [3, 2]),
+            call(0, s, "torch.ops.aten.sum.dim_IntList", v, [0]),
+            call(0, g, "remote_fns.grow", s, [7]),
+            m.RecordingResult(g, 0, S0),
+        ],
+        nresults=1,
+        nformals=1,
+    )
+    ctrl.send(BOTH, call(0, Ref(1), "torch.arange", 6.0))
+    for seq in (1, 2):
+        ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 + 10 * seq)], [Ref(1)]))
+    assert ctrl.sync() == []
+    for rank in BOTH:
+        for out in (Ref(20), Ref(30)):
+            assert torch.equal(ctrl.get_ref(rank, out, S0), torch.tensor([8.0, 11.0]))
+    kinds = client2.run(_plan_kinds, token=ctrl.token, recording=REC.id, stream=S0.id)
+    for plan in kinds.values():
+        assert plan == [False, True, True, False, False]  # formal, view, sum, grow, result
+
+
 def test_chunked_definition(ctrl):
     create_streams(ctrl, [0], S0)
     commands = [m.RecordingFormal(Ref(10), 0, S0)]
