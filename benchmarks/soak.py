@@ -7,8 +7,10 @@ Default mode: on a 2-rank ``LocalMeshCluster``, ``acc = acc + ones`` on
 10x10 tensors ``--ops`` times through the user API (each op is a
 ``CallFunction`` and the old ``acc``'s ``DeleteRefs``), with a ``dm.inspect``
 every ``--fetch-every`` ops. At ``--samples`` points it waits for the value
-just computed, then reads the RSS of every process and the tasks the
-scheduler and each worker hold. It prints a table and the growth of each
+just computed, then reads the RSS of every process (after a garbage
+collection and glibc's ``malloc_trim``: what is held, not what the allocator
+kept of what was once used), the tasks the scheduler and each worker hold,
+and the task groups the scheduler's spans keep. It prints a table and the growth of each
 process from the end of the warm-up (the first ``--warmup`` fraction of the
 ops) to the end, and checks that ``acc`` holds the number of adds (order
 held over the whole run).
@@ -42,6 +44,12 @@ def _scheduler_tasks(dask_scheduler=None) -> int:
     return len(dask_scheduler.tasks)
 
 
+def _scheduler_groups(dask_scheduler=None) -> int:
+    """Task groups the scheduler's spans keep (docs/dask.md §13: every one they ever saw)."""
+    spans = dask_scheduler.extensions.get("spans")
+    return sum(len(span.groups) for span in spans.spans.values()) if spans is not None else 0
+
+
 def _worker_tasks(dask_worker=None) -> int:
     return len(dask_worker.state.tasks)
 
@@ -68,6 +76,7 @@ def sample(client: Client, trim: bool = False) -> dict:
         "workers": [workers[w] for w in sorted(workers)],
         "client": rss(),
         "scheduler_tasks": client.run_on_scheduler(_scheduler_tasks),
+        "scheduler_groups": client.run_on_scheduler(_scheduler_groups),
         "worker_tasks": [tasks[w] for w in sorted(tasks)],
     }
 
@@ -84,7 +93,7 @@ def soak(client: Client, ops: int, samples: int, warmup: float, fetch_every: int
     with mesh.activate():
         ones, acc = torch.ones(10, 10), torch.zeros(10, 10)
         dm.inspect(acc[0, 0])
-        rows.append((0, 0.0, sample(client)))
+        rows.append((0, 0.0, sample(client, trim=True)))
         _print_header(len(rows[0][2]["workers"]))
         _print_row(*rows[0])
         for i in range(1, ops + 1):
@@ -92,12 +101,16 @@ def soak(client: Client, ops: int, samples: int, warmup: float, fetch_every: int
             if i % fetch_every == 0 or i % every == 0:
                 dm.inspect(acc[0, 0])
             if i % every == 0:
-                rows.append((i, time.perf_counter() - start, sample(client)))
+                rows.append((i, time.perf_counter() - start, sample(client, trim=True)))
                 _print_row(*rows[-1])
         final = float(dm.inspect(acc[0, 0]))
+    flushes = mesh._session.controller.flushes
     mesh.exit()
     elapsed = time.perf_counter() - start
-    print(f"\n{ops} ops in {elapsed:.1f} s ({elapsed / ops * 1e6:.1f} us/op); acc = {final:.0f}")
+    print(
+        f"\n{ops} ops in {elapsed:.1f} s ({elapsed / ops * 1e6:.1f} us/op), {flushes} flushes, "
+        f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}; acc = {final:.0f}"
+    )
     if final != ops:
         print(f"ORDER BROKEN: acc should be {ops}")
     base = next(row for row in rows if row[0] >= warmup * ops)
@@ -105,6 +118,7 @@ def soak(client: Client, ops: int, samples: int, warmup: float, fetch_every: int
     for name, first, last, peak in _series(base[2], rows[-1][2], [r[2] for r in rows]):
         print(
             f"  {name:<12} {_mib(first)} -> {_mib(last)} MiB: {100 * (last - first) / first:+.1f} %"
+            f", {(last - first) / (rows[-1][0] - base[0]):+.1f} B/op"
             f" (peak after warm-up {_mib(peak)} MiB)"
         )
 
@@ -124,13 +138,13 @@ def _series(first: dict, last: dict, all_: list[dict]):
 
 def _print_header(workers: int) -> None:
     cols = ["ops", "s", "sched MiB", *(f"w{w} MiB" for w in range(workers)), "client MiB"]
-    cols += ["sched tasks", *(f"w{w} tasks" for w in range(workers))]
+    cols += ["sched tasks", *(f"w{w} tasks" for w in range(workers)), "span groups"]
     print("".join(f"{c:>12}" for c in cols))
 
 
 def _print_row(i: int, t: float, s: dict) -> None:
     cells = [f"{i}", f"{t:.1f}", _mib(s["scheduler"]), *map(_mib, s["workers"]), _mib(s["client"])]
-    cells += [str(s["scheduler_tasks"]), *map(str, s["worker_tasks"])]
+    cells += [str(s["scheduler_tasks"]), *map(str, s["worker_tasks"]), str(s["scheduler_groups"])]
     print("".join(f"{c:>12}" for c in cells), flush=True)
 
 

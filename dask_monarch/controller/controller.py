@@ -54,7 +54,7 @@ from ..protocol.messages import (
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
 from ..worker import construct_actor, register_actor, trace_collect, trace_start
-from . import intake
+from . import bookkeeping, intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
@@ -195,6 +195,8 @@ class Controller:
         self._broken: DeviceException | None = None
         # (distributed.span annotation, task-name label) of the dask_monarch.span open now
         self.span: tuple[dict, str] | None = None
+        # outside any dask_monarch.span: one span of its own, not a new default span per flush
+        self._own_span = (bookkeeping.controller_span(self.token), "")
         self._closed = False
         self._rendezvous: tuple[str, int] | None = None
         self._actor_ids = itertools.count()
@@ -219,6 +221,7 @@ class Controller:
         self.resources, self.devices = claim_ranks(
             client, self.token, self.workers, device, self.backend
         )
+        bookkeeping.install(client)  # the scheduler's record of ran segments stays bounded
         self._liveness = Liveness(
             self.token,
             self.workers,
@@ -351,8 +354,9 @@ class Controller:
                 raise
 
     def _hand_over(self, buffer: list, final: bool | tuple[int, int]) -> None:
-        span = self.span  # set by dask_monarch.span, which flushes as it enters and leaves
-        self._compiler.span_label = span[1] if span is not None else ""
+        # set by dask_monarch.span, which flushes as it enters and leaves; else our own span
+        span = self.span or self._own_span
+        self._compiler.span_label = span[1]
         plan = self._compiler.compile(buffer, final)
         if plan.rendezvous and self._rendezvous is None:
             self._rendezvous = open_rendezvous(self._client, self.token, self.workers)
@@ -363,8 +367,6 @@ class Controller:
         if plan.tasks:
             if self._intake:
                 futures = intake.futures(self._client, plan.tasks)
-            elif span is None:
-                futures = self._client.get(plan.graph, plan.keys, sync=False)
             else:  # from any thread (the background flusher too): the span's annotation
                 with dask.annotate(span=span[0]):
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
@@ -379,7 +381,7 @@ class Controller:
                 tails[lane] = by_key[key]
                 self._tail_index[lane] = plan.counts[lane]
             if self._intake:
-                intake.send(self._client, self.token, plan.tasks, let_go, span[0] if span else None)
+                intake.send(self._client, self.token, plan.tasks, let_go, span[0])
             del let_go
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
@@ -428,6 +430,7 @@ class Controller:
                 self._release_ran()
             finally:
                 self._flush_lock.release()
+        bookkeeping.drop_sent_graphs(self._client.scheduler_comm, self.token)  # out of its log
 
     def _retire_dropped(self) -> None:
         """Let go of dropped lanes whose last segment ran: their tail futures, progress entries
@@ -644,13 +647,19 @@ class Controller:
 
     # -- reports ------------------------------------------------------------------------------
 
-    def add_listener(self, listener: Callable[[Any], None]) -> None:
+    def add_listener(self, listener: Callable[[Any], None], *, consume: bool = False) -> None:
         """Call ``listener(message)`` for every controller message as it arrives.
 
         Listeners run on the client's event loop thread: they must be quick
         and must not block (the user API resolves its futures this way).
+        ``consume=True``: the listener takes the messages, and :meth:`sync`
+        no longer keeps them (it returns only what came before), so a long
+        session holds no fetched value or Status it already handled.
         """
-        self._reports.listeners.append(listener)
+        with self._progress:
+            self._reports.listeners.append(listener)
+            if consume:
+                self._reports.keep_inbox = False
 
     def waiting_for(self) -> str:
         """The lanes that have not run everything sent to them, and what each is doing.

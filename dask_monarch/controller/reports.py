@@ -71,6 +71,7 @@ class Reports:
         self.expected: dict[tuple[int, Any], int] = {}  # (rank, lane) -> newest segment
         self.done: dict[tuple[int, Any], int] = {}  # (rank, lane) -> last finished segment
         self.inbox: list = []  # controller messages not yet returned by a sync
+        self.keep_inbox = True  # False once a listener consumes them (the user API)
         self.replies: dict[int, RefValue] = {}  # probe -> what it read
         self.listeners: list[Callable[[Any], None]] = []
         self.on_done: Callable[[], None] | None = None  # after a batch that finished segments
@@ -224,9 +225,10 @@ class Reports:
                     else:
                         self.debugging.pop(item.session, None)
                     debugger.append(item)
-            self.inbox.extend(
-                [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
-            )
+            if self.keep_inbox and delivered:
+                self.inbox.extend(
+                    [x for x in delivered if type(x) is not ValueFailed] if seqless else delivered
+                )
             self.progress.notify_all()
         if finished and self.on_done is not None:
             self.on_done()

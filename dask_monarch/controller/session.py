@@ -255,7 +255,7 @@ class Session:
         self._completion = threading.Condition(self.lock)
         self._unobserved: dict[int, RemoteException] = {}
         self.closed = False
-        self.controller.add_listener(self._on_message)
+        self.controller.add_listener(self._on_message, consume=True)  # futures hold what they need
         _live.add(self)
 
     # -- ids ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -267,6 +267,9 @@ class MonarchWorkerPlugin(WorkerPlugin):
             await comm.write({"error": f"controller {token} has no state on {self.worker.address}"})
             return
         stream = BatchedSend(interval=self.report_interval)
+        # Its log of recent batches would keep the last 1000 (each under 1 MB), fetched values
+        # included, long after they reached the controller (docs/dask.md §13): keep none.
+        stream.recent_message_log = deque(maxlen=0)
         stream.start(comm)
         state.attach(stream)
         try:

@@ -17,7 +17,9 @@ import torch
 
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller import intake
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
+from dask_monarch.protocol.wire import Payload
 
 S0 = StreamRef(0)
 ADD = m.FunctionPath("torch.ops.aten.add.Tensor")
@@ -146,3 +148,125 @@ def test_a_big_argument_is_freed_everywhere_once_it_ran(mesh2, client2):
         reports = mesh2._session.controller._reports
         kept = sum(len(queue) for queue in reports.in_flight.values())
         assert kept == 0, f"the client keeps the steps of {kept} segments that ran"
+
+
+def _span_record(span_id: str, dask_scheduler=None) -> dict:
+    """How many spans the scheduler keeps, and the groups and task states of ``span_id``."""
+    spans = dask_scheduler.extensions["spans"].spans
+    span = spans.get(span_id)
+    groups = list(span.groups) if span is not None else []
+    states: dict = {}
+    for tg in groups:
+        for state, count in tg.states.items():
+            states[state] = states.get(state, 0) + count
+    return {
+        "spans": len(spans),
+        "groups": sorted(tg.name for tg in groups),
+        "states": {s: n for s, n in states.items() if n},
+    }
+
+
+@pytest.mark.timeout(300)
+def test_the_scheduler_keeps_a_bounded_record_of_ran_segments(ctrl, client2):
+    """Flush after flush, each once the lanes went idle: the scheduler keeps no new span and
+    no new task group per flush (docs/dask.md §13), and the controller's span still counts
+    every segment that ran."""
+    ctrl.send((0, 1), m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
+    args = ArgsKwargs.from_python((1.0, 2.0))
+    span_id = f"dask_monarch-{ctrl.token}"
+
+    def flushes(first: int, n: int) -> None:
+        for seq in range(first, first + n):
+            ctrl.send((0, 1), m.CallFunction(seq, [Ref(1)], [], ADD, args, S0, []))
+            ctrl.send((0, 1), m.DeleteRefs([Ref(1)]))
+            ctrl.sync()
+            _settled(client2, ctrl.token, 0)  # every task forgotten: its groups emptied
+
+    flushes(0, 5)
+    before = client2.run_on_scheduler(_span_record, span_id)
+    flushes(5, 40)
+    after = client2.run_on_scheduler(_span_record, span_id)
+    assert after["spans"] == before["spans"], (before, after)  # no default span per flush
+    assert after["groups"] == before["groups"], (before, after)  # one group per name
+    with ctrl._progress:
+        submitted, ran = ctrl._reports.segments()
+    assert submitted == ran
+    assert after["states"] == {"forgotten": ran}, after  # the folded groups' figures add up
+
+
+@pytest.mark.timeout(300)
+def test_a_span_keeps_one_group_per_name_however_many_flushes(mesh2, client2):
+    """A ``dm.span`` around many fetches, each after the lanes went idle: its record on the
+    scheduler stays one task group per name, and counts every segment."""
+    with mesh2.activate():
+        x = torch.zeros(1)
+        with dm.span("soak") as span_id:
+            for i in range(30):
+                x = x + 1
+                assert float(dm.inspect(x[0])) == i + 1
+                if i == 4:
+                    before = client2.run_on_scheduler(_span_record, span_id)
+    after = client2.run_on_scheduler(_span_record, span_id)
+    assert set(after["groups"]) == set(before["groups"]), (before, after)
+    per_name = max(after["groups"].count(g) for g in after["groups"])
+    assert per_name <= 2, after  # per name: the group kept for all, and the live one
+    assert all(span_id[:8] in g for g in after["groups"]), after  # still the span's own
+    assert sum(after["states"].values()) >= 2 * 30, after  # a segment per rank and fetch
+
+
+def _report_log(token: str, dask_worker=None) -> int:
+    """Batches of controller ``token``'s report stream this worker still keeps in its log."""
+    stream = dask_worker.plugins["dask_monarch"].ranks[token]._stream
+    return len(stream.recent_message_log)
+
+
+def _payload_bytes(dask_scheduler=None) -> int:
+    """Bytes of segment payloads anything on the scheduler still holds (its logs included)."""
+    gc.collect()
+    return sum(len(o.data or b"") for o in gc.get_objects() if type(o) is Payload)
+
+
+def _graph_bytes(client, token: str) -> int:
+    """Bytes of payload of controller ``token``'s flushes in the client's log of batches it
+    sent: the scheduler intake's messages, or ``update-graph``'s pickled graphs."""
+    total = 0
+    for batch in list(client.scheduler_comm.recent_message_log):
+        for msg in batch if type(batch) is list else ():
+            if type(msg) is not dict:
+                continue
+            if msg.get("op") == intake.OP and msg.get("token") == token:
+                segments = getattr(msg["segments"], "data", ())
+                total += sum(len(segment[4] or b"") for segment in segments)
+            elif msg.get("op") == "update-graph" and token in next(iter(msg["keys"]), ()):
+                total += sum(len(f) for f in getattr(msg["expr_ser"], "frames", ()))
+    return total
+
+
+@pytest.mark.timeout(300)
+def test_values_and_arguments_are_kept_by_no_process_once_they_ran(mesh2, client2):
+    """Many fetches and calls with a 256 KiB argument through the user API, each message
+    under the 1 MB up to which Dask logs the batches it sends: once they ran, the client
+    keeps neither the reports the user API handled (until a ``sync`` that never comes) nor
+    the graphs it sent, the scheduler no payload, the workers no report."""
+    token = mesh2._session.controller.token
+    reports = mesh2._session.controller._reports
+    fn = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x.clone())
+    with mesh2.activate():
+        x = torch.zeros(1)
+        with dm.no_mesh.activate():
+            arg = torch.ones(64 * 1024)  # 256 KiB
+        for i in range(20):
+            assert float(dm.inspect(fn(x + i, arg)[0])) == i + 1
+            assert float(dm.inspect((x + i)[0])) == i
+        del arg
+        deadline = time.monotonic() + 30
+        while True:  # the graph of the last flush leaves the client's log on its report
+            held = (_graph_bytes(client2, token), client2.run_on_scheduler(_payload_bytes))
+            if max(held) < 2**18 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert held[0] < 2**18, f"the client's log keeps {held[0]} bytes of graphs"
+    assert held[1] < 2**18, f"the scheduler keeps {held[1]} bytes of payloads"
+    assert len(reports.inbox) == 0, f"the controller keeps {len(reports.inbox)} reports"
+    kept = list(client2.run(_report_log, token).values())
+    assert kept == [0, 0], f"the workers keep {kept} batches of reports"
