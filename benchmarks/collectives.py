@@ -151,6 +151,7 @@ class Ours:
         ctrl.sync(timeout=600)
         elapsed = time.perf_counter() - start
         ctrl.send(both, m.DeleteRefs([Ref(100 + i) for i in range(ops)]))
+        ctrl.sync(timeout=600)  # freeing them (gigabytes at 16 M) must not land in the next timing
         return elapsed
 
     def close(self) -> None:
