@@ -17,13 +17,15 @@ hooks, task-stream entries. Nothing about how they run changes.
 
 Messages on one comm are handled in order, so a flush cannot overtake the
 client's earlier messages (``client-releases-keys`` of older tails among
-them). A scheduler that cannot take the plugin (plugins not allowed, or not
-importable there) leaves the controller on ``Client.get``; so does
-``dask_monarch.flush.intake: false``.
+them). A scheduler that cannot take the plugin (plugins not allowed, not
+importable there, or a distributed whose scheduler internals the intake
+calls are not what it expects: :func:`missing_on`) leaves the controller on
+``Client.get``; so does ``dask_monarch.flush.intake: false``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -63,6 +65,12 @@ class FlushIntake(SchedulerPlugin):
     idempotent = True  # one per scheduler, however many controllers register it
 
     async def start(self, scheduler: Scheduler) -> None:
+        missing = missing_on(scheduler)
+        if missing:  # refused: the controller stays on Client.get (see install)
+            raise RuntimeError(
+                f"this scheduler's distributed has no {', '.join(missing)}, which the "
+                "dask_monarch flush intake calls"
+            )
         self.scheduler = scheduler
         scheduler.stream_handlers[OP] = self.intake
 
@@ -126,6 +134,41 @@ class FlushIntake(SchedulerPlugin):
                     },
                     client=client,
                 )
+
+
+# What the intake calls on the scheduler: private to distributed (2026.8), so checked first.
+_CREATE_PARAMETERS = frozenset(
+    {
+        "start",
+        "dsk",
+        "keys",
+        "ordered",
+        "client",
+        "annotations_by_type",
+        "global_annotations",
+        "stimulus_id",
+        "submitting_task",
+        "span_metadata",
+        "fifo_timeout",
+    }
+)
+
+
+def missing_on(scheduler: Any) -> list[str]:
+    """What of the scheduler's internals the intake uses that ``scheduler`` lacks."""
+    missing = [
+        name
+        for name in ("_find_lost_dependencies", "client_releases_keys", "report")
+        if not callable(getattr(scheduler, name, None))
+    ]
+    create = getattr(scheduler, "_create_taskstate_from_graph", None)
+    if not callable(create):
+        return [*missing, "_create_taskstate_from_graph"]
+    parameters = set(inspect.signature(create).parameters)
+    missing.extend(
+        f"_create_taskstate_from_graph({name}=)" for name in sorted(_CREATE_PARAMETERS - parameters)
+    )
+    return missing
 
 
 def install(client: Client) -> bool:

@@ -12,7 +12,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from raw import S0, call, create_streams
 
 import dask_monarch as dm
-from dask_monarch.controller.intake import PLUGIN_NAME
+from dask_monarch.controller.intake import PLUGIN_NAME, missing_on
 from dask_monarch.messages import Ref
 
 BOTH = [0, 1]
@@ -130,3 +130,24 @@ def test_a_mesh_fetch_resolves_through_the_intake(mesh2):
         for _ in range(3):
             x = x + 1
         assert float(dm.inspect(x)) == 3.0
+
+
+def test_the_intake_checks_the_scheduler_internals_it_calls(client2):
+    """The intake calls private scheduler methods: a distributed without them (another
+    version) refuses the plugin, and the controller stays on Client.get."""
+    assert client2.run_on_scheduler(lambda dask_scheduler=None: missing_on(dask_scheduler)) == []
+
+    class OtherScheduler:  # a scheduler whose graph intake takes other arguments
+        def report(self, msg, client=None): ...
+        def client_releases_keys(self, keys, client, stimulus_id=None): ...
+        def _find_lost_dependencies(self, dsk, keys): ...
+        def _create_taskstate_from_graph(self, *, dsk, keys, client): ...
+
+    missing = missing_on(OtherScheduler())
+    assert "_create_taskstate_from_graph(annotations_by_type=)" in missing, missing
+    assert missing_on(object()) == [
+        "_find_lost_dependencies",
+        "client_releases_keys",
+        "report",
+        "_create_taskstate_from_graph",
+    ]
