@@ -17,8 +17,9 @@ and payloads, over 100 MB for flushes of a thousand small ops. Hence:
   (:func:`install`), folds a ``monarch_*`` group that dies into the first
   dead group of its name in its span (the span's figures, task states,
   durations, bytes, start and stop, stay the sum over all its segments; its
-  groups stay one per name), and empties the payload of each segment it
-  forgets (the scheduler's log to the worker holds the same task);
+  groups stay one per name), and empties the payload of each segment that
+  ran (the scheduler's log to the worker holds the same task; one cancelled
+  before it ran keeps its payload, as Dask may still send it);
 * :func:`drop_sent_graphs` takes the controller's flushes (the intake's
   messages, or ``update-graph``'s graphs) out of the client's log once its
   segments ran.
@@ -51,7 +52,7 @@ def controller_span(token: str) -> dict:
 
 
 class SegmentGroups(SchedulerPlugin):
-    """Empties each forgotten segment's payload, and folds each dying ``monarch_*`` task group
+    """Empties each segment's payload once it ran, and folds each dying ``monarch_*`` task group
     into the one that stands for its name in its span (``kept``), so a span holds one group
     per name however many segments it saw."""
 
@@ -76,17 +77,22 @@ class SegmentGroups(SchedulerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         # Called before the scheduler drops an emptied group (Scheduler._transition).
-        if finish != "forgotten" or type(key) is not tuple:
+        ran = start == "processing" and finish in ("memory", "erred")
+        if not (ran or finish == "forgotten") or type(key) is not tuple:
             return
         name = key[0] if key else None
         if type(name) is not str or not name.startswith(GROUP_PREFIX):
             return
         ts = self.scheduler.tasks.get(key)
-        if ts is None or ts.state != "forgotten":
+        if ts is None:
             return
-        for arg in getattr(ts.run_spec, "args", ()):  # run_segment(token, ..., payload, *after)
-            if type(arg) is Payload:
-                arg.data = None
+        if ran:  # emptied only once it ran: a task cancelled while it waited may be sent again
+            for arg in getattr(ts.run_spec, "args", ()):  # run_segment(..., payload, *after)
+                if type(arg) is Payload:
+                    arg.data = None
+            return
+        if ts.state != "forgotten":
+            return
         tg = ts.group
         if self.scheduler.task_groups.get(tg.name) is not tg or any(
             count and state != "forgotten" for state, count in tg.states.items()

@@ -366,6 +366,9 @@ class Controller:
         self.flushes += 1
         if plan.tasks:
             if self._intake:
+                problem = client_problem(self._client)  # Client.get would raise: so do we
+                if problem is not None:
+                    raise RuntimeError(problem)
                 futures = intake.futures(self._client, plan.tasks)
             else:  # from any thread (the background flusher too): the span's annotation
                 with dask.annotate(span=span[0]):
