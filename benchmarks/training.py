@@ -77,18 +77,22 @@ def _cpu() -> float:
 # -- plain torch ----------------------------------------------------------------------------
 
 
+def sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y) -> torch.Tensor:
+    """One step as every unrolled path takes it: forward, MSE, backward, SGD."""
+    loss = nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def run_local(hidden: int, batch_size: int, steps: int) -> dict:
     model = make_model(torch.manual_seed, hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr(hidden))
     torch.manual_seed(1000)
 
     def step():
-        x, y = batch(batch_size)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
+        return sgd_step(model, optimizer, *batch(batch_size))
 
     step()
     cpu, start = _cpu(), time.perf_counter()
@@ -114,12 +118,12 @@ def _ddp_run(rank: int, hidden: int, batch_size: int, steps: int) -> tuple:
 
     def step():
         x, y = batch(batch_size)
-        x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
+        return sgd_step(
+            model,
+            optimizer,
+            x[rank * shard : (rank + 1) * shard],
+            y[rank * shard : (rank + 1) * shard],
+        )
 
     step()
     dist.barrier()
