@@ -56,7 +56,7 @@ from ..protocol import messages as m
 from ..protocol.names import executor_name, task_name
 from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL, DropLane
-from .intake import make_task
+from .intake import SegmentTask, make_task
 from .precheck import Precheck
 from .routing import InternalStep, ProtocolError, RankRouter
 
@@ -130,7 +130,7 @@ class _LaneTail:
 class Plan:
     """One flush: tasks to submit, lanes to create first; or a protocol error and nothing."""
 
-    tasks: list  # one (key, rank, lane, index, payload, after, resource, executor) per segment
+    tasks: list[SegmentTask]  # one per segment
     keys: list
     tails: dict  # (rank, lane) -> key of the newest segment
     # rank -> (stream id, creation mode) of the lanes to create before submitting
@@ -151,10 +151,11 @@ class Plan:
             return None
         layers = {}
         for task in self.tasks:
-            key, rank, lane, index = task[:4]
-            layers[f"{key[0]}-{self.token}-{rank}-{lane}-{index}"] = MaterializedLayer(
+            key = task.key
+            name = f"{key[0]}-{self.token}-{task.rank}-{task.lane}-{task.index}"
+            layers[name] = MaterializedLayer(
                 {key: make_task(self.token, task)},
-                annotations={"resources": {task[6]: 1}, "executor": task[7]},
+                annotations={"resources": {task.resource: 1}, "executor": task.executor},
             )
         return HighLevelGraph(layers, {name: set() for name in layers})
 
@@ -355,7 +356,7 @@ class Compiler:
             counts[(seg.rank, seg.lane)] = seg.index
             after = [final[id(k.segment)] if isinstance(k, _PendingKey) else k for k in seg.after]
             tasks.append(
-                (
+                SegmentTask(
                     key,
                     seg.rank,
                     seg.lane,
@@ -366,9 +367,9 @@ class Compiler:
                     self.executor(seg.lane),
                 )
             )
-        plan = Plan(tasks, list(final.values()), tails, new_lanes, counts, count, error)
-        plan.token = self.token
-        return plan
+        return Plan(
+            tasks, list(final.values()), tails, new_lanes, counts, count, error, token=self.token
+        )
 
 
 class _PendingKey:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dask._task_spec import Task, TaskRef
 from distributed import Future
@@ -48,8 +48,18 @@ OP = "dask_monarch-flush"  # the stream op; a scheduler without the plugin has n
 PLUGIN_NAME = "dask_monarch-flush-intake"
 FIFO_TIMEOUT_S = 60.0  # what Client.get gives update-graph (its fifo_timeout="60s")
 
-# One segment: (key, rank, lane, index, payload, keys it follows, rank resource, executor)
-SegmentTask = tuple
+
+class SegmentTask(NamedTuple):
+    """One segment's task, as the compiler plans it and the intake receives it."""
+
+    key: tuple
+    rank: int
+    lane: Any
+    index: int
+    payload: bytes
+    after: list  # keys of the tasks it follows
+    resource: str  # its rank's resource
+    executor: str  # its lane's executor
 
 
 def make_task(token: str, segment: SegmentTask) -> Task:
@@ -89,10 +99,10 @@ class FlushIntake(SchedulerPlugin):
         stimulus_id = f"dask_monarch-flush-{start}"
         dsk, resources, executors, ordered = {}, {}, {}, {}
         for i, segment in enumerate(segments):
-            key = segment[0]
+            key = segment.key
             dsk[key] = make_task(token, segment)
-            resources[key] = {segment[6]: 1}
-            executors[key] = segment[7]
+            resources[key] = {segment.resource: 1}
+            executors[key] = segment.executor
             ordered[key] = i
         keys = set(dsk)
         annotations = {"resources": resources, "executor": executors}
@@ -190,7 +200,7 @@ def install(client: Client) -> bool:
 def futures(client: Client, segments: list[SegmentTask]) -> list[Future]:
     """A future per segment, in order, made before the flush is sent (as ``Client.get`` does)."""
     with client._refcount_lock:
-        return [Future(segment[0], client) for segment in segments]
+        return [Future(segment.key, client) for segment in segments]
 
 
 def send(
