@@ -107,8 +107,8 @@ def _compile(state: RankState, cmd: Any) -> Any:
     if not cmd.args_kwargs.flat and (
         type(cmd.function) is not m.FunctionPath
         or not cmd.function.path.startswith("torch.ops.aten.")
-        or any(_holds_ref(a) for a in args if type(a) is not m.Ref)
-        or any(_holds_ref(v) for v in kwargs.values())
+        or named_refs([a for a in args if type(a) is not m.Ref], set())
+        or named_refs(kwargs, set())
     ):
         return cmd
     if any(type(v) is m.Ref for v in kwargs.values()):
@@ -128,17 +128,6 @@ def _compile(state: RankState, cmd: Any) -> Any:
     return FastCall(
         (fn, template, tuple(slots), kwargs, None if result is None else result.id, cmd)
     )
-
-
-def _holds_ref(value: Any) -> bool:
-    """A Ref, or a container with one somewhere inside."""
-    if type(value) is m.Ref:
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_ref(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_ref(v) for v in value.values())
-    return False
 
 
 class ReplayState:
