@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -201,31 +202,43 @@ def run(
 # -- info ------------------------------------------------------------------------------------
 
 
+def _running_cluster(command: Callable) -> Callable:
+    """The options naming a running cluster (``info``, ``debug``)."""
+    return click.option(
+        "--scheduler-address",
+        default=None,
+        metavar="ADDRESS",
+        help="The cluster's scheduler (default: the dask config 'scheduler-address').",
+    )(
+        click.option(
+            "--scheduler-file",
+            default=None,
+            type=click.Path(exists=True, dir_okay=False),
+            help="The cluster's scheduler file.",
+        )(command)
+    )
+
+
+def _address_or_file(scheduler_address: str | None, scheduler_file: str | None) -> str | None:
+    """The scheduler address to use (the option, else Dask's config); one of the two needed."""
+    import dask.config
+
+    scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
+    if not (scheduler_address or scheduler_file):
+        raise click.UsageError("give --scheduler-address or --scheduler-file")
+    return scheduler_address
+
+
 @cli.command()
-@click.option(
-    "--scheduler-address",
-    default=None,
-    metavar="ADDRESS",
-    help="The cluster's scheduler (default: the dask config 'scheduler-address').",
-)
-@click.option(
-    "--scheduler-file",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="The cluster's scheduler file.",
-)
+@_running_cluster
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def info(scheduler_address: str | None, scheduler_file: str | None, as_json: bool) -> None:
     """Print the ranks of a running cluster: workers, resources, GPUs, meshes."""
     import json
 
-    import dask.config
-
     from .cluster_info import describe_cluster, table_lines
 
-    scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
-    if not (scheduler_address or scheduler_file):
-        raise click.UsageError("give --scheduler-address or --scheduler-file")
+    scheduler_address = _address_or_file(scheduler_address, scheduler_file)
     try:
         report = describe_cluster(scheduler_address, scheduler_file)
     except OSError as e:  # refused, timed out, unresolvable: no traceback, what to check
@@ -245,27 +258,12 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
 
 
 @cli.command()
-@click.option(
-    "--scheduler-address",
-    default=None,
-    metavar="ADDRESS",
-    help="The cluster's scheduler (default: the dask config 'scheduler-address').",
-)
-@click.option(
-    "--scheduler-file",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="The cluster's scheduler file.",
-)
+@_running_cluster
 def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
     """Ranks paused in breakpoint(): list them, attach to one's pdb, resume all (a shell)."""
-    import dask.config
-
     from .debug_shell import main as shell
 
-    scheduler_address = scheduler_address or dask.config.get("scheduler-address", None)
-    if not (scheduler_address or scheduler_file):
-        raise click.UsageError("give --scheduler-address or --scheduler-file")
+    scheduler_address = _address_or_file(scheduler_address, scheduler_file)
     sys.exit(shell(scheduler_address, scheduler_file))
 
 
