@@ -29,6 +29,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .borrows import StorageInfo, first_use
@@ -237,8 +238,12 @@ def misuse(text: str) -> TypeError:
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     original = getattr(torch.Tensor, name)
+    direct = _DIRECT.get(name)
 
     def operator(self: Tensor, other: Any) -> Any:
+        func = direct and _direct_op(direct, self, other)
+        if func is not None:
+            return dispatch(func, (other, self) if direct[2] else (self, other), {})
         _last_error.value = None
         result = original(self, other)
         if result is NotImplemented and _last_error.value is not None:
@@ -247,6 +252,54 @@ def _operator(name: str) -> Callable[[Tensor, Any], Any]:
 
     operator.__name__ = name
     return operator
+
+
+# The operators that torch turns into one aten op with the operands in a fixed order: name ->
+# (the op with a Python number, the op with another mesh tensor or None, number first). Without
+# autograd or another mode to see the call, ``t + 1`` goes to :func:`dispatch` directly: torch's
+# dispatcher would reach the same call with the same arguments ~12 us later (a third of an op's
+# cost on the client; benchmarks/RESULTS.md). In-place operators always take torch's way: it
+# bumps the version counter that autograd checks saved tensors against.
+_aten = torch.ops.aten
+_DIRECT: dict[str, tuple[OpOverload, OpOverload | None, bool]] = {
+    "__add__": (_aten.add.Tensor, _aten.add.Tensor, False),
+    "__radd__": (_aten.add.Tensor, None, False),
+    "__sub__": (_aten.sub.Tensor, _aten.sub.Tensor, False),
+    "__rsub__": (_aten.rsub.Scalar, None, False),
+    "__mul__": (_aten.mul.Tensor, _aten.mul.Tensor, False),
+    "__rmul__": (_aten.mul.Tensor, None, False),
+    "__truediv__": (_aten.div.Tensor, _aten.div.Tensor, False),
+    "__pow__": (_aten.pow.Tensor_Scalar, _aten.pow.Tensor_Tensor, False),
+    "__rpow__": (_aten.pow.Scalar, None, True),
+}
+_NUMBERS = frozenset({int, float, bool, complex})
+_grad_enabled = torch.is_grad_enabled
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
+
+
+def _direct_op(direct: tuple, self: Tensor, other: Any) -> OpOverload | None:
+    """The aten op ``self <op> other`` reaches, when nothing but :func:`dispatch` would see it:
+    no autograd to record it, no mode but a mesh's own, no functorch transform, no forward AD."""
+    other_type = type(other)
+    if other_type in _NUMBERS:
+        func = direct[0]
+    elif other_type is Tensor and direct[1] is not None:
+        if other.requires_grad and _grad_enabled():
+            return None
+        func = direct[1]
+    else:
+        return None
+    if self.requires_grad and _grad_enabled():
+        return None
+    modes = _dispatch_modes()
+    if modes and (modes > 1 or type(_dispatch_mode_at(0)) is not _MeshMode):
+        return None
+    if _function_modes() or _functorch_transform() is not None or forward_ad._current_level >= 0:
+        return None
+    return func
 
 
 for _name in (
