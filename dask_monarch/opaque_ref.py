@@ -103,7 +103,7 @@ class OpaqueRef:
             self._dropped = drop_trace()
             if self._owns_ref:
                 self._owns_ref = False
-                self._session.drop_ref(self._mesh._ranks, self._ref.id)
+                self._session.drop_ref(self._mesh._ranks, self._ref)
 
     @property
     def dropped(self) -> bool:
@@ -124,7 +124,7 @@ class OpaqueRef:
 
     def __del__(self) -> None:
         if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._session.drop_ref(self._mesh._ranks, self._ref.id)
+            self._session.drop_ref(self._mesh._ranks, self._ref)
 
 
 def split_handles(leaves: Sequence[Any]) -> tuple[list[Tensor], list[OpaqueRef]]:

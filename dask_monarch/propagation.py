@@ -75,14 +75,16 @@ class OpInfo:
     with_generator: m.FunctionPath | None = None
 
 
-_op_infos: dict[Any, OpInfo] = {}
+# id(op) -> (op, its OpInfo). Keyed by id: an OpOverload hashes in Python (a call per lookup,
+# on every op dispatched), and torch keeps every overload it made alive, so ids are not reused.
+_op_infos: dict[int, tuple[Any, OpInfo]] = {}
 
 
 def op_info(func: OpOverload) -> OpInfo:
-    info = _op_infos.get(func)
-    if info is None:
-        info = _op_infos[func] = _make_op_info(func)
-    return info
+    entry = _op_infos.get(id(func))
+    if entry is None or entry[0] is not func:
+        entry = _op_infos[id(func)] = (func, _make_op_info(func))
+    return entry[1]
 
 
 def _make_op_info(func: OpOverload) -> OpInfo:
@@ -190,8 +192,8 @@ class Propagator:
         self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor]
     ) -> Plan:
         """The outputs of ``func(*args, **kwargs)``; ``handles`` are the mesh tensors in it."""
-        try:
-            key = (func, _key(args, handles), _key_kwargs(kwargs, handles))
+        try:  # by id of the op's OpInfo: one per op, kept for ever (see _op_infos)
+            key = (id(info), _key(args, handles), _key_kwargs(kwargs, handles))
         except Uncacheable:
             return self._propagate(func, info, args, kwargs)
         plan = self._cache.get(key)
@@ -277,7 +279,7 @@ def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
 
 
 def _key(args: tuple, handles: list[Tensor]) -> tuple:
-    return tuple(_key_of(a, handles) for a in args)
+    return tuple([_key_of(a, handles) for a in args])
 
 
 def _key_kwargs(kwargs: dict, handles: list[Tensor]) -> tuple:

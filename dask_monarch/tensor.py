@@ -114,7 +114,7 @@ class Tensor(torch.Tensor):
             self._dropped = drop_trace()
             if self._owns_ref:
                 self._owns_ref = False
-                self._session.drop_ref(self._mesh._ranks, self._ref.id, self._nbytes())
+                self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
 
     @property
     def dropped(self) -> bool:
@@ -218,7 +218,7 @@ class Tensor(torch.Tensor):
 
     def __del__(self) -> None:
         if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._session.drop_ref(self._mesh._ranks, self._ref.id, self._nbytes())
+            self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
 
 
 _last_error = threading.local()
@@ -459,10 +459,14 @@ no_mesh = _NoMesh()
 
 # -- dispatch --------------------------------------------------------------------------------
 
+# by id: an OpOverload hashes in Python, and this is asked on every op (torch keeps them alive)
 _NEEDS_FETCH = {
-    torch.ops.aten._local_scalar_dense.default,
-    torch.ops.aten.equal.default,
-    torch.ops.aten.is_nonzero.default,
+    id(op)
+    for op in (
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.is_nonzero.default,
+    )
 }
 
 
@@ -487,13 +491,13 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
-    if func in _NEEDS_FETCH:
+    if id(func) in _NEEDS_FETCH:
         raise RuntimeError(
             f"{func} needs the value of a mesh tensor on the client: fetch it "
             "with dask_monarch.inspect(t) or fetch_shard(t)"
         )
     handles: list[Tensor] = []
-    ref_args = tuple(_scan(a, handles) for a in args)
+    ref_args = tuple([_scan(a, handles) for a in args])
     ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
     mesh, stream = placement(handles, func, "borrow it first")
     info = op_info(func)
@@ -549,9 +553,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if info.seeded and stream._generators is not None:
             function, inputs = _own_generator(func, info, stream, mesh, plan, handles, ref_kwargs)
         seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, outputs)
-        flat = not any(type(a) in (list, tuple) for a in ref_args)
-        if ref_kwargs:
-            flat = flat and not any(type(v) in (list, tuple) for v in ref_kwargs.values())
+        flat = _flat(ref_args) and (not ref_kwargs or _flat(ref_kwargs.values()))
         # built without the field checks: every field is known to be well formed here
         session.send(
             mesh._ranks,
@@ -572,6 +574,15 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if plan.kind == "none":
         return None
     return outputs if plan.kind == "list" else tuple(outputs)
+
+
+def _flat(values: Any) -> bool:
+    """No list or tuple among ``values`` (the worker then resolves refs one level deep)."""
+    for v in values:
+        t = type(v)
+        if t is list or t is tuple:
+            return False
+    return True
 
 
 def _own_generator(

@@ -93,12 +93,12 @@ _PRECEDENCE = (
 def segment_name(steps: list, span_label: str = "") -> str:
     """``monarch_<what dominates>`` (``monarch_ops``, ``monarch_reduce``, ...), with the label
     of the ``dask_monarch.span`` it was issued in (:func:`~..protocol.names.span_label`)."""
-    families = set()
-    for s in steps:
-        if type(s) is m.CommandGroup:  # a coalesced group: named after what is inside
-            families.update(FAMILY.get(type(inner), "segment") for inner in s.messages)
-        else:
-            families.add(FAMILY.get(type(s), "segment"))
+    types = set(map(type, steps))
+    families = {FAMILY.get(t, "segment") for t in types if t is not m.CommandGroup}
+    if m.CommandGroup in types:  # a coalesced group: named after what is inside
+        for s in steps:
+            if type(s) is m.CommandGroup:
+                families.update(FAMILY.get(type(inner), "segment") for inner in s.messages)
     work = families.difference(_BOOKKEEPING) or families
     if len(work) == 1:
         family = work.pop()
@@ -197,7 +197,25 @@ class Compiler:
         rendezvous = False
         dropped: list[tuple[int, Any]] = []
         seqs = self.seqs
+        # A run of calls on the same ranks and stream (a loop of ops) joins the same segments:
+        # their seqs are checked against the run's last and recorded when the run ends.
+        run_ranks, run_stream, run_segments, run_seq = None, None, [], -1
         for ranks, msg in buffer:
+            if (
+                ranks is run_ranks
+                and type(msg) is m.CallFunction
+                and msg.stream is run_stream
+                and msg.seq > run_seq
+            ):
+                run_seq = msg.seq
+                for seg in run_segments:
+                    seg.steps.append(msg)
+                count += 1
+                continue
+            if run_ranks is not None:
+                for rank in run_ranks:
+                    seqs[(rank, int(run_stream))] = run_seq
+                run_ranks = None
             try:
                 seq_of = _SEQ_OF.get(type(msg))
                 if seq_of is not None:
@@ -209,6 +227,7 @@ class Compiler:
                 if reduce or type(msg) in ON_NAMED_STREAM:
                     # the hot path: one lane per rank, no fan-out (a Reduce is also checked)
                     stream = int(msg.stream)
+                    joined = []
                     for rank in ranks:
                         per_rank = open_lanes.get(rank)
                         seg = per_rank.get(stream) if per_rank else None
@@ -222,6 +241,14 @@ class Compiler:
                         if reduce:
                             check.reduce(rank, stream, msg)
                         seg.steps.append(msg)
+                        joined.append(seg)
+                    if type(msg) is m.CallFunction:
+                        run_ranks, run_stream, run_segments, run_seq = (
+                            ranks,
+                            msg.stream,
+                            joined,
+                            msg.seq,
+                        )
                 else:
                     checked = type(msg) in CHECKED
                     for rank in ranks:
@@ -250,6 +277,9 @@ class Compiler:
                 for rank in ranks:
                     seqs[(rank, stream)] = seq
             count += 1
+        if run_ranks is not None:
+            for rank in run_ranks:
+                seqs[(rank, int(run_stream))] = run_seq
         if error is None:
             try:
                 check.settle()

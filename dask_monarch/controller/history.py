@@ -17,17 +17,29 @@ Pure bookkeeping, no I/O: the mesh client calls it under its lock.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
 class Invocation:
-    seq: int
-    defs: tuple[int, ...]
-    users: list[int] = field(default_factory=list)
-    failure: BaseException | None = None
-    origin: Any = None  # where the client issued it, for the error message
+    """One issued message that may still fail: what it defines, who used that, where."""
+
+    __slots__ = ("seq", "defs", "users", "failure", "origin")
+
+    def __init__(
+        self,
+        seq: int,
+        defs: tuple[int, ...],
+        failure: BaseException | None = None,
+        origin: Any = None,
+    ) -> None:
+        self.seq = seq
+        self.defs = defs
+        self.users: list[int] = []
+        self.failure = failure
+        self.origin = origin  # where the client issued it, for the error message
+
+    def __repr__(self) -> str:
+        return f"Invocation(seq={self.seq}, defs={self.defs}, failure={self.failure!r})"
 
 
 class History:
@@ -38,8 +50,10 @@ class History:
         self.definer: dict[int, int] = {}  # ref -> seq of its pending or failed definer
         self.completed = 0  # every seq below this has completed on every rank
 
-    def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
-        """Register an invocation; returns the failure it is born with, if any."""
+    def invoke(
+        self, seq: int, uses: Iterable[int], defs: Iterable[int], origin: Any = None
+    ) -> BaseException | None:
+        """Register an invocation (issued at ``origin``); returns the failure it is born with."""
         failure = None
         invocations, definer = self.invocations, self.definer
         for ref in uses:
@@ -53,7 +67,7 @@ class History:
             elif producer >= self.completed:
                 inv.users.append(seq)
         defs = tuple(defs)
-        invocations[seq] = Invocation(seq, defs, failure=failure)
+        invocations[seq] = Invocation(seq, defs, failure, origin)
         for ref in defs:
             definer[ref] = seq
         return failure

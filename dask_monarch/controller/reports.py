@@ -70,6 +70,7 @@ class Reports:
         self.client_problem = client_problem  # why the client lost its scheduler, if it did
         self.expected: dict[tuple[int, Any], int] = {}  # (rank, lane) -> newest segment
         self.done: dict[tuple[int, Any], int] = {}  # (rank, lane) -> last finished segment
+        self._idle: bool | None = True  # caught_up(), kept until expected or done change
         self.inbox: list = []  # controller messages not yet returned by a sync
         self.keep_inbox = True  # False once a listener consumes them (the user API)
         self.replies: dict[int, RefValue] = {}  # probe -> what it read
@@ -190,6 +191,7 @@ class Reports:
                     key = (item.rank, item.lane)
                     if item.index > self.done.get(key, -1):
                         self.done[key] = item.index
+                        self._idle = None
                         finished = True
                         queue = self.in_flight.get(key)
                         while queue and queue[0][0] <= item.index:  # its steps and payloads
@@ -257,6 +259,7 @@ class Reports:
         ``segments`` (compiler Segments) what they run."""
         with self.progress:
             self.expected.update(counts)
+            self._idle = None
             done, in_flight = self.done, self.in_flight
             for seg in segments:
                 key = (seg.rank, seg.lane)
@@ -283,9 +286,13 @@ class Reports:
         return f"; it was running {'; '.join(parts)}" if parts else ""
 
     def ranks_idle(self) -> bool:
-        """Every segment submitted so far has run (takes ``progress``; any thread)."""
-        with self.progress:
-            return self.caught_up()
+        """Every segment submitted so far has run (any thread; asked on every send once a
+        buffer is old enough, so the answer is kept until a flush or a report changes it)."""
+        idle = self._idle
+        if idle is None:
+            with self.progress:
+                idle = self._idle = self.caught_up()
+        return idle
 
     def caught_up(self) -> bool:
         """Every segment submitted so far has run (the caller holds ``progress``)."""
@@ -312,6 +319,7 @@ class Reports:
         for lane in gone:
             self.retired += self.expected.pop(lane, -1) + 1
             self.done.pop(lane, None)
+            self._idle = None
         return gone
 
     def take_inbox(self) -> list:

@@ -211,6 +211,7 @@ class Capture:
         self.created.extend(outputs)
 
 
+_new_id = int.__new__  # builds a Ref (an int subclass) without CheckedId's checks
 _live: weakref.WeakSet = weakref.WeakSet()  # its controller's listener keeps a Session alive
 
 
@@ -246,7 +247,7 @@ class Session:
         self._meshes: dict[tuple, m.Ref] = {}
         self._network = False
         self._comms: set = set()
-        self._pending_deletes: list[tuple[tuple[int, ...], int]] = []
+        self._pending_deletes: list[tuple[tuple[int, ...], int]] = []  # (ranks, Ref or id)
         self._pending_bytes = 0  # what the pending deletes' handles name (views overcount)
         self.capture: Capture | None = None
         self._futures: dict[int, MeshFuture] = {}
@@ -261,7 +262,7 @@ class Session:
     # -- ids ----------------------------------------------------------------------------------
 
     def new_ref(self) -> m.Ref:
-        return m.Ref(next(self._ids))
+        return _new_id(m.Ref, next(self._ids))  # unchecked: our own counter's ids are valid
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -291,8 +292,8 @@ class Session:
         self.controller.send(ranks, message)
 
     def drop_ref(self, ranks: tuple[int, ...], ref: int, nbytes: int = 0) -> None:
-        """Forget ref id ``ref`` (a handle of ``nbytes``) on ``ranks`` (batched; safe from
-        ``__del__`` on any thread)."""
+        """Forget ref ``ref`` (a Ref, or its id; a handle of ``nbytes``) on ``ranks`` (batched;
+        safe from ``__del__`` on any thread)."""
         if not self.closed:
             self._pending_deletes.append((ranks, ref))
             self._pending_bytes += nbytes
@@ -303,7 +304,7 @@ class Session:
         self._pending_bytes = 0
         by_ranks: dict[tuple, list[m.Ref]] = defaultdict(list)
         for ranks, ref in pending:
-            by_ranks[ranks].append(m.Ref(ref))
+            by_ranks[ranks].append(ref if type(ref) is m.Ref else m.Ref(ref))
         with self.lock:
             for ranks, refs in by_ranks.items():
                 self.controller.send(ranks, m.DeleteRefs(refs))
@@ -327,9 +328,7 @@ class Session:
         capture = self.capture
         if capture is not None and capture.tracing:
             return None
-        failure = self.history.invoke(seq, uses, defs)
-        self.history.invocations[seq].origin = _user_frame()
-        return failure
+        return self.history.invoke(seq, uses, defs, _user_frame())
 
     def request_status(self) -> None:
         """Ask every rank to report progress up to the last seq issued (deletes go first)."""

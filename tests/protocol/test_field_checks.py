@@ -5,6 +5,8 @@ No cluster: the messages and the compiler are checked where the client builds th
 
 from __future__ import annotations
 
+import pickle
+
 import dask
 import pytest
 from raw import S0, S1, S2, call, fetch
@@ -81,3 +83,33 @@ def test_the_lanes_of_a_rank_are_capped():
     assert plan.error is not None and plan.error.rank == 0
     assert "dask_monarch.limits.lanes=2" in plan.error.cause
     assert "stream 2" in plan.error.cause
+
+
+@pytest.mark.parametrize("second", [4, 3])  # duplicate, decreasing
+def test_seqs_must_increase_within_a_run_of_calls(second):
+    """Consecutive calls on the same ranks and stream take the compiler's quick way: their
+    seqs are still checked, and recorded for the next flush."""
+    compiler = _compiler()
+    plan = _compile(
+        compiler,
+        m.CreateStream(S0, DEFAULT),
+        call(3, Ref(1), "torch.ones", 1),
+        call(4, Ref(2), "torch.ones", 1),
+        call(second, Ref(3), "torch.ones", 1),
+    )
+    assert plan.error is not None and plan.error.rank == 0
+    assert f"CallFunction.seq={second} does not increase" in plan.error.cause
+    compiler = _compiler()
+    plan = _compile(
+        compiler,
+        m.CreateStream(S0, DEFAULT),
+        *(call(s, Ref(s), "torch.ones", 1) for s in (3, 4, 5)),
+    )
+    assert plan.error is None and plan.messages == 4
+    assert [len(task_steps) for task_steps in _steps(plan)] == [4, 4]
+    plan = _compile(compiler, call(5, Ref(9), "torch.ones", 1), ranks=(1,))
+    assert plan.error is not None and "was already sent seq 5" in plan.error.cause
+
+
+def _steps(plan) -> list[list]:
+    return [pickle.loads(task.payload) for task in plan.tasks]
