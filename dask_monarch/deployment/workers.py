@@ -47,18 +47,29 @@ DASK_TRIM_THRESHOLD = "65536"
 
 
 class RankNanny(Nanny):
-    """A nanny whose worker process may have children (pipes, data loaders) and whose
-    allocator serves torch well.
+    """A nanny whose worker process may have children (pipes, data loaders), whose
+    allocator serves torch well, and that samples no system figures of its own.
 
     Nanny reads ``distributed.worker.daemon`` from the global config of its
     own process each time it (re)starts the worker, not from its ``config``
     option, so the setting is applied around every start. The malloc settings
     must be in the environment before the process starts (``pre_spawn_env``);
     one the user gave (environment or Dask config) wins.
+
+    Every Dask server samples CPU, memory, network and disk twice a second
+    (``SystemMonitor``) and times its event loop fifty times a second (the
+    tick, which logs at info level when the loop was blocked); a nanny's
+    figures are shown and sent nowhere (its worker reports its own). A
+    ``LocalMeshCluster``'s nannies live in the client's process, whose GIL
+    the user's thread needs: four of them spent 40 of its 75 ms of idle CPU
+    per second on these (benchmarks/RESULTS.md). The memory monitor, which
+    restarts a worker near its memory limit, stays.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        for figures in ("monitor", "tick"):
+            self.periodic_callbacks.pop(figures, None)
         if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
             self.pre_spawn_env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
         for env in (self.pre_spawn_env, self.env):  # the worker process applies both

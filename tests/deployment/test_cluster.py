@@ -55,3 +55,15 @@ def test_rank_workers_see_their_own_gpu_first():
     for bad in ("0,,1", "0,1,0"):
         with pytest.raises(ValueError, match="--gpus"):
             parse_gpus(bad)
+
+
+def test_nannies_in_the_clients_process_sample_nothing_for_nobody(cluster2):
+    """A nanny's system figures and loop ticks are shown nowhere: its worker reports its own.
+    Its memory monitor, which restarts a worker near its memory limit, stays."""
+    nannies = list(cluster2.workers.values())
+    assert nannies
+    for nanny in nannies:
+        assert "monitor" not in nanny.periodic_callbacks
+        assert "tick" not in nanny.periodic_callbacks
+        if nanny.memory_manager.memory_limit:
+            assert "memory_monitor" in nanny.periodic_callbacks
