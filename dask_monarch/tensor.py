@@ -292,8 +292,8 @@ def _direct_op(direct: tuple, self: Tensor, other: Any) -> OpOverload | None:
         func = direct[1]
     else:
         return None
-    if self.requires_grad and _grad_enabled():
-        return None
+    if type(self) is not Tensor or (self.requires_grad and _grad_enabled()):
+        return None  # a subclass may dispatch its own way
     modes = _dispatch_modes()
     if modes and (modes > 1 or type(_dispatch_mode_at(0)) is not _MeshMode):
         return None
