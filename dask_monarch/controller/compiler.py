@@ -212,9 +212,8 @@ class Compiler:
                     seg.steps.append(msg)
                 count += 1
                 continue
-            if run_ranks is not None:
-                for rank in run_ranks:
-                    seqs[(rank, int(run_stream))] = run_seq
+            if run_ranks is not None:  # the run ended
+                _record_seq(seqs, run_ranks, run_stream, run_seq)
                 run_ranks = None
             try:
                 seq_of = _SEQ_OF.get(type(msg))
@@ -242,13 +241,9 @@ class Compiler:
                             check.reduce(rank, stream, msg)
                         seg.steps.append(msg)
                         joined.append(seg)
-                    if type(msg) is m.CallFunction:
-                        run_ranks, run_stream, run_segments, run_seq = (
-                            ranks,
-                            msg.stream,
-                            joined,
-                            msg.seq,
-                        )
+                    if type(msg) is m.CallFunction:  # a run may start here
+                        run_ranks, run_stream = ranks, msg.stream
+                        run_segments, run_seq = joined, msg.seq
                 else:
                     checked = type(msg) in CHECKED
                     for rank in ranks:
@@ -278,8 +273,7 @@ class Compiler:
                     seqs[(rank, stream)] = seq
             count += 1
         if run_ranks is not None:
-            for rank in run_ranks:
-                seqs[(rank, int(run_stream))] = run_seq
+            _record_seq(seqs, run_ranks, run_stream, run_seq)
         if error is None:
             try:
                 check.settle()
@@ -400,6 +394,11 @@ class Compiler:
         return Plan(
             tasks, list(final.values()), tails, new_lanes, counts, count, error, token=self.token
         )
+
+
+def _record_seq(seqs: dict, ranks: tuple[int, ...], stream: Any, seq: int) -> None:
+    for rank in ranks:
+        seqs[(rank, int(stream))] = seq
 
 
 class _PendingKey:
