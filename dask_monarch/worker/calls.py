@@ -1,8 +1,9 @@
 """The hot path of a call: resolve the function, resolve arguments, bind results.
 
 Semantics: docs/protocol.md §1.4 (paths), §2.2 (arguments), §2.3 (results).
-Functions are cached per path (and per pickled payload); flat argument lists
-skip the pytree walk (docs/dask.md §12: the walk costs more than a small op).
+Functions are cached per path (and per pickled payload); arguments that are
+leaves, or lists and tuples of leaves, skip the pytree walk (docs/dask.md §12:
+the walk costs several times a small op).
 """
 
 from __future__ import annotations
