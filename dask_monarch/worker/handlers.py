@@ -7,20 +7,15 @@ Semantics: docs/protocol.md §3; error model §4.1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ..protocol.messages import (
-    ArgsKwargs,
     CallFunction,
     CreateDeviceMesh,
     CreateStream,
     DeleteRefs,
     Exit,
     GetRefUnitTestsOnly,
-    Ref,
-    ResolvableFunction,
     SendValue,
     SetRefUnitTestsOnly,
     Status,
@@ -35,45 +30,32 @@ from .mesh import DeviceMesh
 from .pipe import pipe_for
 
 
-def call(
-    lane: Lane,
-    seq: int,
-    function: ResolvableFunction,
-    args_kwargs: ArgsKwargs,
-    results: Sequence[Ref | None],
-    mutates: Sequence[Ref],
-    groups: dict | None = None,
-) -> None:
-    """Resolve, call and bind, turning failures into poisoned slots (shared by call paths)."""
-    try:
-        fn = calls.resolve_function(function)
-        args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
-        value = fn(*args, **kwargs)
-        calls.bind_results(lane.env, results, value)
-    except FatalError:
-        raise
-    except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill a rank
-        call_failed(lane, seq, results, mutates, e)
-
-
 def call_function(lane: Lane, msg: CallFunction) -> None:
     """Call a function on the stream and bind its results (docs/protocol.md §3.3).
 
     Fresh failures (bad path, missing ref, the function raising, a result
     count mismatch) are reported once and poison results and mutates; an
     errored input poisons them with the same root, unreported. A duplicate
-    result id and ``__test_panic`` are fatal.
+    result id and ``__test_panic`` are fatal. Every plain call runs through
+    here, one per message: keep it free of per-call work it does not need.
     """
-    calls.check_panic(msg.function)
-    lane.last_seq = msg.seq
-    groups = None
-    if msg.remote_process_groups:
-        groups = process_groups_for(lane, msg.remote_process_groups)
-    call(lane, msg.seq, msg.function, msg.args_kwargs, msg.results, msg.mutates, groups)
+    seq, results, mutates, function, args_kwargs, _, group_refs = msg  # a named tuple
+    calls.check_panic(function)
+    lane.last_seq = seq
+    groups = process_groups_for(lane, group_refs) if group_refs else None
+    try:
+        fn = calls.resolve_function(function)
+        args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
+        value = fn(*args, **kwargs) if kwargs else fn(*args)
+        calls.bind_results(lane.env, results, value)
+    except FatalError:
+        raise
+    except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill a rank
+        call_failed(lane, seq, results, mutates, e)
     expected = lane.expected
     if expected is not None:  # a remote function whose propagation said what it returns
         lane.expected = None
-        if expected.seq == msg.seq:
+        if expected.seq == seq:
             check_results(lane, msg, expected)
 
 
@@ -163,9 +145,9 @@ def send_value(lane: Lane, msg: SendValue) -> None:
 
 def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
     """Forget refs on this stream (fanned out to every stream; unknown ids are ignored)."""
-    env = lane.env
-    for ref in msg.refs:
-        env.pop(ref.id, None)
+    pop = lane.env.pop
+    for ref_id in map(int, msg.refs):  # int(): a plain key, no Python-level Ref.id per ref
+        pop(ref_id, None)
 
 
 def create_stream(lane: Lane, msg: CreateStream) -> None:

@@ -6,9 +6,14 @@ import multiprocessing
 import os
 
 import pytest
+from dask.utils import parse_timedelta
 from distributed import Client
 
-from dask_monarch.deployment.workers import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
+from dask_monarch.deployment.workers import (
+    MALLOC_MMAP_THRESHOLD,
+    MALLOC_TRIM_THRESHOLD,
+    TICK_INTERVAL,
+)
 
 
 def _worker_facts(dask_worker=None) -> dict:
@@ -21,6 +26,7 @@ def _worker_facts(dask_worker=None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+        "tick_ms": dask_worker.periodic_callbacks["tick"].callback_time,
     }
 
 
@@ -33,6 +39,7 @@ def test_rank_workers_are_named_pinned_and_tuned_for_torch(client2):
         assert f["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
         assert f["mmap_threshold"] == MALLOC_MMAP_THRESHOLD  # torch allocations stay on the heap
         assert f["trim_threshold"] == MALLOC_TRIM_THRESHOLD  # ... and keep their pages
+        assert f["tick_ms"] == parse_timedelta(TICK_INTERVAL) * 1000  # the loop timed less often
 
 
 def test_closing_the_cluster_removes_its_scheduler_file():
