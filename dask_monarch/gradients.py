@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .stream import Stream
-from .tensor import Tensor
+from .tensor import Tensor, contiguous
 
 _GRAD, _DONE, _ERROR = "grad", "done", "error"
 
@@ -151,8 +151,9 @@ class DDPHooks:
         A bucket of several gradients is copied into one flat tensor on the
         gradients' stream (as DDP copies into its bucket), and only that is
         lent: one borrow per bucket, not per gradient (each borrow is two
-        hand-offs between the ranks' lane threads). ``_finish`` copies the
-        averages back.
+        hand-offs between the ranks' lane threads). ``_finish`` makes each
+        gradient a view of the averaged bucket (DDP's ``gradient_as_bucket_view``):
+        one message per gradient, no copy back.
         """
         params, self._ready[index] = self._ready[index], []
         if not params:
@@ -172,7 +173,7 @@ class DDPHooks:
 
     def _finish(self) -> None:
         """End of backward: reduce what is left (parameters without a gradient stay out),
-        give the gradients back to their stream, copy the flat buckets' averages back."""
+        give the gradients back to their stream, point them at the flat buckets' averages."""
         self._pending = False
         for index in range(len(self.buckets)):
             self._reduce(index)
@@ -180,9 +181,12 @@ class DDPHooks:
         for borrow in borrows:
             borrow.drop()
         flats, self._flats = self._flats, []
-        for params, flat in flats:
-            for p, piece in zip(params, flat.split([p.grad.numel() for p in params])):
-                p.grad.copy_(piece.view(p.grad.shape))
+        for params, flat in flats:  # each gradient becomes a view of its bucket's average
+            offset = 0
+            for p in params:
+                grad = p.grad
+                p.grad = flat.as_strided(grad.shape, contiguous(grad.shape), offset)
+                offset += grad.numel()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
