@@ -18,7 +18,8 @@ import dask.config
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref, StreamRef
+from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
+from ..protocol.messages.values import IMMUTABLE_LEAVES
 from .errors import DependentError, FatalError, RefNotFound, SeqError
 from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
@@ -172,27 +173,9 @@ def resolve_args(
     return tree_unflatten(leaves, spec)
 
 
-# Types torch's pytree treats as leaves that messages carry in their arguments.
-_LEAVES = frozenset(
-    {
-        type(None),
-        bool,
-        int,
-        float,
-        complex,
-        str,
-        bytes,
-        Ref,
-        StreamRef,
-        torch.dtype,
-        torch.device,
-        torch.layout,
-        torch.memory_format,
-        range,
-        slice,
-        type(Ellipsis),
-    }
-)
+# Types torch's pytree treats as leaves that messages carry in their arguments: the protocol's
+# immutable leaves but torch.Size (a tuple to the pytree).
+_LEAVES = frozenset(IMMUTABLE_LEAVES) - {torch.Size}
 
 
 def _shallow_args(

@@ -127,7 +127,7 @@ def resolvable(fn: Callable | str) -> FunctionPath | Cloudpickle:
 # --------------------------------------------------------------------------- arguments
 
 # Leaves that plain pickle handles and that cannot change after they are sent.
-_IMMUTABLE_LEAVES = (
+IMMUTABLE_LEAVES = (
     type(None),
     bool,
     int,
@@ -230,7 +230,7 @@ class ArgsKwargs(tuple):
 
 def _convert_refs(obj: Any, simple: list[bool]) -> Any:
     """Copy containers, turning ``__monarch_ref__`` objects into Refs; note non-simple leaves."""
-    if isinstance(obj, _IMMUTABLE_LEAVES):
+    if isinstance(obj, IMMUTABLE_LEAVES):
         return obj
     if getattr(type(obj), "__monarch_ref__", None) is not None:
         return as_ref(obj)
