@@ -150,10 +150,10 @@ def resolve_args(
     a quarter of a training step's calls look like ``view(x, [16, 32])``.
     """
     args, kwargs, payload, flat = args_kwargs  # a plain tuple underneath: no property calls
+    value_of = lane.value_of
     if payload is not None:
         args, kwargs = load_arguments(payload)
     elif groups is None:
-        value_of = lane.value_of
         if flat:
             args = tuple([value_of(int(a)) if type(a) is Ref else a for a in args])
             if kwargs:
@@ -162,7 +162,6 @@ def resolve_args(
         shallow = _shallow_args(args, kwargs, value_of)
         if shallow is not None:
             return shallow
-    value_of = lane.value_of
     leaves, spec = tree_flatten((args, kwargs))
     for i, leaf in enumerate(leaves):
         if type(leaf) is Ref:
@@ -214,10 +213,7 @@ def bind_results(env: dict, results: list[Ref | None], value: Any) -> None:
     if len(results) == 1 and not isinstance(value, (list, tuple, dict)):  # one call in most
         ref = results[0]
         if ref is not None:
-            ref_id = int(ref)
-            if ref_id in env:
-                raise FatalError(f"Duplicate write to reference r{ref_id}")
-            env[ref_id] = value
+            _bind(env, int(ref), value)
         return
     leaves = tree_leaves(value)
     if len(leaves) != len(results):
