@@ -34,7 +34,8 @@ import torch
 
 from ..protocol.messages import StreamCreationMode
 from ..protocol.wire import CONTROL, LaneProgress, StatusProbe
-from .errors import DependentError, RefNotFound, ReplayRefused, SeqError
+from .calls import lookup
+from .errors import ReplayRefused, SeqError
 
 if TYPE_CHECKING:
     from .rank import RankState
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 _current = threading.local()
 WHERE_AFTER_S = 1.0  # a call running this long is located (its innermost user frame)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MISSING = object()
 _NOT_A_SEQ = (StatusProbe,)  # steps whose ``seq`` field is not a message's own seq
 _OUTER = (f"{os.sep}distributed{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
 
@@ -101,19 +101,13 @@ class Lane:
     # -- values -------------------------------------------------------------------------------
 
     def value_of(self, ref_id: int) -> Any:
-        """An argument's value: a device mesh or pipe if the id names one, else the stream's
-        (:func:`~.calls.lookup`, inlined: this runs for every Ref of every call)."""
+        """An argument's value: a device mesh or pipe if the id names one, else the stream's."""
         rank = self.rank
         if ref_id in rank.meshes:
             return rank.meshes[ref_id]
         if rank.pipes and ref_id in rank.pipes:
             return rank.pipes[ref_id]
-        value = self.env.get(ref_id, _MISSING)
-        if type(value) is SeqError:
-            raise DependentError(value)
-        if value is _MISSING:
-            raise RefNotFound(ref_id)
-        return value
+        return lookup(self.env, ref_id)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
