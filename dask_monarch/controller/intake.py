@@ -56,7 +56,7 @@ class SegmentTask(NamedTuple):
     rank: int
     lane: Any
     index: int
-    payload: bytes
+    payload: tuple[bytes, ...]  # pickled lists of steps, in order (see Compiler's _Payloads)
     after: list  # keys of the tasks it follows
     resource: str  # its rank's resource
     executor: str  # its lane's executor

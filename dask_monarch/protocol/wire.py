@@ -60,6 +60,10 @@ class DropLane(NamedTuple):
 class Payload:
     """A segment's pickled steps, as a task argument that the worker running it empties.
 
+    ``data`` is a tuple of pickled lists of steps, to be run in order: the part
+    of a segment that every rank shares is pickled once (the compiler's
+    ``_Payloads``).
+
     Dask keeps a task's arguments after it ran: the worker's stimulus log
     holds its last ``distributed.admin.low-level-log-length`` events, each
     with its task (docs/dask.md §13). A large argument in a message would stay
@@ -69,14 +73,18 @@ class Payload:
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes | None) -> None:
+    def __init__(self, data: tuple[bytes, ...] | None) -> None:
         self.data = data
 
     def __reduce__(self) -> tuple:
         return (Payload, (self.data,))
 
-    def take(self) -> bytes | None:
-        """The bytes, once; None for a holder already taken."""
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.data or ()))
+
+    def take(self) -> tuple[bytes, ...] | None:
+        """The pickles, once; None for a holder already taken."""
         data, self.data = self.data, None
         return data
 

@@ -126,8 +126,11 @@ class RankState:
 
     # -- running ------------------------------------------------------------------------------
 
-    def run_segment(self, label: Any, index: int, payload: bytes) -> int:
+    def run_segment(self, label: Any, index: int, payload: tuple[bytes, ...]) -> int:
         """Run one segment of steps on its lane, in order; called on the lane's thread.
+
+        ``payload`` holds pickled lists of steps: the part every rank shares, then
+        this rank's own (``wire.Payload``).
 
         A segment queued before the controller failed or left returns at once
         and runs nothing, and one that fails fatally returns once the failure
@@ -144,7 +147,9 @@ class RankState:
         try:
             lane.claim_index(index)
             try:
-                steps = self.loads(payload)
+                steps = self.loads(payload[0])
+                for more in payload[1:]:
+                    steps += self.loads(more)
             except RestrictedPickleError as e:  # a message holds more than plain data
                 raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
             except BaseException as e:  # a value whose unpickling raises, or exits

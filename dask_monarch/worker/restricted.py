@@ -100,6 +100,7 @@ def allowed_globals() -> dict[str, Any]:
         value = getattr(m, name)
         if isinstance(value, type):
             found[f"{m.__name__}.{name}"] = value
+    found[f"{m.__name__}.memory_format"] = m.memory_format  # how batches name one
     for name in ("StatusProbe", "ReadRef", "ActorCall"):
         found[f"{wire.__name__}.{name}"] = getattr(wire, name)
     return found

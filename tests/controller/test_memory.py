@@ -223,7 +223,7 @@ def _report_log(token: str, dask_worker=None) -> int:
 def _payload_bytes(dask_scheduler=None) -> int:
     """Bytes of segment payloads anything on the scheduler still holds (its logs included)."""
     gc.collect()
-    return sum(len(o.data or b"") for o in gc.get_objects() if type(o) is Payload)
+    return sum(o.nbytes for o in gc.get_objects() if type(o) is Payload)
 
 
 def _graph_bytes(client, token: str) -> int:
@@ -236,7 +236,7 @@ def _graph_bytes(client, token: str) -> int:
                 continue
             if msg.get("op") == intake.OP and msg.get("token") == token:
                 segments = getattr(msg["segments"], "data", ())
-                total += sum(len(segment[4] or b"") for segment in segments)
+                total += sum(Payload(segment[4]).nbytes for segment in segments)
             elif msg.get("op") == "update-graph" and token in next(iter(msg["keys"]), ()):
                 total += sum(len(f) for f in getattr(msg["expr_ser"], "frames", ()))
     return total

@@ -112,4 +112,4 @@ def test_seqs_must_increase_within_a_run_of_calls(second):
 
 
 def _steps(plan) -> list[list]:
-    return [pickle.loads(task.payload) for task in plan.tasks]
+    return [[s for chunk in task.payload for s in pickle.loads(chunk)] for task in plan.tasks]

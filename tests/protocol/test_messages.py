@@ -60,11 +60,36 @@ def test_every_seed_variant_has_a_class_and_an_example():
 
 @pytest.mark.parametrize("msg", list(examples().values()), ids=lambda x: type(x).__name__)
 def test_messages_pickle_and_compare_by_value(msg):
-    for dumps in (pickle.dumps, cloudpickle.dumps):
+    for dumps in (pickle.dumps, cloudpickle.dumps, m.dumps):
         back = pickle.loads(dumps(msg))
         assert type(back) is type(msg)
         assert back == msg
     assert len(repr(msg)) < 400
+
+
+def test_batches_name_memory_formats_without_searching_modules():
+    """``m.dumps`` pickles memory formats through ``m.memory_format`` (pickle's own way
+    searches every loaded module for the name); both loaders, plain and restricted,
+    give back torch's objects."""
+    from dask_monarch.worker.restricted import loads as restricted_loads
+
+    formats = [torch.contiguous_format, torch.preserve_format, torch.channels_last]
+    call = m.CallFunction(
+        1,
+        [Ref(2)],
+        [],
+        "torch.ones_like",
+        ArgsKwargs.from_python((Ref(1),), {"memory_format": formats[1]}),
+        StreamRef(0),
+        [],
+    )
+    data = m.dumps([call, formats])
+    assert b"memory_format" in data and b"contiguous_format" in data
+    for loads in (pickle.loads, restricted_loads):
+        back_call, back_formats = loads(data)
+        assert back_call == call and all(a is b for a, b in zip(back_formats, formats))
+    with pytest.raises(ValueError, match="not a memory format"):
+        m.memory_format("float32")
 
 
 def test_controller_messages_pickle():

@@ -26,6 +26,8 @@ from .values import (
     StreamRef,
     as_function,
     as_ref,
+    dumps,
+    memory_format,
 )
 from .worker import (
     WORKER_MESSAGES,
@@ -111,6 +113,7 @@ __all__ = [
     "RemoteFunctionFailed",
     "as_ref",
     "as_function",
+    "dumps",
     "flatten_groups",
 ]
 
@@ -128,6 +131,7 @@ for _cls in (
     ActorCallParams,
     *WORKER_MESSAGES,
     *CONTROLLER_MESSAGES,
+    memory_format,  # named by batches (see dumps)
 ):
     _cls.__module__ = __name__
 del _cls

@@ -4,8 +4,10 @@ Each type pickles by value and compares by value. The checks for fields of
 these types are registered here, so messages can annotate fields with them.
 """
 
+import copyreg
 import enum
 import importlib
+import io
 import logging
 import pickle
 from collections.abc import Callable, Iterable
@@ -316,6 +318,37 @@ class StreamCreationMode(enum.Enum):
 
     def __repr__(self) -> str:
         return f"StreamCreationMode.{self.name}"
+
+
+# --------------------------------------------------------------------------- pickling
+
+
+def memory_format(name: str) -> torch.memory_format:
+    """``torch.<name>``, a memory format: how :func:`dumps` pickles one."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.memory_format):
+        raise ValueError(f"torch.{name} is not a memory format")
+    return value
+
+
+def _reduce_memory_format(value: torch.memory_format) -> tuple:
+    return memory_format, (str(value).removeprefix("torch."),)
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps(obj, protocol=5)`` for message batches, with memory formats by name.
+
+    A memory format pickles as the global ``torch.contiguous_format``, and as
+    its instances have no ``__module__``, pickle searches every loaded module
+    for it: 60 µs each, where a whole message takes 2 (``ones_like`` and
+    ``empty_like`` carry one in every call).
+    """
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=5)
+    # copyreg's table as it is now (torch registers reducers as it loads), plus ours
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.memory_format: _reduce_memory_format}
+    pickler.dump(obj)
+    return buffer.getvalue()
 
 
 # --------------------------------------------------------------------------- field checks
