@@ -140,6 +140,11 @@ class DryController:
     def flush(self) -> None:
         self._flush(False)
 
+    def ranks_idle(self) -> bool:
+        """Nothing would start on the ranks: callers that flush to start idle ranks
+        (``dm.ddp_hooks``) leave the messages buffered."""
+        return False
+
     def sync(self, timeout: float = 60) -> list:
         """Nothing runs: the final check of what would wait forever, no reports."""
         self._flush(True)

@@ -194,3 +194,18 @@ def test_a_remote_function_with_propagate_runs_in_a_dry_run(mesh2):
         y = double(torch.ones(4), 2)
         assert y.shape == (4,)
     assert all(figures.messages > 0 for figures in run.ranks.values())
+
+
+def test_ddp_hooks_train_in_a_dry_run(mesh2):
+    """Backward with ``dm.ddp_hooks`` runs dry: its bucket's all-reduce is in the report, and
+    the hooks' flush-when-idle leaves the dry messages buffered."""
+    with mesh2.activate():
+        model = torch.nn.Linear(4, 2)
+        hooks = dm.ddp_hooks(model, "gpu", stream=dm.Stream("dry-ddp"))
+    with dm.dry_run(mesh2) as run, mesh2.activate():
+        model(torch.ones(3, 4)).sum().backward()
+        assert model.weight.grad.shape == (2, 4)
+    hooks.remove()
+    (reduce,) = run.collectives
+    assert (reduce.kind, reduce.reduction, reduce.dims) == ("all-reduce", "avg", ("gpu",))
+    assert reduce.bytes == 10 * 4  # the flat bucket: weight and bias
