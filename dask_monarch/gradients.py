@@ -161,7 +161,7 @@ class DDPHooks:
         if len(params) == 1:
             lent, borrow = self.stream.borrow(params[0].grad, mutable=True)
         else:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = _flatten([p.grad for p in params])
             lent, borrow = self.stream.borrow(flat, mutable=True)
             self._flats.append((params, flat))
         self._borrows.append(borrow)
@@ -218,17 +218,26 @@ class DDPHooks:
 
 def _buckets(params: Sequence[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
     """Parameters in reverse order (roughly the order backward reaches them), in buckets
-    of about ``bucket_bytes``."""
+    of about ``bucket_bytes``, each of one dtype (as DDP's: a bucket is one flat tensor)."""
     buckets: list[list[Tensor]] = []
-    size = bucket_bytes
+    size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if size + nbytes > bucket_bytes and (not buckets or buckets[-1]):
+        if not buckets or (size + nbytes > bucket_bytes or buckets[-1][0].dtype != p.dtype):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
         size += nbytes
     return buckets
+
+
+def _flatten(grads: list[Tensor]) -> Tensor:
+    """One flat copy of a bucket's gradients, in order: one message (``aten._chunk_cat``,
+    which FSDP2 copies its buckets with; shape ``[1, n]``) where it applies, else a reshape
+    per gradient and a ``cat`` (a 0-d or empty gradient)."""
+    if all(g.dim() and g.numel() for g in grads):
+        return torch._chunk_cat(grads, 0, 1)
+    return torch.cat([g.reshape(-1) for g in grads])
 
 
 def ddp_hooks(

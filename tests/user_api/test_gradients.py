@@ -116,7 +116,8 @@ def test_ddp_hooks_average_gradients_like_a_reduce_after_backward(mesh2):
 def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2, mesh2):
     """On the ranks' timeline (Dask's task stream: one task per (rank, lane) segment), a
     reduce segment of the comms lane runs while a segment of backward runs on main (in
-    one flush or in two: the lanes are separate tasks either way)."""
+    one flush or in two: the lanes are separate tasks either way; the last of backward's
+    ops may share a segment with the loss's fetch, and take its name)."""
     comms = dm.Stream("ddp_overlap")
     big = 512  # backward takes the ranks long enough (~0.1 s) for Dask to start both lanes
     with mesh2.activate():
@@ -147,7 +148,7 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
             entry = (index, compute[0]["start"], compute[-1]["stop"], name)
             segments.setdefault((rank, lane), []).append(entry)
     for rank in range(2):
-        ops = [s for s in segments[rank, main_lane] if s[3] == "monarch_ops"]
+        ops = segments[rank, main_lane]  # backward's ops (the last ones with the fetch)
         reduces = [s for s in segments[rank, comms_lane] if s[3] == "monarch_reduce"]
         assert ops and reduces, segments
         # some reduce ran while a segment of forward/backward ops was running on main
@@ -262,3 +263,27 @@ def test_ddp_hooks_lend_one_flat_copy_per_bucket(mesh2):
     borrows = [msg for ranks, msg in trace.messages if isinstance(msg, m.BorrowCreate)]
     assert len(hooks.buckets) == 1 and len(borrows) == 1
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_ddp_hooks_buckets_hold_one_dtype_and_flatten_any_gradient(mesh2):
+    """A bucket is one flat tensor, so it holds one dtype; 0-d and empty gradients are
+    flattened too (``_chunk_cat``, the one-message copy, refuses them)."""
+    from dask_monarch.gradients import _buckets
+
+    with mesh2.activate():
+        params = [
+            torch.ones(3, requires_grad=True),
+            torch.ones((), requires_grad=True),  # 0-d
+            torch.ones(0, 2, requires_grad=True),  # empty
+            torch.ones(2, dtype=torch.float64, requires_grad=True),
+        ]
+        buckets = _buckets(params, 1 << 20)
+        assert [[p.dtype for p in b] for b in buckets] == [[torch.float64], [torch.float32] * 3]
+        with dm.ddp_hooks(params, "gpu"):
+            loss = sum((p.double() * (i + 1)).sum() for i, p in enumerate(params))
+            loss.backward()
+        grads = [dm.inspect(p.grad, gpu=1) for p in params]
+    want = [torch.full((3,), 1.0), torch.tensor(2.0), torch.ones(0, 2)]
+    want.append(torch.full((2,), 4.0, dtype=torch.float64))
+    for got, w in zip(grads, want):
+        assert got.dtype == w.dtype and got.shape == w.shape and torch.equal(got, w)
