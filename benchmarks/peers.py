@@ -8,8 +8,9 @@ Monarch runs in its own Python (``torchmonarch`` pins its own torch; this
 script starts it as a subprocess that serves one measurement at a time), on a
 2-process mesh of its own (``this_host().spawn_procs(per_host={"gpus": 2})``,
 tensor engine on CPU); dask_monarch on a 2-rank ``LocalMeshCluster`` in this
-process. Each round runs every measurement on both, the order swapped every
-round, so both see the same machine at the same minutes. Measurements:
+process. An untimed round warms both up; then each round runs every measurement
+on both, the order swapped every round, so both see the same machine at the
+same minutes. Measurements:
 
 * ``t = t + 1`` on a 4-element tensor, ``--ops`` times, then one fetch
   (microseconds per op);
@@ -230,8 +231,12 @@ def main() -> None:
                 with mesh.activate():
                     return fn(*args)
 
-            for name, fn in MEASURES.items():  # warm up: caches, lanes, traces
-                on_mesh(fn, dm.fetch_shard, min(n[name], 200))
+            # an untimed round first, full size, on both: caches, lanes, traces (the first
+            # timed round of each was up to twice as slow as the others after 200 ops)
+            for name, fn in MEASURES.items():
+                on_mesh(fn, dm.fetch_shard, n[name])
+                if peer is not None:
+                    peer.measure(name, n[name])
             on_mesh(dm_compiled, dm, 10 * BLOCK)
             bare_submit(client, 10)
             for r in range(args.rounds):
