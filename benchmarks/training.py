@@ -1,6 +1,6 @@
 """Data-parallel training steps on 4 ranks: dask_monarch next to torch's DistributedDataParallel.
 
-    python benchmarks/training.py [--configs 32x64,1024x4096] [--steps 30] [--repeat 3]
+    python benchmarks/training.py [--configs 32x64,1024x4096] [--steps 100] [--repeat 3]
 
 An MLP 16-H-1 trained with SGD (lr 0.2 x min(1, 32/H)) on batches of B rows drawn on every
 rank from the same seed; each of 4 ranks trains on its quarter and the
@@ -18,7 +18,12 @@ machine; the first round is a warm-up):
   SGD step) under ``dm.compile``: one ``CallRecording`` per step.
 
 A run is one untimed step (the compiled path traces there), then ``--steps``
-timed steps and the loss averaged over the ranks fetched to this process. The
+timed steps and the loss averaged over the ranks fetched to this process.
+What a run costs once is in its figure too: the mesh's ranks start on the first
+flush, and the closing fetch waits for what they still have to run; about
+30 ms at 16-32-1 (loops of 10, 30 and 100 steps then a fetch, on one mesh):
+1 ms per step over 30 steps (30 was the default until
+2026-12-04; ``--steps 30`` still measures it), a third of that over 100. The
 figures are medians over the rounds: milliseconds per step, CPU milliseconds
 per step of each process (client = this process, scheduler, each worker; each
 DDP process; psutil's user + system time, whose tick is 10 ms: use enough
@@ -301,7 +306,7 @@ def main() -> None:
         default="32x64,1024x4096",
         help="comma-separated HIDDENxBATCH (default: both of issue 16: 32x64,1024x4096)",
     )
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (after one warm-up)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     args = parser.parse_args()
