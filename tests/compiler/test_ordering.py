@@ -192,6 +192,24 @@ def test_status_and_deletes_fan_out_to_every_lane():
     assert sorted(k[3] for k in plan.keys) == [0, 1]
 
 
+def test_steps_every_rank_shares_are_pickled_once():
+    """A status request becomes a probe of each rank's own at the end of every lane: the
+    steps before it are pickled once for all ranks, each rank's probe on its own."""
+    import pickle
+
+    create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
+    calls = [call(i, Ref(10 + i), "torch.ones", 1) for i in range(50)]
+    _, plan = compile_([create, *calls, m.RequestStatus(60)], world=3)
+    payloads = [task.payload for task in plan.tasks]
+    assert len(payloads) == 3 and all(len(p) == 2 for p in payloads)
+    assert payloads[0][0] is payloads[1][0] is payloads[2][0]  # one pickle of 51 steps
+    loaded = [[s for chunk in p for s in pickle.loads(chunk)] for p in payloads]
+    assert all(steps[:51] == [create, *calls] for steps in loaded)
+    assert len({steps[51].probe for steps in loaded}) == 3  # one probe per rank
+    _, plan = compile_([create, *calls], world=3)
+    assert {len(task.payload) for task in plan.tasks} == {1}  # identical: one pickle
+
+
 @pytest.mark.parametrize(
     "messages, text",
     [
