@@ -53,7 +53,8 @@ def train_on_mesh(
     with mesh.activate():
         seed = dm.random.manual_seed  # seeds every rank of the mesh
         model = make_model(seed, features, hidden)  # same seed on every rank: same model
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        # foreach: each op of the update is one message for all parameters (user guide)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, foreach=True)
         me = mesh.rank(DIMS).reshape(1)  # this rank's position along the data-parallel dims
         for step in range(steps):
             x, y = batch(seed, step, batch_size, features)
