@@ -425,8 +425,9 @@ class _Payloads:
     made per rank at the end (a fetch's status probe, a delete of one rank's
     refs). A payload is a tuple of pickles: the prefix that every rank's
     segment shares (by identity), pickled once, then the segment's own rest,
-    pickled once per distinct rest (a fetch of 1 000 buffered messages on 4
-    ranks pickled them 4 times: 3 µs each).
+    pickled once per distinct rest. (Pickled whole per rank, a fetch after
+    1 000 buffered messages on 4 ranks pickled each of them 4 times, 3 µs a
+    time.)
     """
 
     def __init__(self, segments: list[Segment]):
