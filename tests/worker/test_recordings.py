@@ -222,6 +222,58 @@ def test_constant_lists_of_torch_operators_are_compiled_once(ctrl, client2):
         assert plan == [False, True, True, False, False]  # formal, view, sum, grow, result
 
 
+def _plan_bindings(dask_worker, token, recording, stream):
+    """Per command: does the replay call torch's Python binding of its ATen overload?"""
+    from dask_monarch.worker.recording import FastCall
+
+    state = dask_worker.plugins["dask_monarch"].ranks[token]
+    plan = state.recordings[recording].streams[stream].plan
+    functions = torch._C._VariableFunctions
+    return [
+        type(c) is FastCall and c[0] is getattr(functions, c[5].function.path.split(".")[3], 0)
+        for c in plan
+    ]
+
+
+def test_replays_call_torch_bindings_that_reach_the_recorded_overload(ctrl, client2):
+    """After its first replay a command calls torch's Python binding instead of the boxed
+    overload where the binding reaches exactly that overload (checked on meta tensors):
+    not for ``add.Scalar`` (the binding's ``add(t, 1)`` reaches ``add.Tensor``), nor an op
+    the binding does not name (``view``), nor a random one; the values are the same."""
+    create_streams(ctrl, BOTH, S0)
+    fx, fy, a, b, v, r, c = (Ref(i) for i in range(10, 17))
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            m.RecordingFormal(fy, 1, S0),
+            call(0, a, "torch.ops.aten.add.Tensor", fx, fy),
+            call(0, b, "torch.ops.aten.add.Scalar", a, 1),
+            call(0, v, "torch.ops.aten.view.default", b, [4]),
+            call(0, r, "torch.ops.aten.rand_like.default", v),
+            call(0, c, "torch.ops.aten.mul.Tensor", v, v),
+            m.RecordingResult(c, 0, S0),
+        ],
+        nresults=1,
+        nformals=2,
+    )
+    ctrl.send(BOTH, call(0, Ref(1), "torch.arange", 4.0))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.ones", 2, 2))
+    ctrl.send(BOTH, call(2, Ref(3), "torch.ops.aten.view.default", Ref(1), [2, 2]))
+    for seq in (3, 4, 5):
+        ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 * seq - 10)], [Ref(3), Ref(2)]))
+    assert ctrl.sync() == []
+    want = ((torch.arange(4.0) + 2) ** 2).view(4)
+    for rank in BOTH:
+        for out in (Ref(20), Ref(30), Ref(40)):
+            assert torch.equal(ctrl.get_ref(rank, out, S0), want)
+    plans = client2.run(_plan_bindings, token=ctrl.token, recording=REC.id, stream=S0.id)
+    for plan in plans.values():
+        # formals, add.Tensor, add.Scalar, view, rand_like, mul.Tensor, result
+        assert plan == [False, False, True, False, False, False, True, False]
+
+
 def test_chunked_definition(ctrl):
     create_streams(ctrl, [0], S0)
     commands = [m.RecordingFormal(Ref(10), 0, S0)]
