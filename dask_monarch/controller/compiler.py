@@ -141,7 +141,6 @@ class Plan:
     error: ProtocolError | None = None
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
     dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
-    segments: list = field(default_factory=list)  # what each task runs (lost-worker messages)
     token: str = ""
 
     @property
@@ -292,7 +291,6 @@ class Compiler:
             self.created.discard(lane)
             self.lane_counts[lane[0]] -= 1  # a released lane no longer counts to the cap
             plan.dropped[lane] = tail.next_index - 1
-        plan.segments = segments
         return plan
 
     def forget_dropped(self, lane: tuple[int, Any]) -> None:

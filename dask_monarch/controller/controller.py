@@ -374,7 +374,7 @@ class Controller:
                 with dask.annotate(span=span[0]):
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
-            self._reports.expect(plan.counts, plan.segments)
+            self._reports.expect(plan.counts, plan.tasks)
             # the previous tails are let go only after the flush that may follow them is queued
             tails, let_go = self._tails, []
             for lane, key in plan.tails.items():

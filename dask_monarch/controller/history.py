@@ -34,7 +34,9 @@ class Invocation:
     ) -> None:
         self.seq = seq
         self.defs = defs
-        self.users: list[int] = []
+        # a tuple, not a list: the client's garbage collector stops walking a tuple of ints
+        # (a list it walks every time), and thousands of invocations may wait for a Status
+        self.users: tuple[int, ...] = ()
         self.failure = failure
         self.origin = origin  # where the client issued it, for the error message
 
@@ -65,7 +67,7 @@ class History:
                 if failure is None:
                     failure = inv.failure
             elif producer >= self.completed:
-                inv.users.append(seq)
+                inv.users += (seq,)
         defs = tuple(defs)
         invocations[seq] = Invocation(seq, defs, failure, origin)
         for ref in defs:
@@ -84,7 +86,7 @@ class History:
             inv.failure = failure
             newly.append(s)
             todo.extend(inv.users)
-            inv.users = []
+            inv.users = ()
         return newly
 
     def failure(self, seq: int) -> BaseException | None:

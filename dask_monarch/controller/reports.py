@@ -82,8 +82,10 @@ class Reports:
         self.answered: dict[int, float] = {}  # rank -> when it came (time.monotonic())
         self.names: dict[int, str] = {}  # stream id -> the name the user gave it
         self.retired = 0  # segments of dropped lanes, no longer in expected/done
-        # (rank, lane) -> [(index, steps)] of segments submitted and not yet run: a lost
-        # worker's message says what it was running (pruned as they run: no payload outlives it)
+        # (rank, lane) -> [(index, payload)] of segments submitted and not yet run: a lost
+        # worker's message says what it was running (pruned as they run: no payload outlives
+        # it). Pickled, as sent: thousands of messages in flight kept as objects would be
+        # walked by every garbage collection of the client (the client runs ahead).
         self.in_flight: dict[tuple[int, Any], deque] = {}
         self.debugging: dict[str, DebuggerPaused] = {}  # session -> a lane paused in pdb
         self.on_debugger: Callable[[DebuggerPaused], None] | None = None  # told of each
@@ -194,7 +196,7 @@ class Reports:
                         self._idle = None
                         finished = True
                         queue = self.in_flight.get(key)
-                        while queue and queue[0][0] <= item.index:  # its steps and payloads
+                        while queue and queue[0][0] <= item.index:
                             queue.popleft()
                 elif t is Fetched:
                     delivered.append(_fetch_result(item))
@@ -254,22 +256,22 @@ class Reports:
             "the mesh to debug ranks that take part in collectives)"
         )
 
-    def expect(self, counts: dict[tuple[int, Any], int], segments: list = ()) -> None:
+    def expect(self, counts: dict[tuple[int, Any], int], tasks: list = ()) -> None:
         """A flush was submitted: ``counts`` gives each of its lanes' newest segment,
-        ``segments`` (compiler Segments) what they run."""
+        ``tasks`` (its SegmentTasks) what they run."""
         with self.progress:
             self.expected.update(counts)
             self._idle = None
             done, in_flight = self.done, self.in_flight
-            for seg in segments:
-                key = (seg.rank, seg.lane)
+            for task in tasks:
+                key = (task.rank, task.lane)
                 queue = in_flight.get(key)
                 if queue is None:
                     queue = in_flight[key] = deque()
                 last = done.get(key, -1)
                 while queue and queue[0][0] <= last:
                     queue.popleft()
-                queue.append((seg.index, seg.steps))
+                queue.append((task.index, task.payload))
 
     def running(self, rank: int) -> str:
         """What ``rank``'s lanes were running or about to run (the caller holds ``progress``):
@@ -278,11 +280,13 @@ class Reports:
         for (r, lane), queue in sorted(self.in_flight.items(), key=str):
             last = self.done.get((r, lane), -1)
             first = (
-                next((steps for index, steps in queue if index > last), None) if r == rank else None
+                next((payload for index, payload in queue if index > last), None)
+                if r == rank
+                else None
             )
             if first:
                 where = "control steps" if lane == "control" else f"stream {lane}"
-                parts.append(f"{where}: {describe(first)}")
+                parts.append(f"{where}: {describe_payload(first)}")
         return f"; it was running {'; '.join(parts)}" if parts else ""
 
     def ranks_idle(self) -> bool:
@@ -344,6 +348,16 @@ def describe(steps: list, most: int = 3) -> str:
         names.append(what if seq is None else f"{what} (seq {seq})")
     more = f" and {len(names) - most} more messages" if len(names) > most else ""
     return ", ".join(names[:most]) + more
+
+
+def describe_payload(payload: tuple[bytes, ...]) -> str:
+    """:func:`describe` of a segment's pickled steps (the client pickled them: it may load
+    them back)."""
+    try:
+        steps = [step for chunk in payload for step in pickle.loads(chunk)]
+    except Exception as e:  # a value in them that cannot be loaded here
+        return f"messages that cannot be read back ({type(e).__name__})"
+    return describe(steps)
 
 
 def _fetch_result(item: Fetched) -> FetchResult | RemoteFunctionFailed:

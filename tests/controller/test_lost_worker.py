@@ -52,6 +52,10 @@ def test_killed_worker_raises_device_exception_and_nothing_reruns(fresh_cluster,
         ctrl.sync(timeout=60)
     assert time.monotonic() - start < 30
     assert info.value.rank == 1 and "lost connection" in str(info.value)
+    # what the rank was running, read back from the segment's pickled payload
+    assert "it was running stream 0: CallFunction of remote_fns.sleep_then (seq 0)" in str(
+        info.value
+    )
     with pytest.raises(dm.DeviceException):
         ctrl.send(0, call(1, Ref(2), "torch.ones", 1))
 
