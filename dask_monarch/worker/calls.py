@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..protocol.messages import ArgsKwargs, Cloudpickle, FunctionPath, Ref
-from ..protocol.messages.values import IMMUTABLE_LEAVES
+from ..protocol.messages.values import IMMUTABLE_LEAVES, dumps_value
 from .errors import DependentError, FatalError, RefNotFound, SeqError
 from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
@@ -273,6 +273,6 @@ def pickle_value(value: Any) -> bytes:
     """A snapshot of a fetched value (tensors on CPU), taken on the lane when it is computed."""
     value = to_cpu(value)
     try:
-        return pickle.dumps(value, protocol=5)
+        return dumps_value(value)
     except Exception:
         return cloudpickle.dumps(value, protocol=5)

@@ -92,6 +92,42 @@ def test_batches_name_memory_formats_without_searching_modules():
         m.memory_format("float32")
 
 
+def test_fetched_values_carry_cpu_storages_as_bytes():
+    """``dumps_value`` (what a rank sends for a fetch) pickles a CPU storage as its bytes,
+    not through ``torch.save``; torch's tensor reducers still carry the rest, so dtype,
+    shape, strides, offset, requires_grad and the tensor's class come back as they were,
+    and the loaded tensors are writable."""
+    from dask_monarch.protocol.messages.values import dumps_value, storage
+
+    values = [
+        torch.arange(4.0),
+        torch.tensor(3.5),
+        torch.zeros(2, 0, 3),
+        torch.arange(12.0).reshape(3, 4).t(),  # strided view
+        torch.arange(10.0)[3:7],  # offset view
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.ones(4, dtype=torch.complex64),
+        torch.arange(5, dtype=torch.int64),
+        torch.nn.Parameter(torch.ones(3)),
+        torch.ones(2, 3, requires_grad=True),
+    ]
+    data = dumps_value({"values": values, "again": values[0], "note": "x"})
+    assert b"_load_from_bytes" not in data and b"storage" in data
+    back = pickle.loads(data)
+    assert back["again"] is back["values"][0] and back["note"] == "x"
+    for sent, got in zip(values, back["values"]):
+        assert type(got) is type(sent) and got.dtype == sent.dtype
+        assert got.shape == sent.shape and got.stride() == sent.stride()
+        assert got.storage_offset() == sent.storage_offset()
+        assert got.requires_grad == sent.requires_grad
+        assert torch.equal(got.detach(), sent.detach())
+    back["values"][0].add_(1)  # a writable buffer underneath
+    assert back["values"][0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="not a dtype"):
+        storage("contiguous_format", bytearray(4))
+
+
 def test_controller_messages_pickle():
     for msg in (
         m.Status(3, 1),

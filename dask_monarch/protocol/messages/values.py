@@ -343,10 +343,55 @@ def dumps(obj: Any) -> bytes:
     for it: 60 µs each, where a whole message takes 2 (``ones_like`` and
     ``empty_like`` carry one in every call).
     """
+    return _dump(obj, {torch.memory_format: _reduce_memory_format})
+
+
+def dumps_value(value: Any) -> bytes:
+    """``pickle.dumps(value, protocol=5)`` for a fetched value, with CPU storages as raw bytes.
+
+    torch pickles a tensor as its storage, offset, sizes and strides (kept
+    here), and the storage through ``torch.save`` into a buffer: 60 µs to
+    dump and 80-290 µs to load for a 4-element tensor, on the path of every
+    fetch. As the bytes themselves (:func:`storage`): 5 and 20 µs.
+    """
+    return _dump(value, {torch.storage.TypedStorage: _reduce_storage})
+
+
+def storage(dtype: str, data: bytearray) -> torch.storage.TypedStorage:
+    """A CPU storage of ``torch.<dtype>`` over ``data``: how :func:`dumps_value` pickles one."""
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype):
+        raise ValueError(f"torch.{dtype} is not a dtype")
+    if type(data) is not bytearray:  # torch.frombuffer wants a writable buffer
+        data = bytearray(data)
+    untyped = (
+        torch.frombuffer(data, dtype=torch.uint8).untyped_storage()  # shares data, keeps it
+        if data
+        else torch.UntypedStorage(0)
+    )
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=kind, _internal=True)
+
+
+def _reduce_storage(value: torch.storage.TypedStorage) -> tuple:
+    untyped = value._untyped_storage
+    if untyped.device.type != "cpu":  # torch's own way (to_cpu moves fetched tensors first)
+        return value.__reduce__()
+    raw = torch.empty(0, dtype=torch.uint8).set_(untyped)  # every byte of it, as uint8
+    return storage, (str(value._dtype).removeprefix("torch."), pickle.PickleBuffer(raw.numpy()))
+
+
+_tables: dict[tuple, dict] = {}
+
+
+def _dump(obj: Any, reducers: dict) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=5)
     # copyreg's table as it is now (torch registers reducers as it loads), plus ours
-    pickler.dispatch_table = {**copyreg.dispatch_table, torch.memory_format: _reduce_memory_format}
+    key = (tuple(reducers), len(copyreg.dispatch_table))
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = {**copyreg.dispatch_table, **reducers}
+    pickler.dispatch_table = table
     pickler.dump(obj)
     return buffer.getvalue()
 
