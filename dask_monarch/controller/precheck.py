@@ -59,6 +59,7 @@ from .routing import ProtocolError
 # event kinds
 _SIGNAL, _WAIT, _MEET, _DRAIN = "signal", "wait", "meet", "drain"
 _NEVER = "never"  # what a wait needs when nothing can ever satisfy it
+DROPS_KEPT = 1024  # a rank's borrow drops are looked at again, to forget those that ran, past this
 
 
 class _Lane:
@@ -184,6 +185,9 @@ class Precheck:
         self.borrows: list[dict[int, int]] = [{} for _ in self.world]  # live borrow -> instance
         # dropped borrow -> (lane, segment) of its BorrowDrop, until that segment is known done
         self.dropped: list[dict[int, tuple[int, int]]] = [{} for _ in self.world]
+        # a rank's drops are pruned once they are this many (raised while they have not run:
+        # a client far ahead of its ranks would otherwise scan them all at every drop)
+        self._prune_at = [DROPS_KEPT for _ in self.world]
         self.recordings: list[dict[int, dict[int, list]]] = [{} for _ in self.world]
         self.chunks: list[list] = [[] for _ in self.world]
         self.handoff: list[Any] = [None for _ in self.world]
@@ -461,11 +465,12 @@ class Precheck:
                 live.pop(msg.borrow, None)
                 dropped = self.dropped[rank]
                 dropped[msg.borrow] = (label, segment)
-                if len(dropped) > 1024:  # forget the drops that ran
+                if len(dropped) > self._prune_at[rank]:  # forget the drops that ran
                     done = self.done
                     for borrow, (lane, index) in list(dropped.items()):
                         if done.get((rank, lane), -1) >= index:
                             del dropped[borrow]
+                    self._prune_at[rank] = max(DROPS_KEPT, 2 * len(dropped))
         self._borrow_step(rank, label, t, msg.borrow, (rank, instance))
 
     def _reuse(self, rank: int, borrow: int) -> None:
