@@ -24,6 +24,7 @@ and splitting them would spread that lock's invariants over several files.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import logging
@@ -766,6 +767,15 @@ class Controller:
         from .debugging import attend
 
         return attend(self._client, self.token, self._reports.debugging, self._attach)
+
+    def can_wait_for_ranks(self) -> bool:
+        """Whether this thread may block until the ranks progress: not on the client's event
+        loop, which applies their reports (an asynchronous client's user code runs there)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return True
+        return running is not getattr(self._client.loop, "asyncio_loop", None)
 
     # -- failure and shutdown -----------------------------------------------------------------
 

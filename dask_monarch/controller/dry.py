@@ -145,6 +145,10 @@ class DryController:
         (``dm.ddp_hooks``) leave the messages buffered."""
         return False
 
+    def can_wait_for_ranks(self) -> bool:
+        """Nothing runs, so nothing ever catches up: a long dry run never waits."""
+        return False
+
     def sync(self, timeout: float = 60) -> list:
         """Nothing runs: the final check of what would wait forever, no reports."""
         self._flush(True)

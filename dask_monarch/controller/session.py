@@ -31,6 +31,7 @@ from typing import Any
 
 from distributed import Client
 
+from .. import config
 from ..exceptions import DeviceException, RemoteException
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
@@ -231,6 +232,14 @@ class Session:
         workers: list[str] | None = None,
         distinct_hosts: bool = False,
     ) -> None:
+        ahead = config.get("flush.max-ahead")  # checked before any worker is claimed
+        if ahead is not None and (type(ahead) is not int or ahead < 2):
+            raise ValueError(
+                f"dask_monarch.flush.max-ahead must be an int of at least 2 or null, got {ahead!r}"
+            )
+        self._max_ahead: int | None = ahead
+        # statuses often enough that the ranks' progress is known well before the limit
+        self._status_every = STATUS_EVERY if ahead is None else min(STATUS_EVERY, ahead // 4)
         self.controller = Controller(
             client, world_size, workers=workers, distinct_hosts=distinct_hosts
         )
@@ -284,8 +293,36 @@ class Session:
         ) and not _gc_state.collecting:  # a finalizer's message goes before the deletes
             self._flush_deletes()
         self.controller.send(ranks, message)
-        if self._seq - self._status_requested_at > STATUS_EVERY:
+        if self._seq - self._status_requested_at > self._status_every:
             self.request_status()
+        if self._max_ahead is not None and self._seq - self.history.completed > self._max_ahead:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """The user issued ``flush.max-ahead`` messages past what every rank has run: wait
+        until the ranks are half as far behind, as CUDA's launch queue makes a host thread
+        wait, so that what the client, the scheduler and the workers keep for work in flight
+        stays bounded in a long loop that never fetches.
+
+        Everything issued is flushed first, so the ranks can always get there. Never waits on
+        the client's event loop (the reports arrive there), in a garbage collection's
+        finalizer, while a rank is paused in the debugger, or in a dry run.
+        """
+        controller = self.controller
+        if _gc_state.collecting or not controller.can_wait_for_ranks():
+            return
+        target = self._seq - self._max_ahead // 2
+        if self._status_requested_at < target:
+            self.request_status()
+        controller.flush()
+        with self._completion:  # releases the session's lock while it waits: reports apply
+            while self.history.completed < target:
+                broken = controller.broken
+                if broken is not None:
+                    raise broken
+                if controller.closed or controller.debugging:
+                    return
+                self._completion.wait(0.05)
 
     def send_setup(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         """Setup messages (streams, meshes, communicators) are never captured."""
