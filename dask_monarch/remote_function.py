@@ -31,6 +31,7 @@ from torch.utils._pytree import (
     treespec_loads,
 )
 
+from . import config
 from .borrows import first_use
 from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
@@ -290,6 +291,7 @@ def _propagate_on_rank(
         out = fn(*fake_args, **fake_kwargs)
     leaves, spec = tree_flatten(out)
     packed = [describe_output(x) for x in leaves]
+    config.freeze_new_imports()  # the first fake run imports dynamo into this worker
     return packed, treespec_dumps(spec)
 
 
