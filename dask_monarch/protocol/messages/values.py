@@ -343,7 +343,7 @@ def dumps(obj: Any) -> bytes:
     for it: 60 µs each, where a whole message takes 2 (``ones_like`` and
     ``empty_like`` carry one in every call).
     """
-    return _dump(obj, {torch.memory_format: _reduce_memory_format})
+    return _dump(obj, _BATCH_REDUCERS)
 
 
 def dumps_value(value: Any) -> bytes:
@@ -354,7 +354,7 @@ def dumps_value(value: Any) -> bytes:
     dump and 80-290 µs to load for a 4-element tensor, on the path of every
     fetch. As the bytes themselves (:func:`storage`): 5 and 20 µs.
     """
-    return _dump(value, {torch.storage.TypedStorage: _reduce_storage})
+    return _dump(value, _VALUE_REDUCERS)
 
 
 def storage(dtype: str, data: bytearray) -> torch.storage.TypedStorage:
@@ -380,14 +380,16 @@ def _reduce_storage(value: torch.storage.TypedStorage) -> tuple:
     return storage, (str(value._dtype).removeprefix("torch."), pickle.PickleBuffer(raw.numpy()))
 
 
-_tables: dict[tuple, dict] = {}
+_BATCH_REDUCERS = {torch.memory_format: _reduce_memory_format}  # dumps
+_VALUE_REDUCERS = {torch.storage.TypedStorage: _reduce_storage}  # dumps_value
+_tables: dict[tuple, dict] = {}  # (our reducers, size of copyreg's table) -> the merged table
 
 
 def _dump(obj: Any, reducers: dict) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=5)
     # copyreg's table as it is now (torch registers reducers as it loads), plus ours
-    key = (tuple(reducers), len(copyreg.dispatch_table))
+    key = (id(reducers), len(copyreg.dispatch_table))
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = {**copyreg.dispatch_table, **reducers}
