@@ -182,6 +182,8 @@ class Controller:
         # (rank, lane) -> future and index of its newest segment, while that segment has not run
         self._tails: dict[tuple[int, Any], Any] = {}
         self._tail_index: dict[tuple[int, Any], int] = {}
+        # tails a flush replaced that ran but Dask has not finished: held until it has
+        self._finishing: list = []
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
@@ -377,10 +379,16 @@ class Controller:
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.tasks)
             # the previous tails are let go only after the flush that may follow them is queued
-            tails, let_go = self._tails, []
+            tails, let_go, done = self._tails, [], self._reports.done
             for lane, key in plan.tails.items():
                 old = tails.get(lane)
-                if old is not None:
+                if old is None:
+                    pass
+                elif old.status == "pending" and done.get(lane, -1) >= self._tail_index[lane]:
+                    # it ran and nothing follows it, but Dask has not heard it finished:
+                    # released now, the scheduler would cancel it (see _release_ran)
+                    self._finishing.append(old)
+                else:
                     let_go.append(old)
                 tails[lane] = by_key[key]
                 self._tail_index[lane] = plan.counts[lane]
@@ -389,6 +397,7 @@ class Controller:
             del let_go
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
+                self._finishing.clear()
         self._release_ran()
         if plan.dropped:
             self._dropping.update(plan.dropped)
@@ -413,6 +422,9 @@ class Controller:
                     continue
                 tails.pop(lane, None)
                 del self._tail_index[lane]
+        if self._finishing:
+            self._finishing = [tail for tail in self._finishing if tail.status == "pending"]
+            unfinished = unfinished or bool(self._finishing)
         if unfinished and not self._retry_armed and not self._closed:
             loop = self._client.loop  # a timer on the client's loop: no thread, nothing at exit
             if loop is not None:
@@ -427,13 +439,17 @@ class Controller:
 
     def _release_ran_now(self) -> None:
         """A rank finished segments (on the client's loop): let go of the tails that ran unless
-        a flush is under way (it lets go itself when it ends). A chain of segments built while
-        a lane was busy is forgotten as soon as the lane catches up, flush or no flush."""
+        a flush is under way (it lets go itself when it ends; a pass follows). A chain of
+        segments built while a lane was busy is forgotten as soon as the lane catches up, flush
+        or no flush."""
         if self._flush_lock.acquire(blocking=False):
             try:
                 self._release_ran()
             finally:
                 self._flush_lock.release()
+        elif not self._retry_armed and not self._closed:  # a flush may end without a pass
+            self._retry_armed = True
+            self._client.loop.call_later(TAIL_RETRY_S, self._retry_release)
         bookkeeping.drop_sent_graphs(self._client.scheduler_comm, self.token)  # out of its log
 
     def _retire_dropped(self) -> None:
@@ -824,6 +840,7 @@ class Controller:
         self._liveness.stop()
         self._watch.stop()
         self._tails.clear()
+        self._finishing.clear()
         self._actors.clear()
         self._reports.hang_up()
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 import gc
 import pickle
 import time
+import uuid
 
 import pytest
 import torch
 
 import dask_monarch as dm
 from dask_monarch import messages as m
-from dask_monarch.controller import intake
+from dask_monarch.controller import bookkeeping, intake
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
 from dask_monarch.protocol.wire import Payload
+from tests import remote_fns
 
 S0 = StreamRef(0)
 ADD = m.FunctionPath("torch.ops.aten.add.Tensor")
@@ -226,6 +228,16 @@ def _payload_bytes(dask_scheduler=None) -> int:
     return sum(o.nbytes for o in gc.get_objects() if type(o) is Payload)
 
 
+def _cancelled_segments(token: str, dask_scheduler=None) -> list:
+    """Segments of ``token`` the scheduler released while they were processing (their client
+    let go too early): missing from the task stream, their payload kept in logs."""
+    return [
+        t.key
+        for t in list(dask_scheduler.transition_log)
+        if token in t.key and (t.start, t.finish) == ("processing", "released")
+    ]
+
+
 def _graph_bytes(client, token: str) -> int:
     """Bytes of payload of controller ``token``'s flushes in the client's log of batches it
     sent: the scheduler intake's messages, or ``update-graph``'s pickled graphs."""
@@ -270,3 +282,32 @@ def test_values_and_arguments_are_kept_by_no_process_once_they_ran(mesh2, client
     assert len(reports.inbox) == 0, f"the controller keeps {len(reports.inbox)} reports"
     kept = list(client2.run(_report_log, token).values())
     assert kept == [0, 0], f"the workers keep {kept} batches of reports"
+    # a fetch's segment reports before Dask hears it finished: the next flush holds it till then
+    assert client2.run_on_scheduler(_cancelled_segments, token) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_segment_released_while_it_runs_leaves_no_payload_on_the_scheduler(client2):
+    """A segment its client lets go of while it runs is cancelled on the scheduler, never
+    finishes there, and is forgotten: its payload is emptied then, not kept by the scheduler's
+    log of the messages it sent to the worker."""
+    bookkeeping.install(client2)
+    key = (f"{bookkeeping.GROUP_PREFIX}test", uuid.uuid4().hex[:12], 0, 0, 0)
+    future = client2.submit(
+        remote_fns.sleep_holding, Payload((bytes(2**19),)), 1.0, key=key, pure=False
+    )
+    deadline = time.monotonic() + 30
+    while client2.run_on_scheduler(_state, key) != "processing":
+        assert time.monotonic() < deadline, "the task never started"
+        time.sleep(0.05)
+    del future
+    deadline = time.monotonic() + 30
+    while (held := client2.run_on_scheduler(_payload_bytes)) >= 2**18:
+        assert time.monotonic() < deadline, f"the scheduler keeps {held} bytes of payloads"
+        time.sleep(0.2)
+    assert client2.run_on_scheduler(_cancelled_segments, key[1]) == [key]
+
+
+def _state(key, dask_scheduler=None) -> str | None:
+    ts = dask_scheduler.tasks.get(key)
+    return None if ts is None else ts.state
