@@ -288,8 +288,3 @@ def describe(*args, **kwargs):
         return type(x).__name__
 
     return repr((shape(args), shape(kwargs)))
-
-
-def sleep_holding(payload, seconds):
-    """Runs ``seconds`` with a segment payload as argument (tests/controller/test_memory.py)."""
-    time.sleep(seconds)

@@ -86,13 +86,14 @@ class SegmentGroups(SchedulerPlugin):
         ts = self.scheduler.tasks.get(key)
         if ts is None:
             return
-        # emptied once it ran or is forgotten, not before: a task released while it waited or
-        # ran on a worker that left may be sent again. The scheduler's log of the messages it
-        # sent to workers holds the same run_spec (docs/dask.md §13).
-        for arg in getattr(ts.run_spec, "args", ()):  # run_segment(..., payload, *after)
-            if type(arg) is Payload:
-                arg.data = None
-        if ran or ts.state != "forgotten":
+        # emptied only once it ran: a task released while it waited may be sent again, and a
+        # forgotten one's compute-task may still wait in the batched send to its worker
+        if ran:
+            for arg in getattr(ts.run_spec, "args", ()):  # run_segment(..., payload, *after)
+                if type(arg) is Payload:
+                    arg.data = None
+            return
+        if ts.state != "forgotten":
             return
         tg = ts.group
         if self.scheduler.task_groups.get(tg.name) is not tg or any(

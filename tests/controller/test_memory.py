@@ -11,17 +11,15 @@ from __future__ import annotations
 import gc
 import pickle
 import time
-import uuid
 
 import pytest
 import torch
 
 import dask_monarch as dm
 from dask_monarch import messages as m
-from dask_monarch.controller import bookkeeping, intake
+from dask_monarch.controller import intake
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
 from dask_monarch.protocol.wire import Payload
-from tests import remote_fns
 
 S0 = StreamRef(0)
 ADD = m.FunctionPath("torch.ops.aten.add.Tensor")
@@ -284,30 +282,3 @@ def test_values_and_arguments_are_kept_by_no_process_once_they_ran(mesh2, client
     assert kept == [0, 0], f"the workers keep {kept} batches of reports"
     # a fetch's segment reports before Dask hears it finished: the next flush holds it till then
     assert client2.run_on_scheduler(_cancelled_segments, token) == []
-
-
-@pytest.mark.timeout(120)
-def test_a_segment_released_while_it_runs_leaves_no_payload_on_the_scheduler(client2):
-    """A segment its client lets go of while it runs is cancelled on the scheduler, never
-    finishes there, and is forgotten: its payload is emptied then, not kept by the scheduler's
-    log of the messages it sent to the worker."""
-    bookkeeping.install(client2)
-    key = (f"{bookkeeping.GROUP_PREFIX}test", uuid.uuid4().hex[:12], 0, 0, 0)
-    future = client2.submit(
-        remote_fns.sleep_holding, Payload((bytes(2**19),)), 1.0, key=key, pure=False
-    )
-    deadline = time.monotonic() + 30
-    while client2.run_on_scheduler(_state, key) != "processing":
-        assert time.monotonic() < deadline, "the task never started"
-        time.sleep(0.05)
-    del future
-    deadline = time.monotonic() + 30
-    while (held := client2.run_on_scheduler(_payload_bytes)) >= 2**18:
-        assert time.monotonic() < deadline, f"the scheduler keeps {held} bytes of payloads"
-        time.sleep(0.2)
-    assert client2.run_on_scheduler(_cancelled_segments, key[1]) == [key]
-
-
-def _state(key, dask_scheduler=None) -> str | None:
-    ts = dask_scheduler.tasks.get(key)
-    return None if ts is None else ts.state
