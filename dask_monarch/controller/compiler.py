@@ -59,7 +59,7 @@ from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL, DropLane
 from .intake import SegmentTask, make_task
 from .precheck import Precheck
-from .routing import InternalStep, ProtocolError, RankRouter
+from .routing import InternalStep, Probes, ProtocolError, RankRouter
 
 __all__ = [
     "Compiler",
@@ -166,7 +166,8 @@ class Compiler:
     def __init__(self, token: str, resources: list[str], done: dict | None = None):
         self.token = token
         self.resources = resources
-        self.routers = [RankRouter(rank) for rank in range(len(resources))]
+        probes = Probes()
+        self.routers = [RankRouter(rank, probes) for rank in range(len(resources))]
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
         self.dropped: dict[tuple[int, Any], _LaneTail] = {}  # dropped lanes Exit still follows

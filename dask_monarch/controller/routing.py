@@ -36,11 +36,30 @@ class InternalStep:
         self.step = step
 
 
+class Probes:
+    """The status probe of each ``RequestStatus``, one per lane count, shared by every rank it
+    reaches: their segments then hold the same steps, which the compiler pickles once for
+    all of them (``compiler._Payloads``). A probe's number need only be new on each rank."""
+
+    def __init__(self) -> None:
+        self._request: Any = None  # the RequestStatus routed last (a message goes to its
+        self._made: dict[int, StatusProbe] = {}  # ranks one after the other), its probes
+
+    def probe(self, request: m.RequestStatus, lanes: int) -> StatusProbe:
+        if request is not self._request:
+            self._request, self._made = request, {}
+        probe = self._made.get(lanes)
+        if probe is None:
+            probe = self._made[lanes] = StatusProbe(request.seq, _next_probe(), lanes)
+        return probe
+
+
 class RankRouter:
     """Monarch's worker mailbox order for one rank: which lane runs each message."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, probes: Probes | None = None):
         self.rank = rank
+        self.probes = probes or Probes()  # shared by a controller's ranks
         # the rank's streams in creation order, with the mode each was created in
         self.streams: dict[int, m.StreamCreationMode] = {}
         self.dropped: set[int] = set()  # streams ended by drop_stream: their ids stay unused
@@ -72,7 +91,7 @@ class RankRouter:
         elif lanes is Lanes.EVERY_STREAM:
             step = msg
             if t is m.RequestStatus:  # as a probe: the last stream to pass it answers
-                step = StatusProbe(msg.seq, _next_probe(), max(len(self.streams), 1))
+                step = self.probes.probe(msg, max(len(self.streams), 1))
                 if not self.streams:
                     yield CONTROL, step, False
             for stream in self.streams:

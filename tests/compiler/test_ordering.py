@@ -193,21 +193,43 @@ def test_status_and_deletes_fan_out_to_every_lane():
 
 
 def test_steps_every_rank_shares_are_pickled_once():
-    """A status request becomes a probe of each rank's own at the end of every lane: the
-    steps before it are pickled once for all ranks, each rank's probe on its own."""
+    """A status request becomes one probe that every rank with as many lanes shares, so a
+    segment with a status in its middle is still pickled once for all ranks; what differs
+    per rank (a delete of one rank's refs) is pickled per rank, after the shared steps."""
     import pickle
 
     create = m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream)
     calls = [call(i, Ref(10 + i), "torch.ones", 1) for i in range(50)]
-    _, plan = compile_([create, *calls, m.RequestStatus(60)], world=3)
+    later = [call(60 + i, Ref(70 + i), "torch.ones", 1) for i in range(20)]
+    _, plan = compile_([create, *calls, m.RequestStatus(55), *later], world=3)
     payloads = [task.payload for task in plan.tasks]
-    assert len(payloads) == 3 and all(len(p) == 2 for p in payloads)
-    assert payloads[0][0] is payloads[1][0] is payloads[2][0]  # one pickle of 51 steps
-    loaded = [[s for chunk in p for s in pickle.loads(chunk)] for p in payloads]
-    assert all(steps[:51] == [create, *calls] for steps in loaded)
-    assert len({steps[51].probe for steps in loaded}) == 3  # one probe per rank
-    _, plan = compile_([create, *calls], world=3)
-    assert {len(task.payload) for task in plan.tasks} == {1}  # identical: one pickle
+    assert len(payloads) == 3 and all(len(p) == 1 for p in payloads)
+    assert payloads[0][0] is payloads[1][0] is payloads[2][0]  # one pickle of 72 steps
+    steps = pickle.loads(payloads[0][0])
+    assert steps[:51] == [create, *calls] and steps[52:] == later
+    assert type(steps[51]).__name__ == "StatusProbe" and steps[51].seq == 55
+    every = (0, 1, 2)
+    plan = Compiler("tok", [f"monarch-rank{i}" for i in range(3)]).compile(
+        [(every, create), *((every, c) for c in calls)]
+        + [((0,), m.DeleteRefs([Ref(10)])), ((1,), m.DeleteRefs([Ref(11)]))]
+    )
+    payloads = [task.payload for task in plan.tasks]
+    assert payloads[0][0] is payloads[1][0] is payloads[2][0]  # the 51 shared steps
+    assert [len(p) for p in payloads] == [2, 2, 1]  # then each rank's own delete
+
+
+def test_ranks_with_other_lanes_get_probes_of_their_own():
+    """A probe counts the lanes it must pass on its rank: ranks with more streams get
+    another probe (with another number) for the same status request."""
+    create = [m.CreateStream(s, m.StreamCreationMode.UseDefaultStream) for s in (S0, S1)]
+    routers = Compiler("tok", ["monarch-rank0", "monarch-rank1"]).routers
+    for router in routers:
+        list(router.route(create[0]))
+    list(routers[1].route(create[1]))
+    status = m.RequestStatus(3)
+    zero, one = [[step for _, step, _ in router.route(status)] for router in routers]
+    assert len(zero) == 1 and len(one) == 2 and one[0] is one[1]
+    assert (zero[0].lanes, one[0].lanes) == (1, 2) and zero[0].probe != one[0].probe
 
 
 @pytest.mark.parametrize(
