@@ -382,14 +382,11 @@ class Controller:
             tails, let_go, done = self._tails, [], self._reports.done
             for lane, key in plan.tails.items():
                 old = tails.get(lane)
-                if old is None:
-                    pass
-                elif old.status == "pending" and done.get(lane, -1) >= self._tail_index[lane]:
-                    # it ran and nothing follows it, but Dask has not heard it finished:
+                if old is not None:
+                    # one that ran (nothing follows it) but Dask has not heard finished is held:
                     # released now, the scheduler would cancel it (see _release_ran)
-                    self._finishing.append(old)
-                else:
-                    let_go.append(old)
+                    ran = done.get(lane, -1) >= self._tail_index[lane]
+                    (self._finishing if ran and old.status == "pending" else let_go).append(old)
                 tails[lane] = by_key[key]
                 self._tail_index[lane] = plan.counts[lane]
             if self._intake:
