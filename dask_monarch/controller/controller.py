@@ -422,7 +422,12 @@ class Controller:
         if self._finishing:
             self._finishing = [tail for tail in self._finishing if tail.status == "pending"]
             unfinished = unfinished or bool(self._finishing)
-        if unfinished and not self._retry_armed and not self._closed:
+        if unfinished:
+            self._arm_retry()
+
+    def _arm_retry(self) -> None:
+        """Another pass over the tails that ran in a moment, unless one is due (any thread)."""
+        if not self._retry_armed and not self._closed:
             loop = self._client.loop  # a timer on the client's loop: no thread, nothing at exit
             if loop is not None:
                 self._retry_armed = True
@@ -444,9 +449,8 @@ class Controller:
                 self._release_ran()
             finally:
                 self._flush_lock.release()
-        elif not self._retry_armed and not self._closed:  # a flush may end without a pass
-            self._retry_armed = True
-            self._client.loop.call_later(TAIL_RETRY_S, self._retry_release)
+        else:  # a flush may end without a pass
+            self._arm_retry()
         bookkeeping.drop_sent_graphs(self._client.scheduler_comm, self.token)  # out of its log
 
     def _retire_dropped(self) -> None:
