@@ -27,6 +27,13 @@ def boom(x):
     raise RuntimeError("boom from a remote function")
 
 
+def positive(x):
+    """``x``, or an error where it holds a negative number (a failure that depends on values)."""
+    if bool((x < 0).any()):
+        raise ValueError("a negative input")
+    return x
+
+
 def touch(path, *after):
     """Append a line to ``path`` each time it runs (counts executions)."""
     with open(path, "a") as f:

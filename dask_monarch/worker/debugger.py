@@ -54,6 +54,7 @@ SKIP = [
     "dask_monarch.worker.calls",
     "dask_monarch.worker.dispatch",
     "dask_monarch.worker.recording",
+    "dask_monarch.worker.plan",
     "dask_monarch.worker.plugin",
     "distributed.*",
     "concurrent.*",

@@ -27,9 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from .. import config
 from ..protocol import messages as m
 from ..protocol.rules import (
     RULES,
@@ -42,10 +40,11 @@ from ..protocol.rules import (
     refs_mutated,
     stream_of,
 )
-from .calls import TEST_PANIC, bind_results, poison, resolve_function
+from .calls import poison
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
 from .failures import call_failed
 from .lane import Lane
+from .plan import FastCall, Generated, compile_command, generate, settle, store
 
 if TYPE_CHECKING:
     from .rank import RankState
@@ -57,11 +56,12 @@ class StreamRecording:
 
     ``plan`` is ``commands`` with simple calls (flat arguments, one result,
     a function that resolves) compiled into :class:`FastCall` tuples: the
-    function resolved and the argument positions of refs worked out once.
-    ``frees[i]`` are the refs defined inside that command ``i`` is the last to
-    name: a replay deletes them right after it, so a recording holds no more
-    intermediates than the same ops sent one by one (a chain of 100 adds holds
-    two tensors, not 100).
+    function resolved and the argument positions of refs worked out once;
+    ``generated`` is the plan as one Python function, written once its calls
+    have settled (worker/plan.py). ``frees[i]`` are the refs defined inside
+    that command ``i`` is the last to name: a replay deletes them right after
+    it, so a recording holds no more intermediates than the same ops sent one
+    by one (a chain of 100 adds holds two tensors, not 100).
     """
 
     commands: list = field(default_factory=list)
@@ -71,177 +71,15 @@ class StreamRecording:
     internal: set[int] = field(default_factory=set)  # refs defined inside (see frees)
     mutated: list[int] = field(default_factory=list)  # formal or captured refs changed in place
     results: list[tuple[int, int]] = field(default_factory=list)  # (output index, inner ref)
+    generated: Generated | None = None
+    generate_after: int | None = None  # replays (recordings.generate-after; None: never)
+    replays: int = 0
 
 
 @dataclass
 class Recording:
     ref: int
     streams: dict[int, StreamRecording]
-
-
-class FastCall(tuple):
-    """``(function, argument template, (position, ref) slots, kwargs, result ref, message,
-    binding)``: ``binding`` is torch's Python binding of the ATen overload ``function``
-    calls, until the first replay has checked it (:func:`_settle`), then None."""
-
-    __slots__ = ()
-
-
-class _Watch(TorchDispatchMode):
-    """Notes the ATen overloads a call reaches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list = []
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # torch's wrapper that keeps dynamo out imports it (see _reaches_only)
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-def _binding(cmd: m.CallFunction) -> tuple[Any, Any] | None:
-    """``(overload, binding)`` for a call of a functional, deterministic ATen overload that
-    torch's Python functions (``torch._C._VariableFunctions``) also name, else None."""
-    path = cmd.function.path if type(cmd.function) is m.FunctionPath else ""
-    if not path.startswith("torch.ops.aten."):
-        return None
-    packet_name, _, overload_name = path[len("torch.ops.aten.") :].partition(".")
-    op = getattr(getattr(torch.ops.aten, packet_name, None), overload_name or "default", None)
-    binding = getattr(torch._C._VariableFunctions, packet_name, None)
-    if (
-        type(op) is not torch._ops.OpOverload
-        or binding is None
-        or op._schema.is_mutable
-        or torch.Tag.nondeterministic_seeded in op.tags
-    ):
-        return None
-    return op, binding
-
-
-def _settle(cmd: FastCall, args: list, kwargs: dict) -> FastCall:
-    """``cmd`` calling torch's binding if, for arguments like these, the binding reaches
-    exactly the recorded overload and nothing else (:func:`_reaches_only`), else calling
-    the overload as before.
-
-    An overload called through ``OpOverload`` goes through torch's boxed call,
-    which converts every argument against the schema: 0.4-1.2 µs more per op
-    than the binding's parser (2.79 against 2.24 µs for an add of 100x100).
-    The binding picks its overload from the arguments, so it is taken only
-    where it picks the same one.
-    """
-    fn, template, slots, kw, result, message, (op, binding) = cmd
-    if _reaches_only(op, binding, args, kwargs):
-        fn = binding
-    return FastCall((fn, template, slots, kw, result, message, None))
-
-
-def _reaches_only(op: Any, binding: Any, args: list, kwargs: dict) -> bool:
-    """Whether ``binding(*args, **kwargs)`` calls ``op`` and nothing else, tried once per
-    kind of arguments (their types; a tensor's dtype, device and number of dims) on
-    one-element tensors of ones in place of the tensors. Only calls whose tensors are all
-    plain tensors and that name no device (a factory would run for real) are tried.
-
-    Not on meta tensors: their kernels are Python, and the first one imports dynamo (800
-    modules and 117 000 objects that every full collection of the worker's garbage
-    collector would walk from then on).
-    """
-    key = (op, *map(_kind, args), *((k, _kind(v)) for k, v in kwargs.items()))
-    known = _REACHES.get(key)
-    if known is not None:
-        return known
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    ops: list = []
-    if tensors and all(type(a) is torch.Tensor for a in tensors) and "device" not in kwargs:
-
-        def tiny(a: Any) -> Any:
-            if type(a) is torch.Tensor:
-                return torch.ones((1,) * a.dim(), dtype=a.dtype, device=a.device)
-            return a
-
-        try:
-            tinies = [tiny(a) for a in args]
-            tiny_kwargs = {k: tiny(v) for k, v in kwargs.items()}
-            watch = _Watch()
-            with watch:  # the copies are made outside: only the call's own ops are noted
-                binding(*tinies, **tiny_kwargs)
-            ops = watch.ops
-        except Exception:  # the binding refuses these arguments: keep the overload
-            ops = []
-    known = _REACHES[key] = ops == [op]
-    return known
-
-
-_REACHES: dict[tuple, bool] = {}  # (overload, kinds of the arguments) -> binding reaches it
-
-
-def _kind(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (type(value), value.dtype, value.device, value.dim())
-    if type(value) in (list, tuple):
-        return (type(value), *map(_kind, value))
-    return type(value)
-
-
-def _compile(state: RankState, cmd: Any) -> Any:
-    """A FastCall for a simple CallFunction, else the message itself (handled generically).
-
-    Simple: one result, and refs only as top-level arguments. A container
-    argument without refs (a shape, a list of dims) is a constant of the
-    recording, handed to every replay as is: only to ATen operators, which
-    never change their list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64,
-    16])`` are a quarter of a training step's commands).
-    """
-    if (
-        type(cmd) is not m.CallFunction
-        or cmd.remote_process_groups
-        or len(cmd.results) != 1
-        or cmd.args_kwargs._payload is not None
-        or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)
-    ):
-        return cmd
-    try:
-        fn = resolve_function(cmd.function)
-    except Exception:  # reported when the call is replayed
-        return cmd
-    args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
-    if not cmd.args_kwargs.flat and (
-        type(cmd.function) is not m.FunctionPath
-        or not cmd.function.path.startswith("torch.ops.aten.")
-        or named_refs([a for a in args if type(a) is not m.Ref], set())
-        or named_refs(kwargs, set())
-    ):
-        return cmd
-    if any(type(v) is m.Ref for v in kwargs.values()):
-        return cmd
-    template, slots = [], []
-    for i, a in enumerate(args):
-        if type(a) is m.Ref:
-            mesh = state.meshes.get(a.id)
-            if mesh is not None:
-                template.append(mesh)
-            else:
-                template.append(None)
-                slots.append((i, a.id))
-        else:
-            template.append(a)
-    result = cmd.results[0]
-    return FastCall(
-        (
-            fn,
-            template,
-            tuple(slots),
-            kwargs,
-            None if result is None else result.id,
-            cmd,
-            _binding(cmd),
-        )
-    )
 
 
 class ReplayState:
@@ -335,9 +173,11 @@ def _build(state: RankState, ref: int, commands: list) -> Recording:
             s.internal.update(refs_defined(cmd))
             s.mutated.extend(refs_mutated(cmd))
     borrows.check_all_dropped()
+    generate_after = config.get("recordings.generate-after")
     for s in streams.values():
+        s.generate_after = None if generate_after is None else int(generate_after)
         s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
-        s.plan = [_compile(state, cmd) for cmd in s.commands]
+        s.plan = [compile_command(state, cmd) for cmd in s.commands]
         s.frees = _last_uses(s.commands, s.internal - borrowed)
     return Recording(ref, streams)
 
@@ -381,58 +221,22 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
         if replay is None:
             replay = state.replays[msg.seq] = ReplayState(msg.seq, len(recording.streams))
     env = lane.env
-    actuals, results = msg.actuals, msg.results
-    handlers = state.handlers
     lane.recording = replay
     lane.last_seq = msg.seq
     try:
-        plan = part.plan
-        for index, (cmd, frees) in enumerate(zip(plan, part.frees)):
-            t = type(cmd)
-            if t is FastCall and replay.error is not None:
-                _skip(lane, cmd[5], replay.error)
-            elif t is FastCall:
-                fn, template, slots, kwargs, result, message, binding = cmd
-                try:
-                    args = template.copy()
-                    for position, ref in slots:
-                        value = env.get(ref, _MISSING)
-                        if type(value) is SeqError:
-                            raise DependentError(value)
-                        if value is _MISSING:
-                            raise RefNotFound(ref)
-                        args[position] = value
-                    value = fn(*args, **kwargs) if kwargs else fn(*args)
-                    if binding is not None:  # the first replay: may the binding call it?
-                        plan[index] = _settle(cmd, args, kwargs)
-                    if isinstance(value, (list, tuple, dict)):
-                        bind_results(env, message.results, value)
-                    elif result is not None:
-                        env[result] = value
-                except FatalError:
-                    raise
-                except BaseException as e:  # user code cannot kill a rank (SystemExit...)
-                    call_failed(lane, message.seq, message.results, message.mutates, e)
-            elif t is m.RecordingFormal:
-                if cmd.argument_index >= len(actuals):
-                    raise FatalError(
-                        f"CallRecording r{msg.recording.id}: too few arguments "
-                        f"({len(actuals)}) for formal {cmd.argument_index}"
-                    )
-                env[cmd.result.id] = _value_or_error(lane, replay, actuals[cmd.argument_index].id)
-            elif t is m.RecordingResult:
-                if cmd.output_index >= len(results):
-                    raise FatalError(
-                        f"CallRecording r{msg.recording.id}: too few results "
-                        f"({len(results)}) for output {cmd.output_index}"
-                    )
-                env[results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
-            elif replay.error is not None and t in RUNS_USER_CODE:
-                _skip(lane, cmd, replay.error)
-            else:
-                handlers[t](lane, cmd)
-            for ref in frees:
+        plan, frees = part.plan, part.frees
+        start = 0 if part.generated is None else part.generated(lane, env, replay, msg)
+        for index in range(start, len(plan)):
+            step(lane, replay, plan, index, msg)
+            for ref in frees[index]:
                 env.pop(ref, None)
+        part.replays += 1
+        if (
+            part.generated is None
+            and part.generate_after is not None
+            and part.replays >= part.generate_after
+        ):
+            part.generated = generate(plan, frees, step)
     finally:
         lane.recording = None
     for ref in part.internal:  # what a fatal error left, and borrowers' refs
@@ -440,14 +244,60 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
     error = replay.error
     if error is not None:
         for index, _ in part.results:
-            env[results[index].id] = error
+            env[msg.results[index].id] = error
         for ref in part.mutated:
             index = part.formals.get(ref)
-            env[actuals[index].id if index is not None else ref] = error
+            env[msg.actuals[index].id if index is not None else ref] = error
     with state.lock:
         replay.lanes_left -= 1
         if replay.lanes_left <= 0:
             state.replays.pop(msg.seq, None)
+
+
+def step(lane: Lane, replay: ReplayState, plan: list, index: int, msg: m.CallRecording) -> None:
+    """Replay command ``index`` of ``plan`` (the interpreter; see worker/plan.py)."""
+    cmd = plan[index]
+    t = type(cmd)
+    env = lane.env
+    if t is FastCall and replay.error is not None:
+        _skip(lane, cmd[5], replay.error)
+    elif t is FastCall:
+        fn, template, slots, kwargs, result, message, binding = cmd
+        try:
+            args = template.copy()
+            for position, ref in slots:
+                value = env.get(ref, _MISSING)
+                if type(value) is SeqError:
+                    raise DependentError(value)
+                if value is _MISSING:
+                    raise RefNotFound(ref)
+                args[position] = value
+            value = fn(*args, **kwargs) if kwargs else fn(*args)
+            if binding is not None:  # the first replay: may the binding call it?
+                plan[index] = settle(cmd, args, kwargs)
+            store(env, message, result, value)
+        except FatalError:
+            raise
+        except BaseException as e:  # user code cannot kill a rank (SystemExit...)
+            call_failed(lane, message.seq, message.results, message.mutates, e)
+    elif t is m.RecordingFormal:
+        if cmd.argument_index >= len(msg.actuals):
+            raise FatalError(
+                f"CallRecording r{msg.recording.id}: too few arguments "
+                f"({len(msg.actuals)}) for formal {cmd.argument_index}"
+            )
+        env[cmd.result.id] = _value_or_error(lane, replay, msg.actuals[cmd.argument_index].id)
+    elif t is m.RecordingResult:
+        if cmd.output_index >= len(msg.results):
+            raise FatalError(
+                f"CallRecording r{msg.recording.id}: too few results "
+                f"({len(msg.results)}) for output {cmd.output_index}"
+            )
+        env[msg.results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
+    elif replay.error is not None and t in RUNS_USER_CODE:
+        _skip(lane, cmd, replay.error)
+    else:
+        lane.rank.handlers[t](lane, cmd)
 
 
 def _value_or_error(lane: Lane, replay: ReplayState, ref_id: int) -> Any:

@@ -146,6 +146,83 @@ def test_later_calls_are_skipped_after_a_failure(ctrl, tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def _generated(dask_worker, token, recording, stream):
+    state = dask_worker.plugins["dask_monarch"].ranks[token]
+    return state.recordings[recording].streams[stream].generated is not None
+
+
+def _generate_after(replays):
+    """Set ``recordings.generate-after`` in this process; returns what it was."""
+    import dask.config
+
+    before = dask.config.get("dask_monarch.recordings.generate-after")
+    dask.config.set({"dask_monarch.recordings.generate-after": replays})
+    return before
+
+
+@pytest.fixture
+def generate_at_once(client2):
+    """Recordings defined meanwhile run as generated code from their second replay."""
+    before = client2.run(_generate_after, 1)
+    yield
+    for address, replays in before.items():
+        client2.run(_generate_after, replays, workers=[address])
+
+
+def test_settled_plans_replay_as_generated_code_with_the_same_errors(
+    ctrl, client2, tmp_path, generate_at_once
+):
+    """A plan replayed ``recordings.generate-after`` times runs as generated code
+    (worker/plan.py): a fresh failure there still reports once, skips the later calls
+    and poisons the results; an errored input fails the replay silently; a good input
+    afterwards runs as before."""
+    create_streams(ctrl, BOTH, S0)
+    ran = tmp_path / "ran"
+    fx, a, b, c = Ref(10), Ref(11), Ref(12), Ref(13)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            call(0, a, "torch.ops.aten.add.Tensor", fx, 1),
+            call(0, b, "remote_fns.positive", a),
+            call(0, c, "remote_fns.touch", str(ran), b),
+            m.RecordingResult(b, 0, S0),
+            m.RecordingResult(c, 1, S0),
+        ],
+        nresults=2,
+        nformals=1,
+    )
+    ctrl.send(BOTH, call(0, Ref(1), "torch.tensor", [1.0, 2.0]))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.tensor", [-5.0, 2.0]))
+    ctrl.send(BOTH, m.CallRecording(3, REC, [Ref(20), Ref(21)], [Ref(1)]))
+    assert ctrl.sync() == []
+    assert set(
+        client2.run(_generated, token=ctrl.token, recording=REC.id, stream=S0.id).values()
+    ) == {True}
+    ctrl.send(BOTH, m.CallRecording(4, REC, [Ref(30), Ref(31)], [Ref(2)]))
+    reports = failures(ctrl.sync())
+    assert sorted((r.seq, r.rank) for r in reports) == [(4, 0), (4, 1)]
+    assert all(
+        r.error.startswith("recording failed") and "a negative input" in r.error for r in reports
+    )
+    assert len(ran.read_text().split()) == 2  # the touch after the failure was skipped
+    for rank in BOTH:
+        for ref in (Ref(30), Ref(31)):
+            with pytest.raises(dm.RemoteException, match="a negative input"):
+                ctrl.get_ref(rank, ref, S0)
+    ctrl.send(BOTH, m.CallRecording(5, REC, [Ref(40), Ref(41)], [Ref(30)]))  # an errored input
+    assert failures(ctrl.sync()) == []
+    with pytest.raises(dm.RemoteException, match="a negative input"):
+        ctrl.get_ref(0, Ref(40), S0)
+    ctrl.send(BOTH, m.CallRecording(6, REC, [Ref(50), Ref(51)], [Ref(1)]))
+    assert ctrl.sync() == []
+    for rank in BOTH:
+        assert torch.equal(ctrl.get_ref(rank, Ref(50), S0), torch.tensor([2.0, 3.0]))
+        assert all(ctrl.get_ref(rank, r, S0) is None for r in (fx, a, b, c))
+    assert len(ran.read_text().split()) == 4
+
+
 def test_recording_with_a_borrow_and_a_reduce(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
     mesh = Ref(900)
@@ -185,7 +262,7 @@ def test_recording_with_a_borrow_and_a_reduce(ctrl):
 
 
 def _plan_kinds(dask_worker, token, recording, stream):
-    from dask_monarch.worker.recording import FastCall
+    from dask_monarch.worker.plan import FastCall
 
     state = dask_worker.plugins["dask_monarch"].ranks[token]
     return [type(c) is FastCall for c in state.recordings[recording].streams[stream].plan]
@@ -224,7 +301,7 @@ def test_constant_lists_of_torch_operators_are_compiled_once(ctrl, client2):
 
 def _plan_bindings(dask_worker, token, recording, stream):
     """Per command: does the replay call torch's Python binding of its ATen overload?"""
-    from dask_monarch.worker.recording import FastCall
+    from dask_monarch.worker.plan import FastCall
 
     state = dask_worker.plugins["dask_monarch"].ranks[token]
     plan = state.recordings[recording].streams[stream].plan
