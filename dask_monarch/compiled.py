@@ -78,7 +78,7 @@ class Compiled:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec, spec_text = _flatten(args, kwargs)
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         mesh = tensors[0][1]._mesh if tensors else active_mesh()
         if mesh is None:
@@ -92,7 +92,7 @@ class Compiled:
                     f"WRONG_MESH: the compiled function got {t._describe()}, but its other "
                     f"arguments are on {mesh._label()}; move it with t.to_mesh(mesh)"
                 )
-        key = _signature(leaves, spec, tensors)
+        key = _signature(leaves, spec_text)
         trace = self._traces.get(key)
         if trace is not None and not trace.alive():
             trace = None
@@ -202,7 +202,25 @@ def compile(
     return Compiled(fn, verify)
 
 
-def _signature(leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tensor]]) -> Any:
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], TreeSpec, str]:
+    """``tree_flatten((args, kwargs))`` and the spec as text (part of a trace's key). The
+    usual call, tensors and scalars passed by position, skips the pytree walk and the
+    spec's text (~20 µs a call)."""
+    if not kwargs and all(type(a) in _SCALARS or isinstance(a, Tensor) for a in args):
+        known = _FLAT_SPECS.get(len(args))
+        if known is None:
+            spec = tree_flatten((args, kwargs))[1]
+            known = _FLAT_SPECS[len(args)] = (spec, str(spec))
+        return list(args), *known
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, spec, str(spec)
+
+
+_SCALARS = frozenset({int, float, bool, complex, str, type(None)})
+_FLAT_SPECS: dict[int, tuple[TreeSpec, str]] = {}  # number of arguments -> their spec
+
+
+def _signature(leaves: list[Any], spec_text: str) -> Any:
     parts = []
     storages: dict[int, int] = {}
     for x in leaves:
@@ -225,7 +243,7 @@ def _signature(leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tenso
                 parts.append((type(x), x))
             except TypeError:
                 parts.append((type(x), id(x)))
-    return (str(spec), tuple(parts))
+    return (spec_text, tuple(parts))
 
 
 def _abandon(capture: Capture) -> None:
