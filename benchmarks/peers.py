@@ -20,8 +20,9 @@ same minutes. Measurements:
   on the same Dask cluster.
 
 dask_monarch also runs the 100x100 loop under ``dm.compile`` (blocks of 100
-adds, 10x ``--ops`` so that the closing fetch is amortised) and locally, for
-the compiled-dispatch figure. Collectives are not
+adds, 10x ``--ops`` so that the closing fetch is amortised; traced and
+replayed ``recordings.generate-after`` times untimed, so that the ranks run
+it as generated code) and locally, for the compiled-dispatch figure. Collectives are not
 compared: Monarch 0.7.0's tensor engine has no CPU communicator (a
 ``reduce`` fails with "no comm found for stream"), so
 ``benchmarks/collectives.py`` compares ours with raw gloo instead. Prints
@@ -168,7 +169,9 @@ def dm_compiled(dm, ops: int) -> float:
         return acc
 
     ones, acc = torch.ones(100, 100), torch.zeros(100, 100)
-    acc = block(acc, ones)  # traced and defined outside the timing
+    for _ in range(dm.config.get("recordings.generate-after") or 0):
+        acc = block(acc, ones)  # traced, defined and generated (worker/plan.py) untimed
+    acc = block(acc, ones)
     dm.fetch_shard(acc).result()
     start = time.perf_counter()
     for _ in range(ops // BLOCK):
