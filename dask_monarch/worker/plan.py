@@ -279,7 +279,7 @@ def _piece(plan: list, frees: list, step: Step, start: int, end: int) -> Generat
     lines.append(f"    return {end}")
     code = compile("\n".join(lines), f"<replay plan, commands {start}-{end - 1}>", "exec")
     exec(code, names)
-    return names["replay_plan"]
+    return names.pop("replay_plan")  # no cycle through its own globals: freed with the plan
 
 
 _except = [
