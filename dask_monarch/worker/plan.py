@@ -218,13 +218,8 @@ def generate(plan: list, frees: list[tuple[int, ...]], step: Step) -> Generated 
     """
     if any(type(c) is FastCall and c[6] is not None for c in plan):
         return None
-    pieces = [
-        (
-            _piece(plan, frees, step, start, min(start + PIECE, len(plan))),
-            min(start + PIECE, len(plan)),
-        )
-        for start in range(0, len(plan), PIECE)
-    ]
+    bounds = [(start, min(start + PIECE, len(plan))) for start in range(0, len(plan), PIECE)]
+    pieces = [(_piece(plan, frees, step, start, end), end) for start, end in bounds]
     if len(pieces) == 1:
         return pieces[0][0]
 
@@ -325,7 +320,7 @@ def _call_source(index: int, cmd: FastCall, names: dict[str, Any]) -> list[str]:
 
 
 def _failed(lane: Any, env: dict, plan: list, frees: list, exc: BaseException, x: int) -> int:
-    """Where the interpreter goes on after an exception in a run of calls (see generate)."""
+    """Where the interpreter goes on after an exception in a run of calls (see _piece)."""
     if x >= 0:  # an argument is missing: the interpreter reports it
         return x
     index = ~x
