@@ -269,6 +269,8 @@ def _piece(plan: list, frees: list, step: Step, start: int, end: int) -> Generat
         else:
             lines.append(f"{pad}step(lane, replay, plan, {index}, msg)")
         lines += [f"{pad}env.pop({int(ref)}, None)" for ref in frees[index]]
+        if fast:  # the locals go too: a freed tensor is not kept until the piece returns
+            lines.append(f"{pad}del {', '.join([*(f'a{p}' for p, _ in cmd[2]), 'v'])}")
     if calls:
         lines += _except
     lines.append(f"    return {end}")

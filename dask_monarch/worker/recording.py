@@ -237,6 +237,8 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
             and part.replays >= part.generate_after
         ):
             part.generated = generate(plan, frees, step)
+            if part.generated is None:  # a call never ran: look again after as many replays
+                part.generate_after = 2 * part.replays
     finally:
         lane.recording = None
     for ref in part.internal:  # what a fatal error left, and borrowers' refs

@@ -3,6 +3,8 @@ what it frees, and where it hands back to the interpreter."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from dask_monarch.worker import plan as plan_module
@@ -93,3 +95,24 @@ def test_a_call_not_settled_yet_is_not_generated():
     plan, frees = chain(3)
     plan[1] = FastCall((*plan[1][:6], ("overload", "binding")))
     assert generate(plan, frees, step=None) is None
+
+
+def test_a_freed_argument_is_not_kept_by_the_generated_code():
+    """The interpreter's locals go with each command; the generated code's ``a0``... must
+    not keep a freed tensor until its piece returns (a replay holds no more than the same
+    ops sent one by one)."""
+    big = torch.ones(1000)
+    held = weakref.ref(big)
+    plan = [
+        FastCall((torch.where, [None, None, None], ((0, 1), (1, 2), (2, 3)), {}, 10, None, None)),
+        "a later command",
+        FastCall((ADD, [None, None], ((0, 10), (1, 10)), {}, 11, None, None)),
+        "another",
+    ]
+    frees = [(3,), (), (), ()]
+    alive = []
+    run = generate(plan, frees, step=lambda *_: alive.append(held() is not None))
+    values = {1: torch.tensor([True] * 1000), 2: torch.zeros(1000), 3: big}
+    del big
+    assert run(None, values, Replay, None) == 4
+    assert alive == [False, False]
