@@ -125,6 +125,9 @@ def test_user_api_reduce_on_a_comms_stream_recordings_and_compile(gpu_client):
             first, second = step(x), step(x)
             assert dm.inspect(total).item() == 1024
             assert dm.inspect(first).item() == dm.inspect(second).item() == 3 * 1024
+            # past recordings.generate-after the rank replays it as generated code
+            later = [step(x) for _ in range((dm.config.get("recordings.generate-after") or 0) + 2)]
+            assert {dm.inspect(s).item() for s in later} == {3 * 1024}
             assert str(dm.inspect(x).device) == "cpu"
     finally:
         mesh.exit()
