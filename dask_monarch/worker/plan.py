@@ -265,12 +265,10 @@ def _piece(plan: list, frees: list, step: Step, start: int, end: int) -> Generat
         calls = fast
         pad = " " * (8 if fast else 4)
         if fast:
-            lines += [pad + line for line in _call_source(index, cmd, names)]
+            lines += [pad + line for line in _call_source(index, cmd, frees[index], names)]
         else:
             lines.append(f"{pad}step(lane, replay, plan, {index}, msg)")
-        lines += [f"{pad}env.pop({int(ref)}, None)" for ref in frees[index]]
-        if fast:  # the locals go too: a freed tensor is not kept until the piece returns
-            lines.append(f"{pad}del {', '.join([*(f'a{p}' for p, _ in cmd[2]), 'v'])}")
+            lines += [f"{pad}env.pop({int(ref)}, None)" for ref in frees[index]]
     if calls:
         lines += _except
     lines.append(f"    return {end}")
@@ -290,8 +288,12 @@ _except = [
 ]
 
 
-def _call_source(index: int, cmd: FastCall, names: dict[str, Any]) -> list[str]:
-    """One FastCall: what the interpreter does with it, its tuple unpacked into code."""
+def _call_source(
+    index: int, cmd: FastCall, freed: tuple[int, ...], names: dict[str, Any]
+) -> list[str]:
+    """One FastCall: what the interpreter does with it, its tuple unpacked into code; then
+    the refs it is the last to name go, and its locals with them (a freed tensor is not
+    kept until the piece returns)."""
     fn, template, slots, kwargs, result, message, _ = cmd
     names[f"f{index}"], names[f"c{index}"] = fn, message
     refs = dict(slots)  # position -> ref id
@@ -314,14 +316,16 @@ def _call_source(index: int, cmd: FastCall, names: dict[str, Any]) -> list[str]:
         f"x = {~index}; v = f{index}({', '.join(args)})",
     ]
     if result is None:
-        return [*lines, f"store(env, c{index}, None, v)"]
-    return [
-        *lines,
-        "if type(v) is Tensor:",
-        f"    env[{int(result)}] = v",
-        "else:",
-        f"    store(env, c{index}, {int(result)}, v)",
-    ]
+        lines.append(f"store(env, c{index}, None, v)")
+    else:
+        lines += [
+            "if type(v) is Tensor:",
+            f"    env[{int(result)}] = v",
+            "else:",
+            f"    store(env, c{index}, {int(result)}, v)",
+        ]
+    lines += [f"env.pop({int(ref)}, None)" for ref in freed]
+    return [*lines, f"del {', '.join([*(f'a{p}' for p in refs), 'v'])}"]
 
 
 def _failed(lane: Any, env: dict, plan: list, frees: list, exc: BaseException, x: int) -> int:
