@@ -10,7 +10,8 @@ each lane replays its commands on objects it already holds: formals alias
 the actual arguments, results are bound at the end, and every ref defined
 inside is deleted once the last command naming it has run (at the latest
 when the call ends). Replay costs a type dispatch and the handler of each
-command: no unpickling, no graph, no scheduler.
+command: no unpickling, no graph, no scheduler; a plan replayed
+``recordings.generate-after`` times runs as generated code (worker/plan.py).
 
 Errors: the first fresh failure inside a replay is reported once, as
 ``RemoteFunctionFailed`` for the ``CallRecording`` seq with a text starting
@@ -57,11 +58,12 @@ class StreamRecording:
     ``plan`` is ``commands`` with simple calls (flat arguments, one result,
     a function that resolves) compiled into :class:`FastCall` tuples: the
     function resolved and the argument positions of refs worked out once;
-    ``generated`` is the plan as one Python function, written once its calls
-    have settled (worker/plan.py). ``frees[i]`` are the refs defined inside
-    that command ``i`` is the last to name: a replay deletes them right after
-    it, so a recording holds no more intermediates than the same ops sent one
-    by one (a chain of 100 adds holds two tensors, not 100).
+    ``generated`` is the plan as Python code, written once it has replayed
+    ``generate_after`` times and its calls have settled (worker/plan.py).
+    ``frees[i]`` are the refs defined inside that command ``i`` is the last to
+    name: a replay deletes them right after it, so a recording holds no more
+    intermediates than the same ops sent one by one (a chain of 100 adds holds
+    two tensors, not 100).
     """
 
     commands: list = field(default_factory=list)
