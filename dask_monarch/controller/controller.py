@@ -59,6 +59,7 @@ from . import bookkeeping, intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
+from .release import DeferredRelease
 from .reports import Reports
 from .watch import ClientWatch
 
@@ -69,7 +70,7 @@ logger = logging.getLogger("dask_monarch.controller")
 
 SHUTDOWN_TIMEOUT = 2.0  # seconds a closing controller waits for the client's loop to let go
 CLIENT_CHECK_S = 0.5  # a wait looks at the client this often (closed? scheduler lost?)
-TAIL_RETRY_S = 0.05  # a tail that ran but Dask has not finished is looked at again after this
+TAIL_RETRY_S = 0.05  # a pass over the tails a report missed (a flush held the lock) after this
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
 # Messages whose fields may hold any Python value: checked at send (the others hold plain data
@@ -182,8 +183,7 @@ class Controller:
         # (rank, lane) -> future and index of its newest segment, while that segment has not run
         self._tails: dict[tuple[int, Any], Any] = {}
         self._tail_index: dict[tuple[int, Any], int] = {}
-        # tails a flush replaced that ran but Dask has not finished: held until it has
-        self._finishing: list = []
+        self._released = DeferredRelease(client.loop)  # tails let go of, dropped in batches
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
@@ -246,7 +246,7 @@ class Controller:
         self._watch.start()
         self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
-        self._retry_armed = False  # a pass over tails that ran but Dask did not finish is due
+        self._retry_armed = False  # a pass over the tails that ran is due
         # flushes go to the scheduler's intake, or through Client.get where it is off or refused
         self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
         self._flusher = threading.Thread(
@@ -378,23 +378,19 @@ class Controller:
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
             by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.tasks)
-            # the previous tails are let go only after the flush that may follow them is queued
-            tails, let_go, done = self._tails, [], self._reports.done
+            tails, replaced = self._tails, []
             for lane, key in plan.tails.items():
                 old = tails.get(lane)
                 if old is not None:
-                    # one that ran (nothing follows it) but Dask has not heard finished is held:
-                    # released now, the scheduler would cancel it (see _release_ran)
-                    ran = done.get(lane, -1) >= self._tail_index[lane]
-                    (self._finishing if ran and old.status == "pending" else let_go).append(old)
+                    replaced.append(old)
                 tails[lane] = by_key[key]
                 self._tail_index[lane] = plan.counts[lane]
             if self._intake:
-                intake.send(self._client, self.token, plan.tasks, let_go, span[0])
-            del let_go
+                intake.send(self._client, self.token, plan.tasks, span[0])
+            # let go of the previous tails behind the flush that may follow them
+            self._released.add(replaced)
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run
                 self._tails.clear()
-                self._finishing.clear()
         self._release_ran()
         if plan.dropped:
             self._dropping.update(plan.dropped)
@@ -406,27 +402,16 @@ class Controller:
     def _release_ran(self) -> None:
         """Let go of the tail futures of segments their rank reported done (the caller holds
         ``_flush_lock``, so no flush is compiling an edge to them): the compiler no longer
-        chains to them, and Dask forgets each task, and its payload, once nobody holds it."""
-        done, tails, unfinished = self._reports.done, self._tails, False
-        for lane, index in list(self._tail_index.items()):
-            if done.get(lane, -1) >= index:
-                tail = tails.get(lane)
-                if tail is not None and tail.status == "pending":
-                    # the rank's report beat its task-finished to the scheduler: released now,
-                    # the task would be cancelled there and missing from the task stream and
-                    # the span metrics; let go of it on a pass once the scheduler says it finished
-                    unfinished = True
-                    continue
-                tails.pop(lane, None)
-                del self._tail_index[lane]
-        if self._finishing:
-            self._finishing = [tail for tail in self._finishing if tail.status == "pending"]
-            unfinished = unfinished or bool(self._finishing)
-        if unfinished:
-            self._arm_retry()
+        chains to them, and Dask forgets each task, and its payload, once nobody holds it
+        (in the next batch of :class:`DeferredRelease`, once Dask has finished it too)."""
+        done = self._reports.done
+        ran = [lane for lane, index in self._tail_index.items() if done.get(lane, -1) >= index]
+        for lane in ran:
+            del self._tail_index[lane]
+        self._released.add([self._tails.pop(lane, None) for lane in ran])
 
     def _arm_retry(self) -> None:
-        """Another pass over the tails that ran in a moment, unless one is due (any thread)."""
+        """Another pass over the tails in a moment, unless one is due (any thread)."""
         if not self._retry_armed and not self._closed:
             loop = self._client.loop  # a timer on the client's loop: no thread, nothing at exit
             if loop is not None:
@@ -460,7 +445,7 @@ class Controller:
             gone = self._reports.retire(self._dropping)
         for lane in gone:
             del self._dropping[lane]
-            self._tails.pop(lane, None)
+            self._released.add([self._tails.pop(lane, None)])
             self._tail_index.pop(lane, None)
             self._compiler.forget_dropped(lane)
         streams = {stream for _, stream in self._dropping}
@@ -841,7 +826,7 @@ class Controller:
         self._liveness.stop()
         self._watch.stop()
         self._tails.clear()
-        self._finishing.clear()
+        self._released.close()
         self._actors.clear()
         self._reports.hang_up()
 

@@ -203,24 +203,8 @@ def futures(client: Client, segments: list[SegmentTask]) -> list[Future]:
         return [Future(segment.key, client) for segment in segments]
 
 
-def send(
-    client: Client,
-    token: str,
-    segments: list[SegmentTask],
-    let_go: list,
-    span: dict | None = None,
-) -> None:
-    """Hand one flush of controller ``token`` to the scheduler's intake.
-
-    ``let_go``: futures the controller no longer holds (the lanes' previous
-    tails). They are dropped on the client's event loop right after the flush
-    is queued, so their ``client-releases-keys`` follow it on the same comm
-    and cost no wake-up of the loop of their own.
-    """
+def send(client: Client, token: str, segments: list[SegmentTask], span: dict | None = None) -> None:
+    """Hand one flush of controller ``token`` to the scheduler's intake (from any thread: it
+    is sent from the client's event loop, in the order of everything queued there)."""
     message = {"op": OP, "token": token, "segments": ToPickle(segments), "span": span}
-    client.loop.add_callback(_send, client, message, let_go)
-
-
-def _send(client: Client, message: dict, let_go: list) -> None:
-    client._send_to_scheduler_safe(message)
-    let_go.clear()
+    client.loop.add_callback(client._send_to_scheduler_safe, message)
