@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-RELEASE_AFTER_S = 0.1  # how long a future the controller let go of is held, at most
+RELEASE_AFTER_S = 0.1  # a batch waits this long (a future whose task has not finished: longer)
 
 
 class DeferredRelease:
