@@ -61,7 +61,8 @@ def test_futures_let_go_of_are_released_together_after_a_pause(client2):
 def test_a_future_still_processing_waits_for_a_later_batch(client2):
     """Released while processing, the scheduler would cancel the task (missing from the task
     stream); the batch keeps it until it finished."""
-    event = Event("dask_monarch-test-release")
+    # this client's scheduler: the default client is whichever the session made last
+    event = Event("dask_monarch-test-release", client=client2)
     future = client2.submit(_wait_for, "dask_monarch-test-release", pure=False)
     key = future.key
     released = DeferredRelease(client2.loop, after=0.05)
