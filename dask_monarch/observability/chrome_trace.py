@@ -132,10 +132,12 @@ def _flows(slices: list[tuple[dict, str, dict]], ids) -> list[dict]:
 
 def _arrow(flow_id: int, name: str, cat: str, src: dict, dst: dict) -> list[dict]:
     """A flow from inside ``src`` to inside ``dst`` (bound to the enclosing slices), pointing
-    forward in time where ``dst`` allows (a consumer that waited began before its producer)."""
+    forward in time where ``dst`` allows (a consumer that waited began before its producer;
+    a member of a collective that came late may end before the first one's middle)."""
     common = {"name": name, "cat": cat, "id": flow_id, "bp": "e"}
-    start = round(src["ts"] + src["dur"] / 2, 3)
-    end = min(max(start, dst["ts"]), round(dst["ts"] + dst["dur"], 3))
+    dst_end = round(dst["ts"] + dst["dur"], 3)
+    start = max(src["ts"], min(round(src["ts"] + src["dur"] / 2, 3), dst_end))
+    end = min(max(start, dst["ts"]), dst_end)
     return [
         {**common, "ph": "s", "pid": src["pid"], "tid": src["tid"], "ts": start},
         {**common, "ph": "f", "pid": dst["pid"], "tid": dst["tid"], "ts": end},

@@ -243,6 +243,32 @@ def test_sends_flow_from_each_sender_to_its_receiver():
     assert (segment["ts"], segment["dur"]) == (0.0, 500000.0)
 
 
+def test_a_collective_arrow_points_forward_when_the_late_member_ends_early():
+    """Rank 0 enters the all-reduce first and its slice runs on (its thread was descheduled);
+    rank 1 comes late and is done before rank 0's middle: the arrow still points forward."""
+    from dask_monarch.observability.chrome_trace import chrome_trace
+
+    def rank(r: int, start: float, end: float) -> dict:
+        return {
+            "rank": r,
+            "lanes": {7: "comms"},
+            "dropped": 0,
+            "records": [
+                (7, "segment", "segment 0", 10.0, 11.0, {"steps": 1}),
+                (7, "message", "Reduce", start, end, {"result": 5}),
+            ],
+        }
+
+    data = chrome_trace([[rank(0, 10.1, 10.9), rank(1, 10.2, 10.3)]], origin=10.0)
+    flows = defaultdict(dict)
+    for e in data["traceEvents"]:
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]][e["ph"]] = e
+    (flow,) = flows.values()
+    assert (flow["s"]["pid"], flow["f"]["pid"]) == (0, 1)
+    assert 100000.0 <= flow["s"]["ts"] <= flow["f"]["ts"] <= 300000.0
+
+
 def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
     """The trace waits for the traced work without taking the reports a raw user syncs for."""
     from raw import S0, create_streams, fetch, values
