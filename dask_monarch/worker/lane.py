@@ -89,10 +89,6 @@ class Lane:
         self.segments = 0
         self.busy_since = 0.0
         self.busy_seconds = 0.0
-        # reports kept for the segment's next write, and whether the step running may add to
-        # them (RankState.report)
-        self.held: list = []
-        self.holding = False
 
     @property
     def title(self) -> str:
@@ -142,11 +138,8 @@ class Lane:
 
         ``what`` reads after "waiting on": name the thing and whose move it
         waits for ("borrow 3 (the lender's BorrowCreate)"); liveness warnings,
-        timeouts and the dashboard show it as is. Reports held for the
-        segment go out first: nothing the controller waits for waits behind a wait.
+        timeouts and the dashboard show it as is.
         """
-        if self.held:
-            self.rank.send_held(self)
         self.seq, self.peers, self.since = seq, peers, time.monotonic()
         self.state, self.doing = "waiting", what
         trace = self.rank.trace  # a wait blocks anyway: one read is free here

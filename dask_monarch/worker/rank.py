@@ -20,27 +20,9 @@ from distributed.protocol.serialize import ToPickle
 
 from .. import config
 from ..protocol import names
-from ..protocol.messages import (
-    CallFunction,
-    DeleteRefs,
-    RemoteFunctionFailed,
-    SendValue,
-    Status,
-    StreamCreationMode,
-)
+from ..protocol.messages import StreamCreationMode
 from ..protocol.rules import RecordingChunks
-from ..protocol.wire import (
-    CONTROL,
-    ExpectResults,
-    Fatal,
-    Fetched,
-    Heartbeat,
-    LaneDone,
-    ReadRef,
-    RefValue,
-    StatusProbe,
-    ValueFailed,
-)
+from ..protocol.wire import CONTROL, Fatal, Heartbeat, LaneDone
 from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
@@ -56,23 +38,6 @@ if TYPE_CHECKING:
     from .plugin import MonarchWorkerPlugin
 
 WAIT_POLL_S = 0.05
-
-# Holding reports within a segment (RankState.report): a fetch's value, its Status and the
-# segment's LaneDone leave in one write. Only reports a step makes as its last act are held,
-# only while a step that makes them so runs, and they go out before any step that could keep
-# them waiting (user code, a wait) and when the segment ends.
-HELD_REPORTS = frozenset({Fetched, Status, RemoteFunctionFailed, ValueFailed, RefValue})
-REPORTS_LAST = frozenset({CallFunction, SendValue, StatusProbe, ReadRef})
-QUICK_STEPS = frozenset({StatusProbe, DeleteRefs, ReadRef, ExpectResults})
-
-
-def _quick(step: Any) -> bool:
-    """A step that runs no user code and never waits: held reports may stay held across it."""
-    t = type(step)
-    return t in QUICK_STEPS or (
-        t is SendValue and step.function is None and step.destination is None
-    )
-
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -211,10 +176,9 @@ class RankState:
         finally:
             lane.state, lane.doing, lane.running = "idle", "", None
             lane.busy_seconds += time.monotonic() - lane.busy_since
-            lane.holding = False  # a failure's Fatal took what was held along
         lane.segments += 1
         lane.done_seq = lane.last_seq
-        self.report(LaneDone(self.rank, label, index))  # with the reports held until now
+        self.report(LaneDone(self.rank, label, index))
         return len(steps)
 
     def _run_steps(self, lane: Lane, steps: list) -> None:
@@ -222,7 +186,6 @@ class RankState:
         done = 0
         try:
             for step in steps:
-                self.before_step(lane, step)
                 table[type(step)](lane, step)
                 done += 1
         except KeyError:
@@ -232,45 +195,23 @@ class RankState:
         finally:
             lane.steps += done
 
-    def before_step(self, lane: Lane, step: Any) -> None:
-        """Send held reports unless ``step`` is quick; hold its reports if it makes them last."""
-        if lane.held and not _quick(step):
-            self.send_held(lane)
-        lane.holding = type(step) in REPORTS_LAST
-
     # -- reports ------------------------------------------------------------------------------
 
     def report(self, item: Any) -> None:
         """Send ``item`` to the controller (thread-safe, in call order).
 
-        A fetch's value, its ``Status`` and the segment's ``LaneDone`` cost
+        Reports made before the event loop took the previous ones join them:
+        a fetch's value, its ``Status`` and the segment's ``LaneDone`` cost
         one wake-up of the loop and one write, not three (the controller
         waits for all of them, and on a loaded machine every wake-up of a
-        thread costs milliseconds: benchmarks/latency.py). The lane holds
-        the first two until the third (see ``HELD_REPORTS``), and reports
-        made before the event loop took the previous ones join them.
+        thread costs milliseconds: benchmarks/latency.py).
         """
-        lane = getattr(_current, "lane", None)
-        if lane is None or lane.rank is not self or not (lane.holding or lane.held):
-            self._post((item,))
-        elif lane.holding and type(item) in HELD_REPORTS:
-            lane.held.append(item)
-        else:  # after what it held: reports keep their order
-            lane.held.append(item)
-            self.send_held(lane)
-
-    def send_held(self, lane: Lane) -> None:
-        """Send the reports ``lane`` held (on its thread)."""
-        held, lane.held = lane.held, []
-        self._post(held)
-
-    def _post(self, items: Any) -> None:
         with self._outbox_lock:
             outbox = self._outbox
-            queued = bool(outbox)  # a delivery is already on its way to the loop
-            outbox.extend(items)
-        if not queued:
-            self.loop.add_callback(self._deliver_outbox)
+            outbox.append(item)
+            if len(outbox) > 1:  # a delivery is already on its way to the loop
+                return
+        self.loop.add_callback(self._deliver_outbox)
 
     def _deliver_outbox(self) -> None:
         with self._outbox_lock:

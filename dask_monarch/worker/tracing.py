@@ -81,7 +81,6 @@ class TraceLog:
             for step in steps:
                 t0 = time.time()
                 try:
-                    rank.before_step(lane, step)
                     table[type(step)](lane, step)
                 finally:
                     name, args = _describe(step, lane)
