@@ -26,7 +26,12 @@ it as generated code) and locally, for the compiled-dispatch figure. Collectives
 compared: Monarch 0.7.0's tensor engine has no CPU communicator (a
 ``reduce`` fails with "no comm found for stream"), so
 ``benchmarks/collectives.py`` compares ours with raw gloo instead. Prints
-medians per round and over all rounds, and the ratios.
+medians per round and over all rounds, and the ratios; and, for each
+framework, the CPU all of its processes spent per op or per fetch (psutil's
+user + system time of the client and everything it spawned: for dask_monarch
+this process, the scheduler and the workers; for Monarch its subprocess and
+the processes it spawned). On a machine with fewer cores than processes, that
+CPU divided by the cores bounds the latency from below.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 
 import torch
 
+PEERS = ("dask_monarch", "Monarch 0.7.0")  # whose CPU is counted: every process of each
 PREFIX = "PEERS "  # result lines on the Monarch subprocess's stdout
 BLOCK = 100  # adds per compiled call
 COMPILED_SCALE = 10  # the compiled loop runs 10x --ops: its one closing fetch (ms) is amortised
@@ -121,6 +127,36 @@ def serve_monarch() -> None:
             print(PREFIX + json.dumps({"seconds": seconds}), flush=True)
 
 
+def _cpu_seconds(processes: list) -> float:
+    """User + system CPU seconds of ``processes`` (ones that ended meanwhile count nothing)."""
+    import psutil  # here and below: Monarch's Python, which serves it, has no psutil
+
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _tree(root: int, leave_out: set[int] = frozenset()) -> list:
+    """Process ``root`` and its descendants, without the subtrees rooted at ``leave_out``."""
+    import psutil
+
+    out = []
+    root = psutil.Process(root)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            chain = {process.pid, *(p.pid for p in process.parents())}
+        except psutil.Error:
+            continue
+        if not chain & leave_out:
+            out.append(process)
+    return out
+
+
 class MonarchPeer:
     """The Monarch subprocess, asked for one measurement at a time."""
 
@@ -143,6 +179,10 @@ class MonarchPeer:
         self.process.stdin.write(json.dumps({"measure": name, "n": n}) + "\n")
         self.process.stdin.flush()
         return self._read()["seconds"]
+
+    def processes(self) -> list:
+        """Monarch's processes: its controller (the subprocess) and every process it spawned."""
+        return _tree(self.process.pid)
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -221,14 +261,25 @@ def main() -> None:
     torch.set_num_threads(1)
     n = {"add4": args.ops, "add100": args.ops, "fetch": args.fetches}
     results: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}  # CPU seconds per op or fetch, all processes
 
     def record(who: str, what: str, seconds: float) -> None:
         results.setdefault((who, what), []).append(seconds)
+
+    def measured(who: str, what: str, processes: list, run, *args) -> None:
+        """Record ``run(*args)``'s figure and the CPU its framework's processes spent on it."""
+        before = _cpu_seconds(processes)
+        seconds = run(*args)
+        cpu.setdefault((who, what), []).append((_cpu_seconds(processes) - before) / n[what])
+        record(who, what, seconds)
 
     peer = MonarchPeer(args.monarch_python) if args.monarch_python else None
     try:
         with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
             mesh = dm.device_mesh(client, gpu=2)
+            # this process, the scheduler and the workers (not the Monarch subprocess)
+            ours = _tree(os.getpid(), {peer.process.pid} if peer is not None else set())
+            theirs = peer.processes() if peer is not None else []
 
             def on_mesh(fn, *args):
                 with mesh.activate():
@@ -247,9 +298,11 @@ def main() -> None:
                     order = ["dm", "monarch"] if r % 2 == 0 else ["monarch", "dm"]
                     for who in order:
                         if who == "dm":
-                            record("dask_monarch", name, on_mesh(fn, dm.fetch_shard, n[name]))
+                            measured(
+                                "dask_monarch", name, ours, on_mesh, fn, dm.fetch_shard, n[name]
+                            )
                         elif peer is not None:
-                            record("Monarch 0.7.0", name, peer.measure(name, n[name]))
+                            measured("Monarch 0.7.0", name, theirs, peer.measure, name, n[name])
                     if name == "fetch":
                         record("bare Dask submit().result()", name, bare_submit(client, n[name]))
                     if name == "add100":  # 10x the ops: the closing fetch (ms) is amortised
@@ -263,16 +316,20 @@ def main() -> None:
     finally:
         if peer is not None:
             peer.close()
-    report(results, args)
+    report(results, cpu, args)
 
 
-def report(results: dict, args) -> None:
+def _listed(values: list[float], scale: float, digits: int = 1) -> str:
+    return " / ".join(f"{v * scale:.{digits}f}" for v in values)
+
+
+def report(results: dict, cpu: dict, args) -> None:
     def med(who: str, what: str) -> float | None:
         values = results.get((who, what))
         return statistics.median(values) if values else None
 
     def runs(who: str, what: str, scale: float) -> str:
-        return " / ".join(f"{v * scale:.1f}" for v in results.get((who, what), []))
+        return _listed(results.get((who, what), []), scale)
 
     print(
         f"\n2 ranks, {args.rounds} alternating rounds; torch {torch.__version__}; "
@@ -310,6 +367,13 @@ def report(results: dict, args) -> None:
                 base = med("local torch", what)
                 line += f"   {(value - base) * scale:.2f} over local ({COMPILED_SCALE}x the ops)"
             print(line)
+        spent = [(who, cpu[(who, what)]) for who in PEERS if (who, what) in cpu]
+        if spent:
+            figures = ", ".join(
+                f"{who} {statistics.median(v) * scale:.2f} [{_listed(v, scale, 2)}]"
+                for who, v in spent
+            )
+            print(f"  CPU {unit}, all of its processes (user + system): {figures}")
 
 
 if __name__ == "__main__":
