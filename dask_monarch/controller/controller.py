@@ -10,10 +10,11 @@ asks what every lane is doing (:mod:`~dask_monarch.controller.liveness`);
 deliver its work.
 
 A failure stays inside its controller (DESIGN decision 12): a broken or
-closed controller never cancels anything through the scheduler. It drops its
-futures and hangs up its report streams; the scheduler then releases its
-tasks as unwanted, and whatever a worker already started returns at once on
-a released rank. (``Client.cancel`` would also cancel the dependents of each
+closed controller never cancels anything through the scheduler. It lets go
+of its tails (all of them, with the name the scheduler held them under:
+controller/intake.py) and hangs up its report streams; the scheduler then
+releases its tasks as unwanted, and whatever a worker already started
+returns at once on a released rank. (``Client.cancel`` would also cancel the dependents of each
 key, and one the controller no longer holds trips an assertion in the
 scheduler that drops the whole shared client: docs/dask.md §12.)
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import itertools
 import logging
 import pickle
@@ -61,11 +63,12 @@ from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .release import DeferredRelease
 from .reports import Reports
-from .watch import ClientWatch
+from .watch import INTERVAL_MS, ClientWatch
 
 if TYPE_CHECKING:
     from ..protocol.messages import WorkerMessage
 
+WATCH_INTERVAL_S = INTERVAL_MS / 1000  # a failure Dask announces waits this long for a report
 logger = logging.getLogger("dask_monarch.controller")
 
 SHUTDOWN_TIMEOUT = 2.0  # seconds a closing controller waits for the client's loop to let go
@@ -85,11 +88,13 @@ def live_controllers() -> list[Controller]:
     return [c for c in list(_live) if not c._closed]
 
 
-def client_problem(client: Client) -> str | None:
+def client_problem(client: Client, comm: Any = None) -> str | None:
     """Why ``client`` cannot carry a controller's work any more, or None (cheap: no I/O).
 
     A client that lost its scheduler reconnects on its own, but the scheduler
-    forgot the client's tasks, so a mesh's work is gone either way.
+    forgot the client's tasks (and the tasks it held for the client's
+    controllers), so a mesh's work is gone either way: ``comm``, the client's
+    ``scheduler_comm`` when the mesh began, tells a reconnected client.
     """
     status = client.status
     if status in ("closing", "closed"):
@@ -98,8 +103,14 @@ def client_problem(client: Client) -> str | None:
             "new Client and a new mesh (dask_monarch.device_mesh), and exit meshes "
             "(mesh.exit(), Controller.close()) before closing their client"
         )
-    comm = client.scheduler_comm
-    if status == "connecting" or comm is None or comm.comm is None or comm.comm.closed():
+    now = client.scheduler_comm
+    if (
+        status == "connecting"
+        or now is None
+        or now.comm is None
+        or now.comm.closed()
+        or (comm is not None and now is not comm)
+    ):
         address = getattr(client.scheduler, "address", None) or "its scheduler"
         return (
             f"lost the connection to the scheduler at {address} (the scheduler died or "
@@ -180,16 +191,19 @@ class Controller:
         self._progress = threading.Condition()  # reports, completion, failure
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._first_send = self._last_send = 0.0
-        # (rank, lane) -> future and index of its newest segment, while that segment has not run
+        # (rank, lane) -> its newest segment (its key where the scheduler's intake holds it, its
+        # future where Client.get submitted it) and that segment's index, while it has not run
         self._tails: dict[tuple[int, Any], Any] = {}
         self._tail_index: dict[tuple[int, Any], int] = {}
         self._released = DeferredRelease(client.loop)  # tails let go of, dropped in batches
+        self._intake = False  # whether flushes go to the scheduler's intake (set once claimed)
+        self._scheduler_comm = client.scheduler_comm  # replaced if the client reconnects
         self._dropping: dict[tuple[int, Any], int] = {}  # dropped lane -> its last segment
         self._reports = Reports(
             self.token,
             self._progress,
             self._break_locked,
-            lambda: client_problem(client),
+            self._client_problem,
             client.scheduler,
         )
         self._reports.on_debugger = self._on_debugger
@@ -206,9 +220,7 @@ class Controller:
         self._actors: list = []  # Dask actor futures: they live as long as the controller
         self.exited: set[int] = self._reports.exited  # ranks that reported their exit
         self._clock_offsets: dict[int, float] = {}  # rank -> its worker's clock minus ours
-        self._watch = ClientWatch(
-            client, lambda: client_problem(client), lambda: list(self._tails.values()), self._break
-        )
+        self._watch = ClientWatch(client, self._client_problem, self._tail_futures, self._break)
 
         # settings first: a bad value fails here, before any worker is claimed
         self._flush_size = int(config.get("flush.size"))
@@ -249,6 +261,11 @@ class Controller:
         self._retry_armed = False  # a pass over the tails that ran is due
         # flushes go to the scheduler's intake, or through Client.get where it is off or refused
         self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
+        if self._intake:  # the scheduler holds our tasks: tails go by key, failures by event
+            self._released = DeferredRelease(
+                client.loop, functools.partial(intake.release, client, self.token)
+            )
+            client.subscribe_topic(intake.failures_topic(self.token), self._on_task_failed)
         self._flusher = threading.Thread(
             target=self._flush_loop, daemon=True, name=f"dask_monarch-flush-{self.token}"
         )
@@ -343,7 +360,7 @@ class Controller:
         try:
             self._hand_over(buffer, final)
         except BaseException as e:
-            problem, log = client_problem(self._client), False  # the caller raises it
+            problem, log = self._client_problem(), False  # the caller raises it
             if problem is None and isinstance(e, KeyboardInterrupt):
                 problem = (
                     "interrupted (KeyboardInterrupt) while handing a flush to Dask: the "
@@ -369,14 +386,14 @@ class Controller:
         self.flushes += 1
         if plan.tasks:
             if self._intake:
-                problem = client_problem(self._client)  # Client.get would raise: so do we
+                problem = self._client_problem()  # Client.get would raise: so do we
                 if problem is not None:
                     raise RuntimeError(problem)
-                futures = intake.futures(self._client, plan.tasks)
+                by_key = {key: key for key in plan.keys}  # held for us by the scheduler
             else:  # from any thread (the background flusher too): the span's annotation
                 with dask.annotate(span=span[0]):
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
-            by_key = dict(zip(plan.keys, futures))
+                by_key = dict(zip(plan.keys, futures))
             self._reports.expect(plan.counts, plan.tasks)
             tails, replaced = self._tails, []
             for lane, key in plan.tails.items():
@@ -409,6 +426,25 @@ class Controller:
         for lane in ran:
             del self._tail_index[lane]
         self._released.add([self._tails.pop(lane, None) for lane in ran])
+
+    def _client_problem(self) -> str | None:
+        return client_problem(self._client, self._scheduler_comm)
+
+    def _tail_futures(self) -> list:
+        """The tails that are futures (flushes through Client.get), for the client watch."""
+        return [tail for tail in list(self._tails.values()) if type(tail) is not tuple]
+
+    def _on_task_failed(self, event: tuple) -> None:
+        """The intake says Dask will not run a segment (on the client's loop): fail the
+        controller a watch interval later, so that a rank's own report of it wins."""
+        _, failure = event
+        key = failure["keys"][0]
+        cause = DeviceException(
+            f"Dask will not run segment {tuple(key)!r}: {failure['why']}; the rest of the "
+            "mesh's work is lost: create a new mesh",
+            rank=key[2] if len(key) == 5 and type(key[2]) is int else None,
+        )
+        self._client.loop.call_later(WATCH_INTERVAL_S, self._break, cause)
 
     def _arm_retry(self) -> None:
         """Another pass over the tails in a moment, unless one is due (any thread)."""
@@ -510,7 +546,7 @@ class Controller:
                 if self._closed:
                     raise RuntimeError(f"the controller was closed while waiting for {pending()}")
                 if not self._progress.wait(min(remaining, CLIENT_CHECK_S)):
-                    problem = client_problem(self._client)  # no report can say this
+                    problem = self._client_problem()  # no report can say this
                     if problem is not None:
                         self._break_locked(DeviceException(problem), log=False)
 
@@ -797,7 +833,7 @@ class Controller:
     def _check_client(self) -> None:
         """Fail at once when the client was closed or lost its scheduler: the work handed to
         Dask is gone, and no report would ever say so (DESIGN decision 12)."""
-        problem = client_problem(self._client)
+        problem = self._client_problem()
         if problem is not None:  # the caller raises it at once
             self._break(DeviceException(problem), log=False)
 
@@ -827,6 +863,12 @@ class Controller:
         self._watch.stop()
         self._tails.clear()
         self._released.close()
+        if self._intake:  # every task the scheduler held for us goes, and the holder
+            try:
+                intake.release(self._client, self.token, None)
+                self._client.unsubscribe_topic(intake.failures_topic(self.token))
+            except Exception as e:  # the client is closed: the scheduler dropped its holders
+                logger.debug("controller %s: no release through its client: %r", self.token, e)
         self._actors.clear()
         self._reports.hang_up()
 

@@ -15,12 +15,25 @@ synchronously, through the scheduler's own ``_create_taskstate_from_graph``
 message order, the client's wish for every key, plugins' ``update_graph``
 hooks, task-stream entries. Nothing about how they run changes.
 
+The scheduler holds a flush's tasks for its controller under a client name
+of its own (:func:`holder`, the way Dask's publish and queues hold keys), not
+for the client that sent it: the client makes no future per segment and gets
+no ``key-in-memory`` message per segment that finished (a scheduler write, a
+client read and its handling on every round trip: 0.3-0.5 ms of a fetch's
+3.5 on a 2-core machine, docs/dask.md §11). The controller lets go of its
+tails by key (:func:`release`, in batches: controller/release.py); a tail let
+go of before it finished is kept until it has (released while ``processing``,
+the scheduler would cancel it). A task Dask fails is announced on the
+controller's event topic (:func:`failures_topic`), which the controller
+watches. When the controller goes (``release`` of everything), or its client
+leaves the scheduler, the holder goes, and with it every task it held.
+
 Messages on one comm are handled in order, so a flush cannot overtake the
-client's earlier messages (``client-releases-keys`` of older tails among
-them). A scheduler that cannot take the plugin (plugins not allowed, not
-importable there, or a distributed whose scheduler internals the intake
-calls are not what it expects: :func:`missing_on`) leaves the controller on
-``Client.get``; so does ``dask_monarch.flush.intake: false``.
+client's earlier messages (releases of older tails among them). A scheduler
+that cannot take the plugin (plugins not allowed, not importable there, or a
+distributed whose scheduler internals the intake calls are not what it
+expects: :func:`missing_on`) leaves the controller on ``Client.get``; so does
+``dask_monarch.flush.intake: false``.
 """
 
 from __future__ import annotations
@@ -31,7 +44,6 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dask._task_spec import Task, TaskRef
-from distributed import Future
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.serialize import ToPickle
 from distributed.spans import SpanMetadata
@@ -45,6 +57,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_monarch.controller")
 
 OP = "dask_monarch-flush"  # the stream op; a scheduler without the plugin has no handler for it
+RELEASE_OP = "dask_monarch-release"  # let go of tails by key (all of them: the controller went)
 PLUGIN_NAME = "dask_monarch-flush-intake"
 FIFO_TIMEOUT_S = 60.0  # what Client.get gives update-graph (its fifo_timeout="60s")
 
@@ -60,6 +73,16 @@ class SegmentTask(NamedTuple):
     after: list  # keys of the tasks it follows
     resource: str  # its rank's resource
     executor: str  # its lane's executor
+
+
+def holder(token: str) -> str:
+    """The client name under which the scheduler holds controller ``token``'s segments."""
+    return f"dask_monarch-{token}"
+
+
+def failures_topic(token: str) -> str:
+    """The scheduler's event topic on which the intake announces a segment task Dask failed."""
+    return f"dask_monarch-failed-{token}"
 
 
 def make_task(token: str, segment: SegmentTask) -> Task:
@@ -82,12 +105,16 @@ class FlushIntake(SchedulerPlugin):
                 "dask_monarch flush intake calls"
             )
         self.scheduler = scheduler
+        self.owners: dict[str, str] = {}  # holder -> the client whose controller it holds for
+        self.finishing: dict[Any, str] = {}  # tail let go of before it finished -> its holder
         scheduler.stream_handlers[OP] = self.intake
+        scheduler.stream_handlers[RELEASE_OP] = self.release
 
     async def close(self) -> None:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.stream_handlers.pop(OP, None)
+            scheduler.stream_handlers.pop(RELEASE_OP, None)
 
     def intake(
         self, client: str, token: str, segments: list, span: dict | None = None, **_: Any
@@ -97,6 +124,8 @@ class FlushIntake(SchedulerPlugin):
         scheduler = self.scheduler
         start = time.time()
         stimulus_id = f"dask_monarch-flush-{start}"
+        held = holder(token)
+        self.owners[held] = client
         dsk, resources, executors, ordered = {}, {}, {}, {}
         for i, segment in enumerate(segments):
             key = segment.key
@@ -110,18 +139,14 @@ class FlushIntake(SchedulerPlugin):
             annotations["span"] = dict.fromkeys(keys, span)
         try:
             if scheduler._find_lost_dependencies(dsk, keys):
-                scheduler.report(
-                    {"op": "cancelled-keys", "keys": keys, "reason": "lost dependencies"},
-                    client=client,
-                )
-                scheduler.client_releases_keys(keys=keys, client=client, stimulus_id=stimulus_id)
+                self._failed(token, keys, "a segment it follows was lost")
                 return
             scheduler._create_taskstate_from_graph(
                 start=start,
                 dsk=dsk,
                 keys=keys,
                 ordered=ordered,
-                client=client,
+                client=held,
                 annotations_by_type=annotations,
                 global_annotations=None,
                 stimulus_id=stimulus_id,
@@ -129,21 +154,75 @@ class FlushIntake(SchedulerPlugin):
                 span_metadata=SpanMetadata(collections=[{"type": "low-level-graph"}]),
                 fifo_timeout=FIFO_TIMEOUT_S,
             )
-        except Exception as e:  # as update-graph: every key of the flush errs for its client
-            from distributed.core import error_message
-
+        except Exception as e:  # as update-graph would fail the flush's keys: the controller
             logger.exception("dask_monarch flush of controller %s refused: %s", token, e)
-            err = error_message(e)
-            for key in keys:
-                scheduler.report(
-                    {
-                        "op": "task-erred",
-                        "key": key,
-                        "exception": err["exception"],
-                        "traceback": err["traceback"],
-                    },
-                    client=client,
-                )
+            scheduler.client_releases_keys(keys=keys, client=held, stimulus_id=stimulus_id)
+            self._failed(token, keys, f"the scheduler refused it: {type(e).__name__}: {e}")
+
+    def release(self, client: str, token: str, keys: list | None = None, **_: Any) -> None:
+        """Let go of controller ``token``'s tails ``keys`` (None: of all it holds, and of the
+        holder); a task not finished yet is let go of once it has (see :meth:`transition`)."""
+        held = holder(token)
+        if keys is None:
+            self._drop(held)
+            return
+        scheduler = self.scheduler
+        ready = []
+        for key in keys:
+            ts = scheduler.tasks.get(key)
+            if ts is None:
+                continue
+            if ts.state in ("memory", "erred"):
+                ready.append(key)
+            else:  # released while processing, the scheduler would cancel it
+                self.finishing[key] = held
+        if ready and held in scheduler.clients:
+            scheduler.client_releases_keys(
+                keys=ready, client=held, stimulus_id=f"dask_monarch-release-{time.time()}"
+            )
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """A tail let go of finished: let go of it (after this transition; the scheduler's
+        transitions do not nest). A segment Dask failed, or that a client cancelled (with
+        ``force=True``: it is not theirs) before it ran: tell its controller."""
+        if finish not in ("memory", "erred", "forgotten", "released"):
+            return
+        held = self.finishing.pop(key, None) if finish != "released" else None
+        if held is not None and finish != "forgotten":
+            self.scheduler.loop.add_callback(self._let_go, held, [key])
+        if finish == "memory" or type(key) is not tuple or len(key) != 5:
+            return
+        token = key[1]
+        if holder(token) not in self.owners:
+            return
+        if finish == "erred":
+            text = kwargs.get("exception_text") or "unknown error"
+            self._failed(token, [key], f"Dask failed its task: {text}")
+        elif start != "memory" and str(kwargs.get("stimulus_id", "")).startswith("cancel-key"):
+            self._failed(token, [key], "the scheduler cancelled its work")
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        """A client left the scheduler: its controllers' tasks go with it, as its own do."""
+        for held in [h for h, owner in self.owners.items() if owner == client]:
+            self._drop(held)
+
+    def _let_go(self, held: str, keys: list) -> None:
+        if held in self.scheduler.clients:
+            self.scheduler.client_releases_keys(
+                keys=keys, client=held, stimulus_id=f"dask_monarch-release-{time.time()}"
+            )
+
+    def _drop(self, held: str) -> None:
+        """The controller went: every task held for it goes (the holder too)."""
+        self.owners.pop(held, None)
+        self.finishing = {k: h for k, h in self.finishing.items() if h != held}
+        if held in self.scheduler.clients:
+            self.scheduler.remove_client(held, stimulus_id=f"dask_monarch-drop-{time.time()}")
+
+    def _failed(self, token: str, keys: Any, why: str) -> None:
+        """Tell controller ``token`` that Dask will not run ``keys`` (its event topic)."""
+        event = {"keys": [list(k) if type(k) is tuple else k for k in keys], "why": why}
+        self.scheduler.loop.add_callback(self.scheduler.log_event, failures_topic(token), event)
 
 
 # What the intake calls on the scheduler: private to distributed (2026.8), so checked first.
@@ -168,9 +247,11 @@ def missing_on(scheduler: Any) -> list[str]:
     """What of the scheduler's internals the intake uses that ``scheduler`` lacks."""
     missing = [
         name
-        for name in ("_find_lost_dependencies", "client_releases_keys", "report")
+        for name in ("_find_lost_dependencies", "client_releases_keys", "remove_client")
         if not callable(getattr(scheduler, name, None))
     ]
+    if not callable(getattr(scheduler, "log_event", None)):
+        missing.append("log_event")
     create = getattr(scheduler, "_create_taskstate_from_graph", None)
     if not callable(create):
         return [*missing, "_create_taskstate_from_graph"]
@@ -197,14 +278,15 @@ def install(client: Client) -> bool:
     return True
 
 
-def futures(client: Client, segments: list[SegmentTask]) -> list[Future]:
-    """A future per segment, in order, made before the flush is sent (as ``Client.get`` does)."""
-    with client._refcount_lock:
-        return [Future(segment.key, client) for segment in segments]
-
-
 def send(client: Client, token: str, segments: list[SegmentTask], span: dict | None = None) -> None:
     """Hand one flush of controller ``token`` to the scheduler's intake (from any thread: it
     is sent from the client's event loop, in the order of everything queued there)."""
     message = {"op": OP, "token": token, "segments": ToPickle(segments), "span": span}
     client.loop.add_callback(client._send_to_scheduler_safe, message)
+
+
+def release(client: Client, token: str, keys: list | None) -> list:
+    """Let go of controller ``token``'s tails ``keys`` (None: of everything it holds) on the
+    client's event loop; returns what :class:`~.release.DeferredRelease` keeps: nothing."""
+    client._send_to_scheduler_safe({"op": RELEASE_OP, "token": token, "keys": keys})
+    return []

@@ -1,4 +1,5 @@
-"""A client process that dies without a word (SIGKILL) leaves nothing behind on the workers."""
+"""A client process that dies without a word (SIGKILL) leaves nothing behind on the workers or
+the scheduler."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ for i in range(3):  # three streams: three lanes (and threads) per rank, plus th
     ctrl.send([0, 1], m.CallFunction(i, [Ref(10 + i)], [], "torch.ones",
                                      ArgsKwargs.from_python((1000,), {}), StreamRef(i), []))
 ctrl.sync()
+# a segment still running when the process dies: the scheduler holds it for the controller
+ctrl.send([0, 1], m.CallFunction(3, [], [], "time.sleep", ArgsKwargs.from_python((2,), {}),
+                                 StreamRef(0), []))
+ctrl.flush()
 print("token", ctrl.token, flush=True)
 time.sleep(600)
 """
@@ -61,6 +66,19 @@ def settled(client, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
+def on_scheduler(client, token: str) -> tuple:
+    """What the scheduler keeps for controller ``token``: whether its holder (a client name of
+    the intake's) is there, and the segment tasks it knows."""
+
+    def look(dask_scheduler):
+        return (
+            f"dask_monarch-{token}" in dask_scheduler.clients,
+            sorted(str(k) for k in dask_scheduler.tasks if type(k) is tuple and k[1] == token),
+        )
+
+    return client.run_on_scheduler(look)
+
+
 def read_line(process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,6 +108,10 @@ def test_sigkilled_client_process_frees_its_controller_state(cluster2, client2):
     )
     try:
         token = read_line(process, timeout=120).split()[1]
+        deadline = time.monotonic() + 30
+        while not on_scheduler(client2, token)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert on_scheduler(client2, token)[0], "the scheduler holds its segments"
         during = held(client2)
         assert all(token in tokens for tokens, _ in during.values()), during
         assert all(nthreads == before[a] + 4 for a, (_, nthreads) in during.items()), during
@@ -106,6 +128,10 @@ def test_sigkilled_client_process_frees_its_controller_state(cluster2, client2):
             time.sleep(0.2)
         assert all(token not in tokens for tokens, _ in now.values()), now
         assert {a: nthreads for a, (_, nthreads) in now.items()} == before
+        # the scheduler forgot the client, and with it what it held for its controller
+        while on_scheduler(client2, token) != (False, []) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert on_scheduler(client2, token) == (False, [])
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

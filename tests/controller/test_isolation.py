@@ -253,9 +253,12 @@ def test_futures_cancelled_under_a_controller_fail_it_at_once(client, tmp_path):
     ctrl = _blocked(client, gate)
     try:
         survivor.start()
-        key = ctrl._tails[(0, 0)].key
+        key = ctrl._tails[(0, 0)]  # the scheduler holds it for the controller, by key
         start = time.monotonic()
-        client.cancel([Future(key, client)])  # as another user of the client might
+        client.cancel([Future(key, client)])  # another user's cancel: not theirs, kept
+        time.sleep(0.5)
+        assert ctrl._broken is None
+        client.cancel([Future(key, client)], force=True)  # forced: the work is lost
         with pytest.raises(dm.DeviceException, match="cancelled") as info:
             ctrl.sync(timeout=BOUND)
         print(f"broke {time.monotonic() - start:.2f}s after the cancel: {info.value}")
