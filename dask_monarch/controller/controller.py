@@ -63,7 +63,7 @@ from .liveness import Liveness
 from .placement import add_lanes, choose_workers, claim_ranks, lower_client_gap, open_rendezvous
 from .release import DeferredRelease
 from .reports import Reports
-from .watch import INTERVAL_MS, ClientWatch
+from .watch import INTERVAL_MS, ClientWatch, rank_of
 
 if TYPE_CHECKING:
     from ..protocol.messages import WorkerMessage
@@ -432,17 +432,17 @@ class Controller:
 
     def _tail_futures(self) -> list:
         """The tails that are futures (flushes through Client.get), for the client watch."""
-        return [tail for tail in list(self._tails.values()) if type(tail) is not tuple]
+        return [] if self._intake else list(self._tails.values())
 
     def _on_task_failed(self, event: tuple) -> None:
         """The intake says Dask will not run a segment (on the client's loop): fail the
         controller a watch interval later, so that a rank's own report of it wins."""
         _, failure = event
-        key = failure["keys"][0]
+        key = tuple(failure["keys"][0])
         cause = DeviceException(
-            f"Dask will not run segment {tuple(key)!r}: {failure['why']}; the rest of the "
+            f"Dask will not run segment {key!r}: {failure['why']}; the rest of the "
             "mesh's work is lost: create a new mesh",
-            rank=key[2] if len(key) == 5 and type(key[2]) is int else None,
+            rank=rank_of(key),
         )
         self._client.loop.call_later(WATCH_INTERVAL_S, self._break, cause)
 

@@ -176,20 +176,22 @@ class FlushIntake(SchedulerPlugin):
                 ready.append(key)
             else:  # released while processing, the scheduler would cancel it
                 self.finishing[key] = held
-        if ready and held in scheduler.clients:
-            scheduler.client_releases_keys(
-                keys=ready, client=held, stimulus_id=f"dask_monarch-release-{time.time()}"
-            )
+        if ready:
+            self._let_go(held, ready)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """A tail let go of finished: let go of it (after this transition; the scheduler's
         transitions do not nest). A segment Dask failed, or that a client cancelled (with
         ``force=True``: it is not theirs) before it ran: tell its controller."""
-        if finish not in ("memory", "erred", "forgotten", "released"):
+        if finish in ("memory", "erred"):
+            held = self.finishing.pop(key, None)
+            if held is not None:
+                self.scheduler.loop.add_callback(self._let_go, held, [key])
+        elif finish == "forgotten":
+            self.finishing.pop(key, None)
             return
-        held = self.finishing.pop(key, None) if finish != "released" else None
-        if held is not None and finish != "forgotten":
-            self.scheduler.loop.add_callback(self._let_go, held, [key])
+        elif finish != "released":
+            return
         if finish == "memory" or type(key) is not tuple or len(key) != 5:
             return
         token = key[1]
@@ -247,11 +249,14 @@ def missing_on(scheduler: Any) -> list[str]:
     """What of the scheduler's internals the intake uses that ``scheduler`` lacks."""
     missing = [
         name
-        for name in ("_find_lost_dependencies", "client_releases_keys", "remove_client")
+        for name in (
+            "_find_lost_dependencies",
+            "client_releases_keys",
+            "remove_client",
+            "log_event",
+        )
         if not callable(getattr(scheduler, name, None))
     ]
-    if not callable(getattr(scheduler, "log_event", None)):
-        missing.append("log_event")
     create = getattr(scheduler, "_create_taskstate_from_graph", None)
     if not callable(create):
         return [*missing, "_create_taskstate_from_graph"]

@@ -82,14 +82,14 @@ class ClientWatch:
         for future in self.tails():
             state = future.status
             if state == "cancelled":
-                return DeviceException(_cancelled(future), rank=_rank_of(future.key))
+                return DeviceException(_cancelled(future), rank=rank_of(future.key))
             if state == "error":
                 if future.key not in self._erred:
                     self._erred.add(future.key)
                     continue
                 return DeviceException(
                     f"Dask failed the task of segment {future.key!r}: {_error_text(future)}",
-                    rank=_rank_of(future.key),
+                    rank=rank_of(future.key),
                 )
         return None
 
@@ -113,7 +113,7 @@ def _error_text(future: Any) -> str:
     return f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
 
 
-def _rank_of(key: Any) -> int | None:
+def rank_of(key: Any) -> int | None:
     """The rank in a segment key ``(name, token, rank, lane, index)``."""
     if isinstance(key, tuple) and len(key) == 5 and type(key[2]) is int:
         return key[2]
