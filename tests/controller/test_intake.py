@@ -10,6 +10,7 @@ import torch
 from distributed import get_task_stream
 from distributed.diagnostics.plugin import SchedulerPlugin
 from raw import S0, call, create_streams
+from task_stream import wait_until_recorded
 
 import dask_monarch as dm
 from dask_monarch.controller import intake
@@ -117,13 +118,7 @@ def test_a_flush_becomes_ordinary_tasks_without_update_graph(client2, tmp_path):
                 time.sleep(0.05)
             gate.touch()
             assert ctrl.sync() == []
-            # the task stream records a task when the scheduler learns it finished, which can
-            # trail the reports: wait until none of them is processing any more
-            while time.monotonic() < deadline:
-                states = client2.run_on_scheduler(_task_view, list(later.values()))
-                if all(v is None or v[0] == "memory" for v in states.values()):
-                    break
-                time.sleep(0.05)
+            wait_until_recorded(client2, ctrl.token)
         # no generic graph submission: the flushes came through the intake
         assert client2.run_on_scheduler(_update_count) == before
         for (rank, lane), key in later.items():

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from distributed import get_task_stream
+from task_stream import wait_until_recorded
 from torch import nn
 
 import dask_monarch as dm
@@ -136,6 +137,7 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
             loss.backward()
             comms_lane = session.stream_ref(comms).id
             dm.inspect(loss)
+            wait_until_recorded(client2, session.controller.token)
         hooks.remove()
     segments = {}  # (rank, lane) -> [(index, start, stop, name)]
     for task in ts.data:
