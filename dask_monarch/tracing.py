@@ -59,7 +59,8 @@ def trace(
     performance_report: str | os.PathLike | None = None,
     timeout: float = 600.0,
 ) -> Iterator[Trace]:
-    """Trace the ranks of ``mesh`` (default: every mesh of this process) into ``path``.
+    """Trace the ranks of ``mesh`` (default: every mesh of this process that is not broken)
+    into ``path``.
 
     The block's work is waited for at its end (up to ``timeout`` seconds), so
     the trace holds all of it. ``performance_report``: also write Dask's
@@ -70,7 +71,10 @@ def trace(
     from .controller.controller import live_controllers
 
     result = Trace(path)
-    controllers = [mesh._session.controller] if mesh is not None else live_controllers()
+    if mesh is not None:
+        controllers = [mesh._session.controller]
+    else:  # a broken mesh left open runs nothing more: the others are still worth a trace
+        controllers = [c for c in live_controllers() if c.broken is None]
     if not controllers:
         raise RuntimeError(
             "dask_monarch.trace: no mesh is running in this process; create one with "

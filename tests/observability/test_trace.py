@@ -281,3 +281,27 @@ def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
         ctrl.send([0, 1], fetch(0, Ref(1)))
     assert values(ctrl.sync()) == {(0, 0): 41, (0, 1): 41}
     assert "SendValue" in {e["name"] for e in run.events if e["ph"] == "X"}
+
+
+def test_a_trace_of_every_mesh_leaves_out_a_broken_one_left_open(client2, tmp_path):
+    """A mesh that broke and was never closed runs nothing more: ``dm.trace()`` traces the
+    others instead of raising that mesh's old failure."""
+    from raw import S0, call, create_streams
+
+    broken = dm.Controller(client2, world_size=1)
+    mesh = None
+    try:
+        create_streams(broken, [0], S0)
+        broken.send([0], call(0, None, "__test_panic"))
+        with pytest.raises(dm.DeviceException, match="__test_panic"):
+            broken.sync(timeout=60)
+        mesh = dm.device_mesh(client2, gpu=1)  # the other worker
+        with mesh.activate():
+            x = torch.ones(3)
+            with dm.trace(tmp_path / "t.json") as run:
+                assert dm.inspect(x + 1).tolist() == [2.0] * 3
+        assert "SendValue" in {e["name"] for e in run.events if e["ph"] == "X"}
+    finally:
+        if mesh is not None:
+            mesh.exit()
+        broken.close()
