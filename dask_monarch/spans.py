@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import dask
 import distributed
 
-from .controller.controller import live_controllers
+from .controller.controller import working_controllers
 from .protocol.names import span_label
 
 
@@ -33,7 +33,7 @@ def span(name: str) -> Iterator[str]:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"span(name): name must be a non-empty str, got {name!r}")
-    controllers = [c for c in live_controllers() if c.broken is None]
+    controllers = working_controllers()
     _flush(controllers)  # what came before is not in the span
     with distributed.span(name) as span_id:
         annotation = dask.get_annotations()["span"]

@@ -68,13 +68,13 @@ def trace(
     block raised (what ran until then), and a failure of the mesh still
     raises after it is written.
     """
-    from .controller.controller import live_controllers
+    from .controller.controller import working_controllers
 
     result = Trace(path)
     if mesh is not None:
         controllers = [mesh._session.controller]
     else:  # a broken mesh left open runs nothing more: the others are still worth a trace
-        controllers = [c for c in live_controllers() if c.broken is None]
+        controllers = working_controllers()
     if not controllers:
         raise RuntimeError(
             "dask_monarch.trace: no mesh is running in this process; create one with "

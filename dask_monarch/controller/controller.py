@@ -88,6 +88,11 @@ def live_controllers() -> list[Controller]:
     return [c for c in list(_live) if not c._closed]
 
 
+def working_controllers() -> list[Controller]:
+    """The open controllers that are not broken: those that can still run work."""
+    return [c for c in live_controllers() if c._broken is None]
+
+
 def client_problem(client: Client, comm: Any = None) -> str | None:
     """Why ``client`` cannot carry a controller's work any more, or None (cheap: no I/O).
 
@@ -127,7 +132,7 @@ def _close_at_exit() -> None:
     Runs before distributed's own exit hooks (registered earlier), so the
     client still works; nothing is drained (call ``mesh.exit()`` for that).
     """
-    open_ = [c for c in live_controllers() if c._broken is None]
+    open_ = working_controllers()
     if not open_:
         return
     logger.warning(
