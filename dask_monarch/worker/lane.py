@@ -89,6 +89,7 @@ class Lane:
         self.segments = 0
         self.busy_since = 0.0
         self.busy_seconds = 0.0
+        self.inlined = 0  # segments run on the event loop (worker/inline.py)
 
     @property
     def title(self) -> str:
@@ -255,6 +256,7 @@ class Lane:
             "steps": self.steps,
             "segments": self.segments,
             "busy_seconds": round(self.busy_seconds, 3),
+            "inlined": self.inlined,
         }
 
     def close(self) -> None:

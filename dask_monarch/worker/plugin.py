@@ -34,7 +34,7 @@ from ..protocol.names import (
     executor_prefix,
     worker_resource,
 )
-from ..protocol.wire import Payload
+from ..protocol.wire import CONTROL, Payload
 from .calls import InvalidRemoteFunction, pickled_code_allowed
 from .debugger import install_breakpointhook
 from .signals import ignore_sigint
@@ -66,6 +66,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
     idempotent = True
+    inline = False  # quick segments run on the event loop (set from the worker's config)
 
     def __init__(self, report_interval: str | None = None, batched_interval: float | None = None):
         self.report_interval = report_interval  # None: dask_monarch.comm.report-interval
@@ -86,6 +87,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             stream.interval = min(stream.interval, self.batched_interval)
         if self.report_interval is None:  # read here: the worker's config, not the client's
             self.report_interval = config.get("comm.report-interval", "0.5ms")
+        self.inline = bool(config.get("worker.inline-segments", True))
         self.ranks: dict = {}  # controller token -> RankState
         self.released: OrderedDict[str, None] = OrderedDict()  # tokens released on purpose
         self.extra_threads = 0
@@ -249,6 +251,29 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 "(the worker restarted or the controller left); refusing to run its messages"
             )
         return state
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """A segment task about to start whose steps are quick gets its coroutine twin, which
+        Dask runs on the event loop instead of the lane's thread (worker/inline.py)."""
+        if finish != "executing" or not self.inline or not self.ranks:
+            return
+        ts = self.worker.state.tasks.get(key)
+        spec = getattr(ts, "run_spec", None)
+        if getattr(spec, "func", None) is not run_segment:
+            return
+        token, rank, label, _, payload = spec.args[:5]
+        state = self.ranks.get(token)
+        if state is None or state.rank != rank or state.torch_device is not None:
+            return  # a CUDA rank's fetch waits for its stream: never on the loop
+        lane = state.control if label == CONTROL else state.lanes.get(label)
+        if lane is None or state.failed is not None:
+            return
+        from .inline import inline_task, quick_steps
+
+        steps = quick_steps(lane, payload.data)
+        if steps is not None:
+            ts.run_spec = inline_task(spec, state, steps)
+            lane.inlined += 1
 
     # -- comm handlers ------------------------------------------------------------------------
 

@@ -126,11 +126,15 @@ class RankState:
 
     # -- running ------------------------------------------------------------------------------
 
-    def run_segment(self, label: Any, index: int, payload: tuple[bytes, ...]) -> int:
-        """Run one segment of steps on its lane, in order; called on the lane's thread.
+    def run_segment(
+        self, label: Any, index: int, payload: tuple[bytes, ...], steps: list | None = None
+    ) -> int:
+        """Run one segment of steps on its lane, in order; called on the lane's thread (or on
+        the event loop, for a quick segment: worker/inline.py).
 
         ``payload`` holds pickled lists of steps: the part every rank shares, then
-        this rank's own (``wire.Payload``).
+        this rank's own (``wire.Payload``); ``steps``, if given, are what it holds,
+        already unpickled.
 
         A segment queued before the controller failed or left returns at once
         and runs nothing, and one that fails fatally returns once the failure
@@ -146,17 +150,8 @@ class RankState:
             )
         try:
             lane.claim_index(index)
-            try:
-                steps = self.loads(payload[0])
-                for more in payload[1:]:
-                    steps += self.loads(more)
-            except RestrictedPickleError as e:  # a message holds more than plain data
-                raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
-            except BaseException as e:  # a value whose unpickling raises, or exits
-                raise FatalError(
-                    f"rank {self.rank}: the segment's messages cannot be unpickled "
-                    f"(a value in them raised {type(e).__name__}: {e})"
-                ) from None
+            if steps is None:
+                steps = self.load_steps(payload)
             lane.state, lane.busy_since, lane.running = "running", time.monotonic(), steps
             _current.lane = lane
             trace = self.trace
@@ -180,6 +175,21 @@ class RankState:
         lane.done_seq = lane.last_seq
         self.report(LaneDone(self.rank, label, index))
         return len(steps)
+
+    def load_steps(self, payload: tuple[bytes, ...]) -> list:
+        """The steps of a segment's payload, in order (a FatalError if they cannot be loaded)."""
+        try:
+            steps = self.loads(payload[0])
+            for more in payload[1:]:
+                steps += self.loads(more)
+        except RestrictedPickleError as e:  # a message holds more than plain data
+            raise FatalError(f"rank {self.rank}: a message refused: {e}") from None
+        except BaseException as e:  # a value whose unpickling raises, or exits
+            raise FatalError(
+                f"rank {self.rank}: the segment's messages cannot be unpickled "
+                f"(a value in them raised {type(e).__name__}: {e})"
+            ) from None
+        return steps
 
     def _run_steps(self, lane: Lane, steps: list) -> None:
         table = self.handlers
