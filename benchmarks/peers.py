@@ -357,7 +357,7 @@ def report(results: dict, cpu: dict, args) -> None:
             if who == "Monarch 0.7.0" and ours:
                 ratio = value / ours
                 line += (
-                    f"   dask_monarch {ratio:.1f}x faster"
+                    f"   dask_monarch {ratio:.{1 if ratio >= 2 else 2}f}x faster"
                     if ratio >= 1
                     else f"   dask_monarch {1 / ratio:.2f}x slower"
                 )
