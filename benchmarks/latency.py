@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -177,9 +178,11 @@ def _wrap_worker(dask_worker: Any = None) -> None:
         RankState._timeline = True
         run_segment, report, deliver = RankState.run_segment, RankState.report, RankState._deliver
 
-        def timed_run_segment(self, label, index, payload):
-            log.append((time.time(), where, "lane start", [f"task:{self.rank}/{label}/{index}"]))
-            return run_segment(self, label, index, payload)
+        def timed_run_segment(self, label, index, payload, steps=None):
+            on = "event loop" if threading.current_thread() is threading.main_thread() else "lane"
+            ids = [f"task:{self.rank}/{label}/{index}"]
+            log.append((time.time(), where, f"segment starts ({on})", ids))
+            return run_segment(self, label, index, payload, steps)
 
         def timed_report(self, item):
             log.append((time.time(), where, "report made", list(_ids(item))))
