@@ -71,10 +71,13 @@ class Payload:
     holder as the segment starts, it lives only as long as the segment runs.
     """
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "steps")
 
     def __init__(self, data: tuple[bytes, ...] | None) -> None:
         self.data = data
+        # the steps, once the worker that runs them unpickled them ahead of time to judge
+        # them (worker/inline.py); never sent
+        self.steps: list | None = None
 
     def __reduce__(self) -> tuple:
         return (Payload, (self.data,))
@@ -87,6 +90,11 @@ class Payload:
         """The pickles, once; None for a holder already taken."""
         data, self.data = self.data, None
         return data
+
+    def take_steps(self) -> list | None:
+        """The steps unpickled ahead of time, once (None if they were not)."""
+        steps, self.steps = self.steps, None
+        return steps
 
 
 # --------------------------------------------------------------------------- reports

@@ -31,13 +31,13 @@ from dask._task_spec import Task
 from ..protocol.messages import CallFunction, DeleteRefs, Ref, SendValue
 from ..protocol.wire import Payload, StatusProbe
 from .errors import SeqError
-from .lane import Lane, _current
+from .lane import _current
 
 if TYPE_CHECKING:
     from .rank import RankState
 
 QUICK_STEPS = 8  # steps of a segment run on the event loop, at most
-QUICK_NUMEL = 1 << 16  # elements of any tensor a quick step reads or makes, at most
+QUICK_NUMEL = 1 << 16  # the product of a quick step's tensors' elements, at most
 QUICK_BYTES = 4096  # pickled steps unpickled on the event loop to judge them, at most
 ATEN = "torch.ops.aten."
 # ATen packets whose output has at most as many elements as the product of their tensor
@@ -56,15 +56,15 @@ QUICK_OPS = frozenset(
 _SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.layout})
 
 
-def quick_steps(lane: Lane, payload: tuple[bytes, ...] | None) -> list | None:
-    """The segment's steps if it may run on the event loop, else None (on the event loop)."""
+def small_steps(state: RankState, payload: tuple[bytes, ...] | None) -> list | None:
+    """The steps of a payload small enough to unpickle on the event loop and judge, or None
+    (too big, or unloadable: the lane's thread raises the error, as for any segment)."""
     if not payload or sum(map(len, payload)) > QUICK_BYTES:
         return None
     try:
-        steps = lane.rank.load_steps(payload)
-    except Exception:  # the lane's thread raises it, as for any segment
+        return state.load_steps(payload)
+    except Exception:
         return None
-    return steps if is_quick(steps, lane.env) else None
 
 
 def is_quick(steps: list, env: dict) -> bool:
@@ -128,24 +128,17 @@ def _numel(args_kwargs: Any, env: dict, made: dict[int, int]) -> int | None:
     return product
 
 
-def inline_task(spec: Task, state: RankState, steps: list) -> Task:
-    """``spec`` (a ``run_segment`` task of ``state``'s rank) as a coroutine task that runs
-    ``steps`` on the event loop."""
-    return Task(spec.key, functools.partial(run_inline, state, steps), *spec.args, **spec.kwargs)
+def inline_task(spec: Task, state: RankState) -> Task:
+    """``spec`` (a ``run_segment`` task of ``state``'s rank, its steps unpickled into its
+    payload) as a coroutine task, which Dask runs on the event loop."""
+    return Task(spec.key, functools.partial(run_inline, state), *spec.args, **spec.kwargs)
 
 
 async def run_inline(
-    state: RankState,
-    steps: list,
-    token: str,
-    rank: int,
-    lane: Any,
-    index: int,
-    payload: Payload,
-    *after: Any,
+    state: RankState, token: str, rank: int, lane: Any, index: int, payload: Payload, *after: Any
 ) -> int:
-    """Run a quick segment's ``steps`` on the worker's event loop (Dask awaits this task)."""
-    payload.take()  # as run_segment does: the bytes need not stay in Dask's logs
+    """Run a quick segment on the worker's event loop (Dask awaits this task)."""
+    steps, _ = payload.take_steps(), payload.take()  # the bytes need not stay in Dask's logs
     try:
         return state.run_segment(lane, index, (), steps)  # nothing, if it was released since
     finally:

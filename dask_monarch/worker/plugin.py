@@ -268,11 +268,14 @@ class MonarchWorkerPlugin(WorkerPlugin):
         lane = state.control if label == CONTROL else state.lanes.get(label)
         if lane is None or state.failed is not None:
             return
-        from .inline import inline_task, quick_steps
+        from .inline import inline_task, is_quick, small_steps
 
-        steps = quick_steps(lane, payload.data)
-        if steps is not None:
-            ts.run_spec = inline_task(spec, state, steps)
+        steps = small_steps(state, payload.data)
+        if steps is None:
+            return
+        payload.steps = steps  # unpickled once, wherever they run
+        if is_quick(steps, lane.env):
+            ts.run_spec = inline_task(spec, state)
             lane.inlined += 1
 
     # -- comm handlers ------------------------------------------------------------------------
@@ -455,8 +458,8 @@ def run_segment(
     The payload's bytes are taken out of their holder: Dask keeps the task's
     arguments in its logs, the bytes need not stay with them.
     """
-    data = payload.take()
+    steps, data = payload.take_steps(), payload.take()
     state = _plugin(get_worker()).rank_state(token, rank)
     if state is None:  # queued before its controller released the rank: nothing to do
         return 0
-    return state.run_segment(lane, index, data)
+    return state.run_segment(lane, index, data, steps)
