@@ -273,3 +273,23 @@ def test_a_rank_that_sends_and_receives_in_one_message_does_not_deadlock(gpu_cli
             ctrl.send(rank, fetch(1, (Ref(2),), fn="torch.ops.aten.amin.default"))
         got = values(ctrl.sync(timeout=300))
         assert got[(1, 1)].item() == 10 and got[(1, 2)].item() == 20
+
+
+def _inlined(dask_worker=None) -> int:
+    plugin = dask_worker.plugins["dask_monarch"]
+    return sum(lane.inlined for state in plugin.ranks.values() for lane in state.all_lanes())
+
+
+def test_cuda_ranks_run_every_segment_on_its_lane(gpu_client):
+    """A fetch from a CUDA rank waits for its stream: never on the event loop (worker/inline.py)."""
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            x = torch.zeros((), device="cuda")
+            for _ in range(3):
+                x = x + 1
+                dm.inspect(x)
+            assert dm.inspect(x).item() == 3
+        assert sum(gpu_client.run(_inlined).values()) == 0
+    finally:
+        mesh.exit()

@@ -141,3 +141,24 @@ def test_segments_run_on_the_loop_are_ordinary_tasks_in_the_task_stream(client2,
         assert len(ours) == 3 * 2  # one task per rank per round trip, each recorded
         assert {e["key"][0] for e in ours} == {"monarch_ops"}  # named as on a thread
         assert all(e["status"] == "OK" and e["startstops"] for e in ours)
+
+
+@pytest.mark.timeout(180)
+def test_the_switch_keeps_every_segment_on_its_lane():
+    import dask
+    from distributed import Client
+
+    with dask.config.set({"dask_monarch.worker.inline-segments": False}):
+        with (
+            dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
+            Client(cluster) as client,
+        ):
+            mesh = dm.device_mesh(client, gpu=2)
+            with mesh.activate():
+                x = torch.zeros(())
+                for _ in range(3):
+                    x = x + 1
+                    dm.inspect(x)
+                assert dm.inspect(x).item() == 3
+            assert _count(client) == 0
+            mesh.exit()
