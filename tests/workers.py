@@ -19,3 +19,14 @@ def frozen(client: Client, address: str) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def _inlined(dask_worker=None) -> int:
+    plugin = dask_worker.plugins["dask_monarch"]
+    return sum(lane.inlined for state in plugin.ranks.values() for lane in state.all_lanes())
+
+
+def inlined_segments(client: Client, workers: list[str] | None = None) -> int:
+    """Segments run on the event loop so far (worker/inline.py), on every worker or on
+    ``workers``."""
+    return sum(client.run(_inlined, workers=workers).values())

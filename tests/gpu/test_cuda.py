@@ -14,6 +14,7 @@ import torch
 from distributed import Client
 from gpus import GPUS, needs_gpus
 from raw import S0, S1, S2, call, create_streams, fetch, values
+from workers import inlined_segments
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -275,11 +276,6 @@ def test_a_rank_that_sends_and_receives_in_one_message_does_not_deadlock(gpu_cli
         assert got[(1, 1)].item() == 10 and got[(1, 2)].item() == 20
 
 
-def _inlined(dask_worker=None) -> int:
-    plugin = dask_worker.plugins["dask_monarch"]
-    return sum(lane.inlined for state in plugin.ranks.values() for lane in state.all_lanes())
-
-
 def test_cuda_ranks_run_every_segment_on_its_lane(gpu_client):
     """A fetch from a CUDA rank waits for its stream: never on the event loop (worker/inline.py)."""
     mesh = dm.device_mesh(gpu_client, gpu=1)
@@ -290,6 +286,6 @@ def test_cuda_ranks_run_every_segment_on_its_lane(gpu_client):
                 x = x + 1
                 dm.inspect(x)
             assert dm.inspect(x).item() == 3
-        assert sum(gpu_client.run(_inlined).values()) == 0
+        assert inlined_segments(gpu_client) == 0
     finally:
         mesh.exit()
