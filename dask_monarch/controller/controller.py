@@ -757,9 +757,8 @@ class Controller:
         sent = time.time()
         clocks = self._client.run(trace_start, self.token, limit, workers=list(self.workers))
         back = time.time()
-        # a worker's clock minus ours, from the round trip (the workers' records are shifted)
-        self._clock_offsets = {
-            rank: clocks[address] - (sent + back) / 2
+        self._clock_offsets = {  # the workers' records are shifted by these
+            rank: clock_offset(clocks[address], sent, back)
             for rank, address in enumerate(self.workers)
             if address in clocks
         }
@@ -915,6 +914,18 @@ class Controller:
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
         return f"<Controller {self.token}: {self.world_size} ranks, {state}>"
+
+
+def clock_offset(worker_clock: float, sent: float, back: float) -> float:
+    """A worker's clock minus ours, from its reading ``worker_clock`` taken between our
+    ``sent`` and ``back``: the offset nearest zero that the round trip allows.
+
+    The true offset lies in ``[worker_clock - back, worker_clock - sent]``. Zero
+    when that holds it (a worker on this host, or clocks kept in step by NTP), so
+    that no record moves by a guess of up to half the round trip; else the nearer
+    bound.
+    """
+    return min(max(0.0, worker_clock - back), worker_clock - sent)
 
 
 def _check_serialisable(message: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import defaultdict
 
@@ -19,6 +20,7 @@ import torch
 
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller.controller import clock_offset
 from dask_monarch.worker import trace_collect
 
 pytestmark = pytest.mark.timeout(300)
@@ -267,6 +269,37 @@ def test_a_collective_arrow_points_forward_when_the_late_member_ends_early():
     (flow,) = flows.values()
     assert (flow["s"]["pid"], flow["f"]["pid"]) == (0, 1)
     assert 100000.0 <= flow["s"]["ts"] <= flow["f"]["ts"] <= 300000.0
+
+
+def test_a_clock_offset_is_the_one_nearest_zero_that_the_round_trip_allows():
+    """The worker read its clock somewhere between our ``sent`` and ``back``."""
+    assert clock_offset(100.4, 100.0, 101.0) == 0.0  # a worker on this host
+    assert clock_offset(150.0, 100.0, 101.0) == 49.0  # 49 to 50 s ahead: the nearer bound
+    assert clock_offset(60.0, 100.0, 101.0) == -40.0  # 40 to 41 s behind
+    assert clock_offset(101.0, 100.0, 101.0) == 0.0  # at the edge
+
+
+def test_the_records_of_workers_on_this_host_lie_where_they_ran(ctrl):
+    """No record is shifted by a guess: each lies between the client's clock readings
+    around the work it records."""
+    from raw import S0, create_streams, fetch, values
+
+    from dask_monarch.messages import Ref
+
+    create_streams(ctrl, [0, 1], S0)
+    ctrl.send([0, 1], m.SetRefUnitTestsOnly(Ref(1), 7, S0))
+    ctrl.sync(timeout=60)
+    ctrl.start_trace()
+    before = time.time()
+    ctrl.send([0, 1], fetch(0, Ref(1)))
+    assert values(ctrl.sync(timeout=60)) == {(0, 0): 7, (0, 1): 7}
+    after = time.time()
+    ranks = ctrl.collect_trace()
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        spans = [(start, end) for _, _, _, start, end, _ in r["records"]]
+        assert spans, r
+        assert all(before <= start <= end <= after for start, end in spans), (before, spans, after)
 
 
 def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
