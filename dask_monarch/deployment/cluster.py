@@ -14,7 +14,9 @@ Every setting that matters for torch ranks is chosen here, not inherited:
   12 % on a 2-core machine;
 * the scheduler runs in its own process: a dask_monarch client is a busy
   Python loop, and a scheduler sharing its GIL answers late (measured: chain
-  hops of 250 ms instead of 10 ms while the client sends messages);
+  hops of 250 ms instead of 10 ms while the client sends messages); its event
+  loop is timed every 200 ms rather than Dask's 20, as the rank workers' are
+  (:data:`.workers.TICK_INTERVAL`): 12 of its 20 ms of CPU per idle second;
 * with a dashboard, the scheduler preloads :mod:`dask_monarch.dashboard`, so
   ``<dashboard>/monarch/`` shows every mesh, rank and stream;
 * Dask's batched-send gaps of its scheduler and workers are lowered to
@@ -51,7 +53,7 @@ from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
 
 from .. import config
-from .workers import RankNanny, rank_worker_options, visible_gpus
+from .workers import RankNanny, rank_worker_options, tick_interval, visible_gpus
 
 logger = logging.getLogger("dask_monarch.cluster")
 
@@ -90,6 +92,9 @@ class SchedulerProcess(SubprocessScheduler):
             "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
             **tls_environment(self.security),
         }
+        tick = tick_interval()
+        if tick is not None:
+            env["DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL"] = tick
         self.process = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,

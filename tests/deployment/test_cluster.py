@@ -42,6 +42,15 @@ def test_rank_workers_are_named_pinned_and_tuned_for_torch(client2):
         assert f["tick_ms"] == parse_timedelta(TICK_INTERVAL) * 1000  # the loop timed less often
 
 
+def test_the_scheduler_process_times_its_loop_as_seldom_as_the_ranks(client2):
+    """Dask's 20 ms tick cost an idle scheduler 12 of its 20 ms of CPU per second."""
+
+    def tick_ms(dask_scheduler=None) -> float:
+        return dask_scheduler.periodic_callbacks["tick"].callback_time
+
+    assert client2.run_on_scheduler(tick_ms) == parse_timedelta(TICK_INTERVAL) * 1000
+
+
 def test_closing_the_cluster_removes_its_scheduler_file():
     """The scheduler process is killed on close, so the file it wrote is removed for it."""
     import dask_monarch as dm
