@@ -1,6 +1,6 @@
 """Collectives: dask_monarch Reduce and SendTensor against plain torch.distributed (gloo).
 
-    python benchmarks/collectives.py [--repeat 5] [--ops 10] [--more-ops 50]
+    python benchmarks/collectives.py [--repeat 5] [--ops 10] [--more-ops 50] [--timeline 5]
 
 For 1 M and 16 M float32 elements on 2 ranks: an in-place all-reduce (Reduce
 SUM) and a rank 0 -> rank 1 send (SendTensor, which makes a new tensor on the
@@ -15,12 +15,21 @@ milliseconds, benchmarks/latency.py) spread over ``ops`` operations. The run
 also times ``--more-ops`` operations per sync, and prints the marginal cost
 of one more operation, ``(t[more] - t[ops]) / (more - ops)``, on both sides:
 what a collective costs once the round trip is paid.
+
+Last, ``--timeline`` batches of ``ops`` operations per side and shape are
+timed inside: ours from ``dm.trace``'s records on each rank (the flush until
+the first operation starts, the c10d call and wait, the handler around it,
+the gaps, the sync's way back), plain gloo from clock reads around each call,
+and each rank process's CPU and minor page faults from the kernel. The table
+says which part holds a ratio above 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import glob
 import os
 import socket
 import statistics
@@ -39,9 +48,24 @@ from dask_monarch.ndslice import Slice
 S0 = StreamRef(0)
 MESH = Ref(1)
 SIZES = {"1M": 1 << 20, "16M": 1 << 24}
+OPS = ("Reduce", "SendTensor")  # the trace's names of the timed messages
 
 
-# -- plain torch.distributed ---------------------------------------------------------------------
+def _mean(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.fmean(p[key] for p in parts) for key in parts[0]}
+
+
+def _usage(pid: int) -> tuple[float, int]:
+    """A process's CPU seconds on all its threads (the kernel's run times, in ns) and its
+    minor page faults (Linux ``/proc``)."""
+    ns = 0
+    for task in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            with open(task) as f:
+                ns += int(f.read().split()[0])
+    with open(f"/proc/{pid}/stat") as f:
+        faults = int(f.read().rsplit(")", 1)[1].split()[7])
+    return ns / 1e9, faults
 
 
 def _plain(rank, port, sizes, commands, results):
@@ -59,23 +83,43 @@ def _plain(rank, port, sizes, commands, results):
         command = commands[rank].get()
         if command is None:
             break
-        kind, name, ops = command
+        kind, name, ops, split = command
         x, n = tensors[name], sizes[name]
         received = []  # like SendTensor: every receive makes a new tensor
+        inside = 0.0  # split: the time spent in the operations' calls and waits
+        before = _usage(os.getpid()) if split else (0.0, 0)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(ops):
+            begun = time.perf_counter()
             if kind == "reduce":
-                dist.all_reduce(x)
+                work = dist.all_reduce(x, async_op=split)
             elif rank == 0:
-                dist.send(x, 1)
+                work = dist.isend(x, 1) if split else dist.send(x, 1)
             else:
                 received.append(torch.empty(n))
-                dist.recv(received[-1], 0)
+                work = dist.irecv(received[-1], 0) if split else dist.recv(received[-1], 0)
+            if split:  # what the blocking calls do inside, with a clock read between ops
+                work.wait()
+                inside += time.perf_counter() - begun
+        ended = time.perf_counter()
         dist.barrier()
         elapsed = time.perf_counter() - start
+        after = _usage(os.getpid()) if split else (0.0, 0)
         del received
-        if rank == 0:
+        if split:
+            results.put(
+                {
+                    "total": elapsed,
+                    "head": 0.0,
+                    "in the op": inside,
+                    "between ops": ended - start - inside,
+                    "tail": elapsed - (ended - start),
+                    "cpu": after[0] - before[0],
+                    "faults": after[1] - before[1],
+                }
+            )
+        elif rank == 0:
             results.put(elapsed)
     dist.destroy_process_group()
 
@@ -101,8 +145,16 @@ class PlainTorch:
 
     def time(self, kind: str, name: str, ops: int) -> float:
         for queue in self.commands:
-            queue.put((kind, name, ops))
+            queue.put((kind, name, ops, False))
         return self.results.get()
+
+    def timeline(self, kind: str, name: str, ops: int) -> dict[str, float]:
+        """One batch with each operation timed: its parts in seconds, averaged over the ranks."""
+        before = _usage(os.getpid())[0]
+        for queue in self.commands:
+            queue.put((kind, name, ops, True))
+        parts = _mean([self.results.get(), self.results.get()])
+        return {**parts, "others": _usage(os.getpid())[0] - before}
 
     def close(self) -> None:
         for queue in self.commands:
@@ -133,10 +185,57 @@ class Ours:
             fn = m.FunctionPath("torch.ones")
             ctrl.send(both, m.CallFunction(seq, [x], [], fn, ArgsKwargs.from_python((n,)), S0, []))
         ctrl.sync(timeout=600)
+        pids = self.client.run(os.getpid, workers=list(ctrl.workers))
+        self.pids = [pids[address] for address in ctrl.workers]  # by rank
+        nannies = self.client.run(os.getppid, workers=list(ctrl.workers))  # here, usually
+        scheduler = self.client.run_on_scheduler(os.getpid)
+        self.others = sorted({os.getpid(), scheduler, *nannies.values()})
 
     def time(self, kind: str, name: str, ops: int) -> float:
-        ctrl, both, x, factory = self.ctrl, self.both, self.inputs[name], self.factories[name]
         start = time.perf_counter()
+        self._run(kind, name, ops)
+        elapsed = time.perf_counter() - start
+        self._free(ops)
+        return elapsed
+
+    def timeline(self, kind: str, name: str, ops: int) -> dict[str, float]:
+        """One traced batch (``dm.trace``'s records of every message and wait): its parts
+        in seconds, averaged over the ranks."""
+        ctrl = self.ctrl
+        ctrl.start_trace()
+        before = [_usage(pid) for pid in self.pids + self.others]
+        start = time.time()
+        self._run(kind, name, ops)
+        end = time.time()
+        after = [_usage(pid) for pid in self.pids + self.others]
+        others = sum(b[0] - a[0] for a, b in zip(before[2:], after[2:]))
+        ranks = ctrl.collect_trace()
+        self._free(ops)
+        parts = []
+        for rank in ranks:
+            records = rank["records"]
+            messages = [r for r in records if r[1] == "message" and r[2] in OPS]
+            first, last = min(r[3] for r in messages), max(r[4] for r in messages)
+            handled = sum(r[4] - r[3] for r in messages)
+            inside = sum(r[4] - r[3] for r in records if r[1] == "wait" and first <= r[3] <= last)
+            parts.append(
+                {
+                    "total": end - start,
+                    "head": first - start,
+                    "in the op": inside,
+                    "handler": handled - inside,
+                    "between ops": last - first - handled,
+                    "tail": end - last,
+                    "cpu": after[rank["rank"]][0] - before[rank["rank"]][0],
+                    "faults": after[rank["rank"]][1] - before[rank["rank"]][1],
+                    "others": others,
+                }
+            )
+        return _mean(parts)
+
+    def _run(self, kind: str, name: str, ops: int) -> None:
+        """``ops`` operations on results ``Ref(100)``..., then a sync."""
+        ctrl, both, x, factory = self.ctrl, self.both, self.inputs[name], self.factories[name]
         for i in range(ops):
             result = Ref(100 + i)
             if kind == "reduce":
@@ -149,10 +248,10 @@ class Ours:
                 )
             ctrl.send(both, message)
         ctrl.sync(timeout=600)
-        elapsed = time.perf_counter() - start
-        ctrl.send(both, m.DeleteRefs([Ref(100 + i) for i in range(ops)]))
-        ctrl.sync(timeout=600)  # freeing them (gigabytes at 16 M) must not land in the next timing
-        return elapsed
+
+    def _free(self, ops: int) -> None:
+        self.ctrl.send(self.both, m.DeleteRefs([Ref(100 + i) for i in range(ops)]))
+        self.ctrl.sync(timeout=600)  # freeing (gigabytes at 16 M) must not land in the next timing
 
     def close(self) -> None:
         self.ctrl.close()
@@ -165,6 +264,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--ops", type=int, default=10)
     parser.add_argument("--more-ops", type=int, default=50, help="0: no marginal cost")
+    parser.add_argument(
+        "--timeline", type=int, default=5, help="batches timed inside, per side (0: none)"
+    )
     args = parser.parse_args()
     counts = [args.ops] + ([args.more_ops] if args.more_ops > args.ops else [])
     plain, mine = PlainTorch(SIZES), Ours(SIZES)
@@ -179,6 +281,14 @@ def main() -> None:
                             elapsed = runner.time(kind, name, ops)
                             if r:
                                 times.setdefault((side, kind, name, ops), []).append(elapsed)
+        timelines = {}  # (side, kind, size) -> the parts of each batch (the first warms up)
+        for r in range(args.timeline + 1 if args.timeline else 0):
+            for kind in ("reduce", "send"):
+                for name in SIZES:
+                    for side, runner in (("plain", plain), ("ours", mine)):
+                        parts = runner.timeline(kind, name, args.ops)
+                        if r:
+                            timelines.setdefault((side, kind, name), []).append(parts)
     finally:
         mine.close()
         plain.close()
@@ -211,6 +321,47 @@ def main() -> None:
                     for side in ("plain", "ours")
                 )
                 print(f"{label + ' ' + name:<26}{a * 1e3:>14.2f}{b * 1e3:>17.2f}{b / a:>8.2f}")
+    if timelines:
+        print_timeline(timelines, args.ops, args.timeline)
+
+
+TIMELINE_ROWS = (
+    ("head", "batch start -> first op starts", 1e3),
+    ("in the op", "in the op (c10d call, wait)", 1e3),
+    ("handler", "our handler around the op", 1e3),
+    ("between ops", "between ops", 1e3),
+    ("tail", "last op ends -> caller back", 1e3),
+    ("total", "total", 1e3),
+    ("cpu", "CPU of a rank's process", 1e3),
+    ("faults", "its minor page faults (count)", 1),
+    ("others", "CPU of all other processes", 1e3),
+)
+
+
+def print_timeline(timelines: dict, ops: int, batches: int) -> None:
+    """Where a batch's time goes, per operation: the part both sides share (the op) and ours
+    alone (the flush that brings the ops to the ranks, the handler, the sync's way back)."""
+    print(
+        f"\nwhere the time of {ops} operations then a sync goes, fp32, ms per operation "
+        f"(median of {batches} batches;\nplain: clock reads around each call, its tail the "
+        "closing barrier; ours: dm.trace's records;\nboth averaged over the 2 ranks; the "
+        "other processes: plain's driver; our client,\nthe scheduler and the 2 nannies)"
+    )
+    columns = [(kind, name) for kind in ("reduce", "send") for name in SIZES]
+    titles = {"reduce": "all-reduce", "send": "send 0 -> 1"}
+    print(f"{'':<32}" + "".join(f"{titles[k] + ' ' + n:>18}" for k, n in columns))
+    print(f"{'part':<32}" + f"{'plain':>9}{'ours':>9}" * len(columns))
+    for key, label, scale in TIMELINE_ROWS:
+        cells = []
+        for kind, name in columns:
+            for side in ("plain", "ours"):
+                batches_parts = timelines[(side, kind, name)]
+                if key not in batches_parts[0]:
+                    cells.append(f"{'-':>9}")
+                    continue
+                median = statistics.median(p[key] for p in batches_parts) / ops * scale
+                cells.append(f"{median:>9.3f}" if scale != 1 else f"{median:>9.0f}")
+        print(f"{label:<32}" + "".join(cells))
 
 
 if __name__ == "__main__":
