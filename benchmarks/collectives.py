@@ -1,6 +1,7 @@
 """Collectives: dask_monarch Reduce and SendTensor against plain torch.distributed (gloo).
 
-    python benchmarks/collectives.py [--repeat 5] [--ops 10] [--more-ops 50] [--timeline 5]
+    python benchmarks/collectives.py [--repeat 5] [--small-repeat 3] [--ops 10] [--more-ops 50]
+                                     [--timeline 5]
 
 For 1 M and 16 M float32 elements on 2 ranks: an in-place all-reduce (Reduce
 SUM) and a rank 0 -> rank 1 send (SendTensor, which makes a new tensor on the
@@ -8,7 +9,9 @@ receiver), timed as ``ops`` operations in a row then a sync, next to the same
 operations in two plain processes that called ``init_process_group("gloo")``
 (receiving into a new tensor each time too; a barrier before and after).
 Both stay up for the whole run and take turns, one repeat each, so they see
-the same machine. Medians over the repeats; ratio = ours / plain.
+the same machine. Medians over the repeats; ratio = ours / plain. A 1 M batch
+is cheap, so each repeat times it ``--small-repeat`` times (the sides taking
+turns each time), for a median that moves less from run to run.
 
 Every dask_monarch figure carries one flush and one sync round trip (a few
 milliseconds, benchmarks/latency.py) spread over ``ops`` operations. The run
@@ -30,6 +33,7 @@ import argparse
 import contextlib
 import datetime
 import glob
+import itertools
 import os
 import socket
 import statistics
@@ -48,6 +52,7 @@ from dask_monarch.ndslice import Slice
 S0 = StreamRef(0)
 MESH = Ref(1)
 SIZES = {"1M": 1 << 20, "16M": 1 << 24}
+SMALL = {"1M"}  # cheap to time: --small-repeat times per repeat, for a steadier median
 OPS = ("Reduce", "SendTensor")  # the trace's names of the timed messages
 
 
@@ -262,6 +267,9 @@ class Ours:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--small-repeat", type=int, default=3, help="1 M batches timed this often per repeat"
+    )
     parser.add_argument("--ops", type=int, default=10)
     parser.add_argument("--more-ops", type=int, default=50, help="0: no marginal cost")
     parser.add_argument(
@@ -275,9 +283,10 @@ def main() -> None:
         for r in range(args.repeat + 1):  # the first repeat warms up and is dropped
             for kind in ("reduce", "send"):
                 for name in SIZES:
-                    for ops in counts:
+                    turns = args.small_repeat if name in SMALL else 1
+                    for ops, turn in itertools.product(counts, range(turns)):
                         sides = (("plain", plain), ("ours", mine))
-                        for side, runner in sides if r % 2 == 0 else sides[::-1]:
+                        for side, runner in sides if (r + turn) % 2 == 0 else sides[::-1]:
                             elapsed = runner.time(kind, name, ops)
                             if r:
                                 times.setdefault((side, kind, name, ops), []).append(elapsed)
@@ -298,7 +307,7 @@ def main() -> None:
 
     print(
         f"\n2 ranks, float32, {args.ops} operations then a sync, median of {args.repeat} "
-        "(plain and ours taking turns)"
+        f"({args.repeat * args.small_repeat} at 1 M; plain and ours taking turns)"
     )
     print(f"{'operation':<26}{'plain gloo ms':>14}{'dask_monarch ms':>17}{'ratio':>8}")
     for kind, label in (("reduce", "all-reduce SUM"), ("send", "send rank 0 -> 1")):
