@@ -13,6 +13,13 @@ the same machine. Medians over the repeats; ratio = ours / plain. A 1 M batch
 is cheap, so each repeat times it ``--small-repeat`` times (the sides taking
 turns each time), for a median that moves less from run to run.
 
+A send's receiver fills a fresh tensor each time, and the kernel's pages
+come dearer to the first process that takes gigabytes after a while than
+to one that takes them just after another freed them: the first side of a
+turn paid 130-168 ms per 16 M receive in batches of 50, the second 48-54
+(benchmarks/RESULTS.md). So each turn of sends starts with an untimed batch
+of its first side, and both timed sides find pages just freed.
+
 Every dask_monarch figure carries one flush and one sync round trip (a few
 milliseconds, benchmarks/latency.py) spread over ``ops`` operations. The run
 also times ``--more-ops`` operations per sync, and prints the marginal cost
@@ -286,7 +293,10 @@ def main() -> None:
                     turns = args.small_repeat if name in SMALL else 1
                     for ops, turn in itertools.product(counts, range(turns)):
                         sides = (("plain", plain), ("ours", mine))
-                        for side, runner in sides if (r + turn) % 2 == 0 else sides[::-1]:
+                        order = sides if (r + turn) % 2 == 0 else sides[::-1]
+                        if kind == "send":  # both timed sides receive into pages just freed
+                            order[0][1].time(kind, name, ops)
+                        for side, runner in order:
                             elapsed = runner.time(kind, name, ops)
                             if r:
                                 times.setdefault((side, kind, name, ops), []).append(elapsed)
@@ -294,6 +304,8 @@ def main() -> None:
         for r in range(args.timeline + 1 if args.timeline else 0):
             for kind in ("reduce", "send"):
                 for name in SIZES:
+                    if kind == "send":  # as above: both timed sides find pages just freed
+                        plain.time(kind, name, args.ops)
                     for side, runner in (("plain", plain), ("ours", mine)):
                         parts = runner.timeline(kind, name, args.ops)
                         if r:
