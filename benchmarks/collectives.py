@@ -80,6 +80,9 @@ def _usage(pid: int) -> tuple[float, int]:
     return ns / 1e9, faults
 
 
+# -- plain torch.distributed ---------------------------------------------------------------------
+
+
 def _plain(rank, port, sizes, commands, results):
     """One of the two plain processes: runs ``(kind, size name, ops)`` commands until None."""
     torch.set_num_threads(1)
@@ -220,11 +223,12 @@ class Ours:
         self._run(kind, name, ops)
         end = time.time()
         after = [_usage(pid) for pid in self.pids + self.others]
-        others = sum(b[0] - a[0] for a, b in zip(before[2:], after[2:]))
-        ranks = ctrl.collect_trace()
+        ranks = len(self.pids)
+        others = sum(b[0] - a[0] for a, b in zip(before[ranks:], after[ranks:]))
+        traces = ctrl.collect_trace()
         self._free(ops)
         parts = []
-        for rank in ranks:
+        for rank in traces:
             records = rank["records"]
             messages = [r for r in records if r[1] == "message" and r[2] in OPS]
             first, last = min(r[3] for r in messages), max(r[4] for r in messages)
