@@ -1,7 +1,7 @@
 """Collectives: dask_monarch Reduce and SendTensor against plain torch.distributed (gloo).
 
     python benchmarks/collectives.py [--repeat 5] [--small-repeat 3] [--ops 10] [--more-ops 50]
-                                     [--timeline 5]
+                                     [--timeline 5] [--hops 20]
 
 For 1 M and 16 M float32 elements on 2 ranks: an in-place all-reduce (Reduce
 SUM) and a rank 0 -> rank 1 send (SendTensor, which makes a new tensor on the
@@ -32,6 +32,13 @@ the first operation starts, the c10d call and wait, the handler around it,
 the gaps, the sync's way back), plain gloo from clock reads around each call,
 and each rank process's CPU and minor page faults from the kernel. The table
 says which part holds a ratio above 1.
+
+Then ``--hops`` batches of the 1 M all-reduce, where that part weighs most,
+are stamped hop by hop in every process with ``benchmarks/latency.py``'s
+stamps (installed only now, so they cost the ratios nothing): the client's
+compile and send, the scheduler's intake and ``compute-task`` to each rank,
+each worker's task and lane starting, the ranks' reports and the client
+reading them. The flush and the sync are those hops.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import socket
 import statistics
 import time
 
+import latency
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,6 +67,8 @@ from dask_monarch.ndslice import Slice
 S0 = StreamRef(0)
 MESH = Ref(1)
 SIZES = {"1M": 1 << 20, "16M": 1 << 24}
+HOPS_SIZE = "1M"  # --hops: the size where the flush and the sync weigh most
+HOPS_PAUSE_S = 0.05  # --hops: before each batch, so that it starts on a quiet machine
 SMALL = {"1M"}  # cheap to time: --small-repeat times per repeat, for a steadier median
 OPS = ("Reduce", "SendTensor")  # the trace's names of the timed messages
 
@@ -249,6 +259,31 @@ class Ours:
             )
         return _mean(parts)
 
+    def hops(self, kind: str, name: str, ops: int, batches: int) -> dict[str, list[float]]:
+        """``batches`` batches stamped hop by hop in every process (``latency.py``'s stamps,
+        which stay: call it last); per hop, the ms from each batch's start to its first stamp.
+        A pause before each batch lets the previous one's bookkeeping end first."""
+        client = self.client
+        stamps = latency.install_stamps(client, self.ctrl)
+        for _ in range(2):  # every comm wrapped once it exists, with a read pending on each
+            for _ in range(2):
+                self.time(kind, name, ops)
+            latency.wrap_comms(client)
+        latency.take_log(client, stamps)
+        batches_seen = []
+        for _ in range(batches):
+            time.sleep(HOPS_PAUSE_S)
+            plans = len(stamps.plans)
+            stamps.mark("start")
+            start = time.time()
+            self._run(kind, name, ops)
+            end = time.time()
+            keys = [key for plan in stamps.plans[plans:] for key in plan]
+            batches_seen.append({"t0": start, "end": end, "ids": latency.segment_ids(keys)})
+            self._free(ops)
+        ranks = {address: f"rank {r}" for r, address in enumerate(self.ctrl.workers)}
+        return latency.hops(batches_seen, latency.take_log(client, stamps), ranks)
+
     def _run(self, kind: str, name: str, ops: int) -> None:
         """``ops`` operations on results ``Ref(100)``..., then a sync."""
         ctrl, both, x, factory = self.ctrl, self.both, self.inputs[name], self.factories[name]
@@ -286,6 +321,9 @@ def main() -> None:
     parser.add_argument(
         "--timeline", type=int, default=5, help="batches timed inside, per side (0: none)"
     )
+    parser.add_argument(
+        "--hops", type=int, default=20, help="1 M all-reduce batches stamped hop by hop (0: none)"
+    )
     args = parser.parse_args()
     counts = [args.ops] + ([args.more_ops] if args.more_ops > args.ops else [])
     plain, mine = PlainTorch(SIZES), Ours(SIZES)
@@ -314,6 +352,7 @@ def main() -> None:
                         parts = runner.timeline(kind, name, args.ops)
                         if r:
                             timelines.setdefault((side, kind, name), []).append(parts)
+        hops = mine.hops("reduce", HOPS_SIZE, args.ops, args.hops) if args.hops else None
     finally:
         mine.close()
         plain.close()
@@ -348,6 +387,12 @@ def main() -> None:
                 print(f"{label + ' ' + name:<26}{a * 1e3:>14.2f}{b * 1e3:>17.2f}{b / a:>8.2f}")
     if timelines:
         print_timeline(timelines, args.ops, args.timeline)
+    if hops:
+        latency.print_table(
+            f"dask_monarch: {args.ops} all-reduces of {HOPS_SIZE} then a sync, hop by hop",
+            hops,
+            args.hops,
+        )
 
 
 TIMELINE_ROWS = (

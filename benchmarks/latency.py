@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
 from typing import Any
 
+import cloudpickle
 import torch
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
@@ -265,6 +267,37 @@ class ClientStamps:
         self.log.append((time.time(), "client", event, ids or []))
 
 
+def install_stamps(client: Client, controller: Any) -> ClientStamps:
+    """Stamp what every process of ``client``'s cluster does for ``controller``; the comms
+    are wrapped by :func:`wrap_comms`, once they exist."""
+    if __name__ != "__main__":  # imported by another benchmark: the others cannot import it
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    client.register_plugin(SchedulerStamps())
+    client.register_plugin(WorkerStamps(), name=WorkerStamps.name)
+    return ClientStamps(client, controller)
+
+
+def wrap_comms(client: Client) -> None:
+    """Wrap the scheduler's and the workers' comms that exist by now (again once more do)."""
+    client.run_on_scheduler(_wrap_scheduler_comms)
+    client.run(_wrap_worker)
+
+
+def take_log(client: Client, stamps: ClientStamps) -> list:
+    """Every process's stamps so far; each process's list starts empty again."""
+    log = list(stamps.log)
+    stamps.log.clear()  # in place: the wrappers append to this list
+    log += client.run_on_scheduler(_scheduler_log)
+    for entries in client.run(_worker_log).values():
+        log += entries
+    return log
+
+
+def segment_ids(keys: list) -> set[str]:
+    """What identifies the stamps of the segments ``keys`` (see :func:`hops`)."""
+    return {str(_seg(k)) for k in keys}
+
+
 def monarch_round(x: Any, stamps: ClientStamps) -> tuple[Any, dict]:
     """One op and one fetch; returns the new value and what identifies this round trip."""
     stamps.mark("start")
@@ -275,7 +308,7 @@ def monarch_round(x: Any, stamps: ClientStamps) -> tuple[Any, dict]:
     future.result()
     stamps.mark("user thread woken")
     keys = stamps.plans[-1] if stamps.plans else []
-    ids = {str(_seg(k)) for k in keys} | {f"seq{future.seq}"}
+    ids = segment_ids(keys) | {f"seq{future.seq}"}
     return x, {"t0": t0, "ids": ids, "seq": future.seq, "end": time.time()}
 
 
@@ -335,17 +368,18 @@ def hops(rounds: list[dict], log: list, ranks: dict[str, str]) -> dict[str, list
 
 
 def print_table(title: str, table: dict[str, list[float]], n: int) -> None:
+    """The hops in time order; the total where the caller got its answer, so that the rows
+    after it are the bookkeeping that followed (``hops`` looks 50 ms past the end)."""
     print(f"\n{title} (median ms since the round trip began, over {n} round trips)")
-    rows = sorted(
-        ((statistics.median(v), label, len(v)) for label, v in table.items() if label != "total"),
-    )
+    rows = sorted((statistics.median(v), label, len(v)) for label, v in table.items())
     prev = 0.0
     print(f"{'hop':<62}{'ms':>8}{'+ms':>8}{'seen':>6}")
     for ms, label, count in rows:
-        print(f"{label:<62}{ms:>8.2f}{ms - prev:>8.2f}{count:>6}")
+        if label == "total":
+            print(f"{'total (the caller has the answer)':<62}{ms:>8.2f}{ms - prev:>8.2f}")
+        else:
+            print(f"{label:<62}{ms:>8.2f}{ms - prev:>8.2f}{count:>6}")
         prev = ms
-    total = statistics.median(table["total"])
-    print(f"{'total (the user thread has the value)':<62}{total:>8.2f}{total - prev:>8.2f}")
 
 
 def main() -> None:
@@ -358,24 +392,19 @@ def main() -> None:
         mesh = dm.device_mesh(client, gpu=2)
         controller = mesh._session.controller
         ranks = {addr: f"rank {r}" for r, addr in enumerate(controller.workers)}
-        client.register_plugin(SchedulerStamps())
-        client.register_plugin(WorkerStamps(), name="timeline-worker")
-        stamps = ClientStamps(client, controller)
+        stamps = install_stamps(client, controller)
         stamps.rank0 = controller.workers[0]
         ranks["task"] = "rank 0"
         with mesh.activate():
             x = torch.zeros(())
             dm.inspect(x)
             client.submit(noop_now, 0, pure=False, workers=[stamps.rank0]).result()
-            client.run_on_scheduler(_wrap_scheduler_comms)
-            client.run(_wrap_worker)
+            wrap_comms(client)
             dm.inspect(x)
             for _ in range(3):  # warm: every comm wrapped, a read pending on each
                 x, _ = monarch_round(x, stamps)
                 dask_round(client, -1, stamps)
-            client.run_on_scheduler(_scheduler_log)
-            client.run(_worker_log)
-            stamps.log.clear()
+            take_log(client, stamps)
             mon, bare = [], []
             for _ in range(args.rounds):
                 for _i in range(args.n):
@@ -383,10 +412,7 @@ def main() -> None:
                     mon.append(r)
                 for i in range(args.n):
                     bare.append(dask_round(client, i, stamps))
-        log = list(stamps.log)
-        log += client.run_on_scheduler(_scheduler_log)
-        for entries in client.run(_worker_log).values():
-            log += entries
+        log = take_log(client, stamps)
         mesh.exit()
 
     print(f"torch {torch.__version__}; {args.rounds} alternating rounds of {args.n}")
