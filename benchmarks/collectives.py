@@ -265,10 +265,9 @@ class Ours:
         A pause before each batch lets the previous one's bookkeeping end first."""
         client = self.client
         stamps = latency.install_stamps(client, self.ctrl)
-        for _ in range(2):  # every comm wrapped once it exists, with a read pending on each
-            for _ in range(2):
-                self.time(kind, name, ops)
-            latency.wrap_comms(client)
+        latency.wrap_comms(client)  # every comm exists by now
+        for _ in range(3):  # warm: a wrapped read pending on each comm
+            self.time(kind, name, ops)
         latency.take_log(client, stamps)
         batches_seen = []
         for _ in range(batches):
