@@ -30,10 +30,11 @@ logger = logging.getLogger("dask_monarch.borrows")
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
 
-    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "__weakref__")
+    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "known", "__weakref__")
 
     def __init__(self) -> None:
         self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
+        self.known = False  # some alias has a value the client knows (client_values)
         self._lent_mutably = None  # weakref to the Borrow that took this storage away
         # immutable borrows out of this storage; weak, so that a borrow nobody holds is
         # collected (and drops itself, with a warning)
@@ -66,6 +67,14 @@ class StorageInfo:
 
     def refs(self) -> list[int]:
         return [h._ref.id for h in self.handles if h._owns_ref]
+
+    def forget_known(self) -> None:
+        """The ranks change this storage in a way the client does not follow: no alias's
+        value is known any more (client_values)."""
+        if self.known:
+            for h in self.handles:
+                h._known = None
+            self.known = False
 
 
 class Borrow:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._pytree import tree_map
 
 from .borrows import first_use
+from .propagation import TensorMeta
 from .protocol import messages as m
 from .protocol.messages import ReduceOp
 from .tensor import Tensor, check_usable, contiguous, issue, mutated_refs, placement
@@ -126,9 +127,8 @@ def _reduce(
         else:
             storage, mutates = None, []
             stride, offset = contiguous(result_shape), 0
-        handle = Tensor(
-            result_shape, stride, offset, t.dtype, t.device, session, own, stream, result, storage
-        )
+        meta = TensorMeta(result_shape, stride, offset, t.dtype, t.device)
+        handle = Tensor(meta, session, own, stream, result, storage)
         issue(session, inputs, [result.id] + mutates, [handle])
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         session.send(

@@ -54,8 +54,8 @@ class _Trace:
         self.ref = ref
         self.ranks = ranks
         self.formals = formals  # argument index -> formal handle (for aliasing of outputs)
-        self.outputs = outputs  # per output: (shape, stride, offset, dtype, device, stream,
-        #                          index of the formal it is, or None)
+        self.outputs = outputs  # per output: (TensorMeta, stream, index of the formal it is,
+        #                          or None)
         self.template = template  # the output leaves, TENSOR_SLOT where a tensor goes
         self.out_spec = out_spec
         self.captured = captured  # weakrefs to captured outside tensors
@@ -127,7 +127,7 @@ class Compiled:
                 for index, (position, t) in enumerate(tensors):
                     storage = storages.get(id(t._storage))
                     formal = Tensor(
-                        *t._mkey, session, t._mesh, t._stream, session.new_ref(), storage
+                        t._mkey, session, t._mesh, t._stream, session.new_ref(), storage
                     )
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(
@@ -147,7 +147,7 @@ class Compiled:
                         h._mesh._ranks, m.RecordingResult(h._ref, j, session.stream_ref(h._stream))
                     )
                     is_formal = next((i for i, f in formals.items() if f is h), None)
-                    outputs.append((*h._mkey, h._stream, is_formal))
+                    outputs.append((h._mkey, h._stream, is_formal))
                 open_borrows = [b for b in capture.borrows if not b.dropped]
                 if open_borrows:
                     raise RuntimeError(
@@ -282,12 +282,10 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
             check_usable(t)
         first_use(session, actuals)
         results, handles = [], []
-        for shape, stride, offset, dtype, device, stream, is_formal in trace.outputs:
+        for meta, stream, is_formal in trace.outputs:
             ref = session.new_ref()
             storage = actuals[is_formal]._storage if is_formal is not None else None
-            handles.append(
-                Tensor(shape, stride, offset, dtype, device, session, mesh, stream, ref, storage)
-            )
+            handles.append(Tensor(meta, session, mesh, stream, ref, storage))
             results.append(ref)
         captured = [ref() for ref in trace.captured]
         changed = [

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .controller.dry import DryController, DryRunError, RankFigures, by_rank
+from .propagation import TensorMeta, extent
 from .tensor import Tensor, exited
 
 if TYPE_CHECKING:
@@ -238,39 +239,27 @@ _original_new = Tensor.__dict__["__new__"]
 
 def _counting_new(
     cls: type,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    offset: int,
-    dtype: Any,
-    device: Any,
+    meta: TensorMeta,
     session: Session,
     mesh: DeviceMesh,
     stream: Any,
     ref: Any,
     storage: Any = None,
     owns_ref: bool = True,
+    known: Any = None,
 ) -> Tensor:
     """``Tensor.__new__`` while a dry run is on: tells the dry controller what each handle
     holds. Installed only then, so a normal run never pays for it."""
-    t = _original_new.__func__(
-        cls, shape, stride, offset, dtype, device, session, mesh, stream, ref, storage, owns_ref
-    )
+    t = _original_new.__func__(cls, meta, session, mesh, stream, ref, storage, owns_ref, known)
     entry = _dry.get(id(session))
     if entry is not None and ref.id >= entry[0].first_id:
         controller, keys = entry
         key = keys.get(t._storage)
         if key is None:  # weakly keyed: a storage's handles must die as in a real run
             key = keys[t._storage] = next(_keys)
-        nbytes = 0 if storage is not None else _extent(shape, stride, offset) * dtype.itemsize
+        nbytes = 0 if storage is not None else extent(meta) * meta.dtype.itemsize
         controller.created(ref.id, key, nbytes, mesh._ranks)
     return t
-
-
-def _extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
-    """Elements a new storage holds for a tensor of this layout (0 when it is empty)."""
-    if any(size == 0 for size in shape):
-        return 0
-    return offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
 
 
 def _track(session: Session, controller: DryController) -> None:

@@ -103,3 +103,26 @@ class LivenessWarning(UserWarning):
         self.seq = seq
         self.waiting_on = waiting_on
         self.stalls = stalls
+
+
+class ImplicitFetchWarning(UserWarning):
+    """Python asked for the value of a mesh tensor, and it was fetched from every rank.
+
+    ``bool(t)``, ``t.item()``, ``if t.any():`` and ops whose output shape
+    depends on data wait for the ranks, as ``.item()`` on a GPU waits for the
+    GPU. With ``dask_monarch.implicit-fetch: warn`` (the default) each call site
+    (``filename``, ``lineno``: the first frame outside dask_monarch and torch)
+    warns once; ``count`` is how many such fetches its mesh made so far.
+    """
+
+    def __init__(
+        self, message: str, *, filename: str = "", lineno: int = 0, count: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.lineno = lineno
+        self.count = count
+
+
+class CompileWarning(UserWarning):
+    """A compiled function could not keep its recording and was traced again (or runs eagerly)."""

@@ -95,11 +95,9 @@ def fetch_value(
         if inputs:
             first_use(session, [h for h in inputs if isinstance(h, Tensor)])
             uses += [h._ref.id for h in inputs]
-        seq, future = session.expect_result(uses, 1)
+        future = session.fetch((rank,), stream_ref, function, args_kwargs, uses)
         if function is None and handles:
-            future.check = _Declared(handles, rank, seq)
-        session.send((rank,), m.SendValue(seq, None, [], function, args_kwargs, stream_ref))
-        session.request_status()
+            future.check = _Declared(handles, rank, future.seq)
     session.controller.flush()
     return future
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .protocol import messages as m
@@ -60,6 +64,50 @@ class Uncacheable(Exception):
     """An argument the cache cannot key on: propagate every time."""
 
 
+# An op whose outputs' shapes depend on the values of its inputs (nonzero, unique, x[mask]), or
+# that needs an input's value to run at all: fake tensors cannot say what it returns.
+DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
+
+CONJ, NEG = 1, 2  # TensorMeta.bits: torch's lazy conjugate and negative views
+
+
+class TensorMeta(NamedTuple):
+    """What the client knows of a tensor on the ranks: everything but its value.
+
+    The same tuple is a handle's metadata, a plan's output and a propagation
+    cache key, so a handle always says what the op that made it says.
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    bits: int = 0  # CONJ | NEG
+
+
+def meta_of(t: torch.Tensor) -> TensorMeta:
+    """The metadata of a real or fake tensor."""
+    bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+    return TensorMeta(
+        tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, bits
+    )
+
+
+def describe(*tensors: torch.Tensor) -> list[TensorMeta]:
+    """On a rank: the metadata of what an op whose output shapes depend on data returned
+    (the client fetches it from every rank: tensor.dispatch)."""
+    return [meta_of(t) for t in tensors]
+
+
+def set_bits(t: torch.Tensor, bits: int) -> None:
+    """Give ``t`` the conjugate and negative bits ``bits`` names (both start unset)."""
+    if bits & CONJ:
+        torch._C._set_conj(t, True)
+    if bits & NEG:
+        torch._C._set_neg(t, True)
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """What an op's schema says: its import path, what it writes, what its outputs alias."""
@@ -73,6 +121,8 @@ class OpInfo:
     seeded: bool = False  # it draws random numbers (torch.Tag.nondeterministic_seeded)
     # the overload to call with a ``generator=`` keyword (itself if it takes one), if any
     with_generator: m.FunctionPath | None = None
+    exact: bool = False  # its results are bit-identical on every device (client_values)
+    value_free: bool = False  # its results depend on no input's value (zeros_like, fill_)
 
 
 # id(op) -> (op, its OpInfo). Keyed by id: an OpOverload hashes in Python (a call per lookup,
@@ -111,6 +161,8 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         written.append(bool(info is not None and info.is_write and target is not None))
     makes_tensors = any("Tensor" in str(ret.type) for ret in schema.returns)
     seeded = torch.Tag.nondeterministic_seeded in func.tags
+    base = name.split(".")[0]
+    base = base[:-1] if base.endswith("_") and not base.endswith("__") else base
     return OpInfo(
         m.FunctionPath(path),
         names,
@@ -120,7 +172,43 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         makes_tensors,
         seeded,
         _with_generator(func, names) if seeded else None,
+        namespace == "aten" and base in _EXACT,
+        namespace == "aten" and (base, func._overloadname) in _VALUE_FREE,
     )
+
+
+# Ops whose results are bit-identical wherever they run (copies, views, indexing, comparisons,
+# correctly rounded IEEE arithmetic, min and max): the client may compute them itself from
+# values it knows (client_values). Reductions and transcendental functions are not here: their
+# results depend on the device's summation order and math library.
+_EXACT = frozenset(
+    """
+    alias view _unsafe_view reshape _reshape_alias as_strided expand expand_as permute t
+    transpose swapaxes swapdims squeeze unsqueeze select slice narrow unfold diagonal split
+    split_with_sizes unsafe_split chunk unbind view_as flatten unflatten movedim detach
+    lift_fresh lift_fresh_copy lift clone contiguous _to_copy to copy resolve_conj resolve_neg
+    index index_select gather take masked_fill where cat stack flip roll repeat tile triu tril
+    diag diag_embed fill zero zeros ones full scalar_tensor arange eye zeros_like ones_like
+    full_like new_zeros new_ones new_full add sub rsub mul div neg abs floor ceil round trunc
+    frac sign sgn remainder fmod floor_divide clamp clamp_min clamp_max minimum maximum fmin
+    fmax eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and
+    bitwise_or bitwise_xor bitwise_not isnan isinf isfinite isposinf isneginf signbit any all
+    max min amax amin argmax argmin aminmax nonzero argwhere masked_select isin count_nonzero
+    """.split()
+)
+# (op, overload) pairs whose results do not depend on any input's value, only on its metadata
+_VALUE_FREE = frozenset(
+    {
+        ("zeros_like", "default"),
+        ("ones_like", "default"),
+        ("full_like", "default"),
+        ("new_zeros", "default"),
+        ("new_ones", "default"),
+        ("new_full", "default"),
+        ("fill", "Scalar"),
+        ("zero", "default"),
+    }
+)
 
 
 def _with_generator(func: OpOverload, names: tuple[str, ...]) -> m.FunctionPath | None:
@@ -144,11 +232,7 @@ def _with_generator(func: OpOverload, names: tuple[str, ...]) -> m.FunctionPath 
 class Output:
     """One returned tensor: its metadata and, if it aliases an argument, which one."""
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    device: torch.device
+    meta: TensorMeta
     alias: int | None  # schema argument index it is a view of
     is_arg: bool  # it *is* that argument (in-place / out=): return the caller's handle
 
@@ -224,26 +308,31 @@ class Propagator:
                 return x
 
             result = func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-        return _plan_of(result, info)
+        return plan_of(result, info)
 
 
-def _extent(mkey: tuple) -> int:
-    shape, stride, offset = mkey[:3]
+def extent(meta: TensorMeta) -> int:
+    """The number of elements of storage a tensor of ``meta`` spans (from element 0)."""
+    shape, stride, offset = meta[:3]
     return offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
 
 
 def _fake_like(t: Tensor, bases: dict[int, torch.Tensor]) -> torch.Tensor:
     """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
-    shape, stride, offset, dtype, device = t._mkey
+    shape, stride, offset, dtype, device, bits = t._mkey
     key = id(t._storage)
     base = bases.get(key)
-    if base is None or base.dtype != dtype or base.numel() < _extent(t._mkey):
-        size = max(_extent(h._mkey) for h in t._storage.handles)
+    if base is None or base.dtype != dtype or base.numel() < extent(t._mkey):
+        size = max(extent(h._mkey) for h in t._storage.handles)
         base = bases[key] = torch.empty(size, dtype=dtype, device=device)
-    return base.as_strided(shape, stride, offset)
+    view = base.as_strided(shape, stride, offset)
+    if bits:
+        set_bits(view, bits)
+    return view
 
 
-def _plan_of(result: Any, info: OpInfo) -> Plan:
+def plan_of(result: Any, info: OpInfo) -> Plan:
+    """The plan of what ``info``'s op returned (fake or real tensors)."""
     if result is None:
         return Plan("none", ())
     if isinstance(result, torch.Tensor):
@@ -270,9 +359,7 @@ def _plan_of(result: Any, info: OpInfo) -> Plan:
 def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
     alias = info.returns_alias[index] if index < len(info.returns_alias) else None
     is_arg = info.returns_write[index] if index < len(info.returns_write) else False
-    return Output(
-        tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, alias, is_arg
-    )
+    return Output(meta_of(t), alias, is_arg)
 
 
 # -- cache keys ------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .borrows import first_use
 from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .opaque_ref import OpaqueRef, place, split_handles
+from .propagation import TensorMeta, set_bits
 from .protocol import messages as m
 from .protocol.messages.values import resolvable
 from .protocol.names import describe_output, described_tensor
@@ -206,7 +207,7 @@ def bind_outputs(
                 *metadata, alias = leaf  # shape, stride, offset, dtype, device
                 ref = session.new_ref()
                 storage = alias._storage if alias is not None else None
-                out.append(Tensor(*metadata, session, mesh, stream, ref, storage))
+                out.append(Tensor(TensorMeta(*metadata), session, mesh, stream, ref, storage))
                 results.append(ref)
             else:
                 out.append(leaf)
@@ -238,11 +239,13 @@ def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[A
         if isinstance(x, Tensor):
             f = fakes.get(id(x))
             if f is None:
-                shape, stride, offset, dtype, device = x._mkey
+                shape, stride, offset, dtype, device, bits = x._mkey
                 with mode:
                     f = fakes[id(x)] = torch.empty_strided(
                         shape, stride, dtype=dtype, device=device
                     )
+                    if bits:
+                        set_bits(f, bits)
             return f
         return x
 

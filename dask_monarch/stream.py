@@ -82,8 +82,9 @@ class Stream:
             src, dst = session.stream_ref(t._stream), session.stream_ref(self)
             borrow_id, result = session.new_id(), session.new_ref()
             first_use(session, [t])
-            shape, stride, offset, dtype, device = t._mkey
-            borrowed = Tensor(shape, stride, offset, dtype, device, session, t._mesh, self, result)
+            if mutable:  # the borrower may change it: the client stops following its value
+                t._storage.forget_known()
+            borrowed = Tensor(t._mkey, session, t._mesh, self, result)
             issue(session, [t], [result.id], [borrowed])
             session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
             handle = Borrow(session, borrow_id, t, borrowed, mutable)

@@ -23,6 +23,7 @@ others, and a split would only add an import cycle.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -30,10 +31,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import forward_ad
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import client_values, config, implicit_fetch
 from .borrows import StorageInfo, first_use
-from .propagation import OpInfo, op_info
+from .propagation import (
+    DATA_DEPENDENT,
+    OpInfo,
+    Plan,
+    TensorMeta,
+    extent,
+    meta_of,
+    op_info,
+    plan_of,
+    set_bits,
+)
 from .protocol import messages as m
 from .stream import Stream, drop_trace, get_active_stream
 
@@ -58,32 +71,39 @@ class Tensor(torch.Tensor):
     @staticmethod
     def __new__(
         cls,
-        shape: tuple[int, ...],
-        stride: tuple[int, ...],
-        offset: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        meta: TensorMeta,
         session: Session,
         mesh: DeviceMesh,
         stream: Stream,
         ref: m.Ref,
         storage: StorageInfo | None = None,
         owns_ref: bool = True,
+        known: torch.Tensor | None = None,
     ) -> Tensor:
         t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=device
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            storage_offset=meta.offset,
+            dtype=meta.dtype,
+            device=meta.device,
         )
-        t._mkey = (shape, stride, offset, dtype, device)
+        if meta.bits:
+            set_bits(t, meta.bits)
+        t._mkey = meta
         t._session = session
         t._mesh = mesh
         t._stream = stream
         t._ref = ref
         t._owns_ref = owns_ref
         t._dropped = None
+        t._known = known  # the value, when the client knows it (client_values)
         if storage is None:
             storage = StorageInfo()
         t._storage = storage
         storage.add(t)
+        if known is not None:
+            storage.known = True
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -168,7 +188,16 @@ class Tensor(torch.Tensor):
         )
 
     def __format__(self, spec: str) -> str:
-        return repr(self)
+        """``f"{loss:.3f}"`` formats the number (an implicit fetch unless the client knows it);
+        ``f"{t}"`` shows the handle."""
+        if not spec:
+            return repr(self)
+        if self.dim() != 0:
+            raise TypeError(
+                f"unsupported format string {spec!r} for {self._describe()}: only a 0-d tensor "
+                "formats as a number (format dask_monarch.inspect(t) for a rank's values)"
+            )
+        return format(self.item(), spec)
 
     def _repr_html_(self) -> str:
         """A notebook's view: what the handle is, not its value (that lives on the ranks)."""
@@ -195,23 +224,44 @@ class Tensor(torch.Tensor):
         dtype = str(self.dtype).removeprefix("torch.")
         return f"a {dtype} tensor of shape {list(self.shape)} on {self._mesh._label()}"
 
-    # -- values live on the ranks: the local conversions point to the fetches --------------
-
-    def _on_the_ranks(self, what: str) -> RuntimeError:
-        return RuntimeError(
-            f"{what} needs the value on the client, but {self._describe()} lives on the "
-            "ranks: fetch it with dask_monarch.inspect(t) (one rank's value, as a CPU tensor; "
-            "e.g. dask_monarch.inspect(t).numpy()) or dask_monarch.fetch_shard(t) (a future)"
-        )
+    # -- Python asks for the value: the client's copy, or an implicit fetch ------------------
 
     def numpy(self, *, force: bool = False) -> Any:
-        raise self._on_the_ranks("t.numpy()")
+        return value_of(self, "t.numpy()").numpy()
 
     def tolist(self) -> Any:
-        raise self._on_the_ranks("t.tolist()")
+        return value_of(self, "t.tolist()").tolist()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        raise self._on_the_ranks("numpy (np.asarray(t), np.array(t))")
+        array = value_of(self, "numpy (np.asarray(t), np.array(t))").numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        """A new mesh tensor: a clone on the ranks (``copy.deepcopy`` of a module with mesh
+        parameters, an EMA copy of a model, ``nn.TransformerEncoder``'s layers)."""
+        done = memo.get(id(self))
+        if done is not None:
+            return done
+        check_usable(self)
+        with torch.no_grad(), self._stream.activate():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self._describe()} cannot be pickled: its value lives on the ranks. Pass it to "
+            "a remote function as an argument (only its ref travels), fetch it with "
+            "dask_monarch.inspect(t) (a CPU tensor, which pickles), or save mesh state with "
+            "dask_monarch.checkpoint.save"
+        )
 
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
@@ -403,7 +453,8 @@ def placement(handles: list[Tensor], what: object, hint: str) -> tuple[DeviceMes
 
 
 class _MeshMode(TorchDispatchMode):
-    """Under ``mesh.activate()``: factories run on the mesh, local tensors are refused."""
+    """Under ``mesh.activate()``: factories and client data become mesh tensors; an op whose
+    tensor inputs are all local runs locally, as without a mesh."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -417,20 +468,39 @@ class _MeshMode(TorchDispatchMode):
         kwargs: dict | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not _has_mesh_tensor(args, kwargs) and (
-            active_mesh() is None or not op_info(func).makes_tensors
-        ):
-            return func(*args, **kwargs)  # no_mesh.activate(), or an op that makes no tensor
-        return dispatch(func, args, kwargs)
+        tensors = _tensor_inputs(args, kwargs)
+        if tensors is _MESH:
+            return dispatch(func, args, kwargs)
+        mesh = active_mesh()
+        if mesh is not None:
+            if id(func) in _LIFTS:  # torch.tensor(data), as_tensor, from_numpy: a value
+                return from_client(args[0], mesh, get_active_stream(), private=True)
+            if tensors is None and op_info(func).makes_tensors:
+                return dispatch(func, args, kwargs)  # a factory: made on the mesh
+        return func(*args, **kwargs)  # no_mesh.activate(), local inputs, or no tensor made
 
 
-def _has_mesh_tensor(args: tuple, kwargs: dict) -> bool:
+_MESH, _LOCAL = object(), object()
+# what torch.tensor(data) and friends call with the tensor they made from the data
+_LIFTS = {id(op) for op in (_aten.lift_fresh.default, _aten.lift.default)}
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> object | None:
+    """``_MESH`` if a mesh tensor is among the inputs (one list level deep), else ``_LOCAL``
+    if a local tensor is, else None."""
+    found = None
     for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            return True
-        if isinstance(a, (list, tuple)) and any(isinstance(v, Tensor) for v in a):
-            return True
-    return False
+        if isinstance(a, torch.Tensor):
+            if isinstance(a, Tensor):
+                return _MESH
+            found = _LOCAL
+        elif isinstance(a, (list, tuple)):
+            for v in a:
+                if isinstance(v, torch.Tensor):
+                    if isinstance(v, Tensor):
+                        return _MESH
+                    found = _LOCAL
+    return found
 
 
 @contextlib.contextmanager
@@ -459,15 +529,20 @@ no_mesh = _NoMesh()
 
 # -- dispatch --------------------------------------------------------------------------------
 
-# by id: an OpOverload hashes in Python, and this is asked on every op (torch keeps them alive)
-_NEEDS_FETCH = {
-    id(op)
-    for op in (
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.equal.default,
-        torch.ops.aten.is_nonzero.default,
-    )
+# Ops that answer Python with a value (t.item(), bool(t), torch.equal), by id: an OpOverload
+# hashes in Python, and this is asked on every op (torch keeps them alive). -> what Python asked
+_ASKS = {
+    id(_aten._local_scalar_dense.default): "t.item() (or bool(t), int(t), float(t))",
+    id(_aten.is_nonzero.default): "bool(t)",
+    id(_aten.equal.default): "torch.equal(a, b)",
 }
+
+
+class _LocalTensor(Exception):
+    """A local tensor among an op's inputs (the rare path: dispatch places it, then retries)."""
+
+
+_LOCAL_INPUT = _LocalTensor()
 
 
 def _scan(value: Any, handles: list[Tensor]) -> Any:
@@ -481,48 +556,47 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
             return t(_scan(v, handles) for v in value)
         return value
     if isinstance(value, torch.Tensor):
-        raise misuse(
-            f"LOCAL_TENSOR: a local tensor of shape {list(value.shape)} was used with mesh "
-            "tensors (or under an active mesh); create it under mesh.activate(), or run local "
-            "code inside dask_monarch.no_mesh.activate()"
-        )
+        raise _LOCAL_INPUT
     return value
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
-    if id(func) in _NEEDS_FETCH:
-        raise RuntimeError(
-            f"{func} needs the value of a mesh tensor on the client: fetch it "
-            "with dask_monarch.inspect(t) or fetch_shard(t)"
-        )
+    if id(func) in _ASKS:
+        return python_value(func, args, kwargs)
     handles: list[Tensor] = []
-    ref_args = tuple([_scan(a, handles) for a in args])
-    ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
+    try:
+        ref_args = tuple([_scan(a, handles) for a in args])
+        ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
+    except _LocalTensor:
+        return dispatch(func, *_place_locals(func, args, kwargs))
     mesh, stream = placement(handles, func, "borrow it first")
     info = op_info(func)
-    plan = mesh._propagator.plan(func, info, args, kwargs, handles)
+    try:
+        plan = mesh._propagator.plan(func, info, args, kwargs, handles)
+    except DATA_DEPENDENT:
+        plan = _plan_from_known(func, info, args, kwargs, handles)
+        if plan is None:
+            return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
+    how = client_values.kind(info, kwargs, handles, plan)
     session = mesh._session
     with session.lock:
         stream_ref = session.stream_ref(stream)
         if handles:
             first_use(session, handles)
-        mutated = []
-        for index in info.writes:
-            value = argument(info, args, kwargs, index)
-            if isinstance(value, Tensor):
-                mutated.append(value)
-            elif isinstance(value, (list, tuple)):
-                mutated.extend(v for v in value if isinstance(v, Tensor))
-        mutates = mutated_refs(mutated)
+        written = _written(info, args, kwargs) if info.writes else ()
+        mutates = mutated_refs(written, keep_known=how == client_values.ALL_KNOWN)
         outputs, results = [], []
         for out in plan.outputs:
             if out is None:
                 outputs.append(None)
                 results.append(None)
                 continue
-            if out.is_arg:  # in place or out=: the caller's own handle
-                outputs.append(argument(info, args, kwargs, out.alias))
+            if out.is_arg:  # in place or out=: the caller's own handle, maybe restrided
+                handle = argument(info, args, kwargs, out.alias)
+                if handle._mkey != out.meta:
+                    restride(handle, out.meta)
+                outputs.append(handle)
                 results.append(None)
                 continue
             storage = None
@@ -532,20 +606,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
                     base = base[0] if base else None
                 storage = base._storage if isinstance(base, Tensor) else None
             ref = session.new_ref()
-            outputs.append(
-                Tensor(
-                    out.shape,
-                    out.stride,
-                    out.offset,
-                    out.dtype,
-                    out.device,
-                    session,
-                    mesh,
-                    stream,
-                    ref,
-                    storage,
-                )
-            )
+            outputs.append(Tensor(out.meta, session, mesh, stream, ref, storage))
             results.append(ref)
         if not results:
             results = [None]
@@ -569,11 +630,292 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
                 )
             ),
         )
-    if plan.kind == "tensor":
+    if how:
+        client_values.mirror(func, args, kwargs, outputs, how)
+    return _returned(plan.kind, outputs)
+
+
+def _returned(kind: str, outputs: list) -> Any:
+    if kind == "tensor":
         return outputs[0]
-    if plan.kind == "none":
+    if kind == "none":
         return None
-    return outputs if plan.kind == "list" else tuple(outputs)
+    return outputs if kind == "list" else tuple(outputs)
+
+
+def _written(info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The mesh tensors ``info``'s op changes in place."""
+    mutated = []
+    for index in info.writes:
+        value = argument(info, args, kwargs, index)
+        if isinstance(value, Tensor):
+            mutated.append(value)
+        elif isinstance(value, (list, tuple)):
+            mutated.extend(v for v in value if isinstance(v, Tensor))
+    return mutated
+
+
+def restride(t: Tensor, meta: TensorMeta) -> None:
+    """Give handle ``t`` the shape, strides and offset an in-place op gave its value on the
+    ranks (``squeeze_``, ``t_``, ``resize_``, ``as_strided_``, an ``out=`` resized), as torch's
+    own wrapper subclasses do: the op's meta kernel run on the wrapper itself."""
+    with no_dispatch(), torch._C._AutoDispatchBelowADInplaceOrView():
+        was_meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            needed = extent(meta) * t.element_size()
+            if t.untyped_storage().nbytes() < needed:
+                _aten.resize_.default(t, [extent(meta)])
+            _aten.as_strided_.default(t, meta.shape, meta.stride, meta.offset)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was_meta)
+    t._mkey = meta
+    if t._known is not None and (t._known.shape != meta.shape or t._known.dtype != meta.dtype):
+        t._storage.forget_known()
+
+
+# -- values from the client -------------------------------------------------------------------
+
+
+def from_client(
+    value: torch.Tensor, mesh: DeviceMesh, stream: Stream, private: bool = False
+) -> Tensor:
+    """A mesh tensor holding local tensor ``value`` on every rank of ``mesh``, sent by value
+    (``private``: nobody else holds ``value``, so it need not be copied first). The client
+    keeps a copy when it is small (client_values)."""
+    if value.requires_grad:
+        raise misuse(
+            f"LOCAL_TENSOR: a local tensor that requires grad (shape {list(value.shape)}) was "
+            "used with mesh tensors: its gradient could not come back from the ranks; make it "
+            "a mesh tensor first (dask_monarch.put(t).requires_grad_())"
+        )
+    if not private or not value.is_contiguous() or value.storage_offset():
+        value = value.detach().clone(memory_format=torch.contiguous_format)
+    known = value.clone() if value.numel() <= client_values.MAX_ELEMENTS else None
+    session = mesh._session
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        ref = session.new_ref()
+        handle = Tensor(meta_of(value), session, mesh, stream, ref, known=known)
+        seq = issue(session, [], [ref.id], [handle])
+        session.send(
+            mesh._ranks,
+            m.CallFunction(
+                seq, [ref], [], _CLONE, m.ArgsKwargs.from_python((value,)), stream_ref, []
+            ),
+        )
+    return handle
+
+
+_CLONE = m.FunctionPath("torch.ops.aten.clone.default")
+
+
+def local_limit() -> int:
+    """``dask_monarch.local-tensors.max-bytes``: the largest local tensor used with mesh
+    tensors that is placed on the mesh by itself."""
+    limit = config.get("local-tensors.max-bytes", 65536)
+    if type(limit) is not int or limit < 0:
+        raise ValueError(
+            f"dask_monarch.local-tensors.max-bytes must be a number of bytes (an int >= 0), "
+            f"got {limit!r}"
+        )
+    return limit
+
+
+def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each small local tensor placed on the mesh of the op's mesh
+    tensors (a scalar, an index list: as DTensor's implicit replication); a large one, or one
+    the op would write into, is refused naming the call."""
+    mesh = None
+    for a in (*args, *kwargs.values()):
+        for v in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(v, Tensor):
+                mesh = mesh or v._mesh
+    if mesh is None:
+        mesh = active_mesh()
+    stream = get_active_stream()
+    info = op_info(func)
+    written = {info.names[i] for i in info.writes} | set(info.writes)
+    limit = local_limit()
+
+    def place(v: Any, key: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return type(v)(place(x, key) for x in v)
+        if not isinstance(v, torch.Tensor) or isinstance(v, Tensor):
+            return v
+        nbytes = v.numel() * v.element_size()
+        site = implicit_fetch.where(implicit_fetch.call_site())
+        if key in written:
+            raise misuse(
+                f"LOCAL_TENSOR: {func} at {site} would write into a local tensor of shape "
+                f"{list(v.shape)} a value computed on the ranks; fetch it instead "
+                "(local.copy_(dask_monarch.inspect(t)))"
+            )
+        if nbytes > limit:
+            raise misuse(
+                f"LOCAL_TENSOR: a local tensor of shape {list(v.shape)} ({nbytes} bytes) was "
+                f"used with mesh tensors in {func} at {site}; local tensors up to {limit} bytes "
+                "are placed on the mesh by themselves (dask_monarch.local-tensors.max-bytes). "
+                "Place this one once with dask_monarch.put(t) (the same value on every rank), "
+                "or create it under mesh.activate()"
+            )
+        return from_client(v, mesh, stream)
+
+    new_args = tuple(place(a, i) for i, a in enumerate(args))
+    new_kwargs = {k: place(v, k) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+# -- values Python asks for -------------------------------------------------------------------
+
+
+def python_value(func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``t.item()``, ``bool(t)``, ``torch.equal``: from the client's copies when it knows
+    every input's value, else an implicit fetch from every rank of the mesh."""
+    handles: list[Tensor] = []
+    try:
+        ref_args = tuple([_scan(a, handles) for a in args])
+    except _LocalTensor:
+        return python_value(func, *_place_locals(func, args, kwargs))
+    if all(h._known is not None for h in handles):
+        _note_read(handles)
+        return client_values.run(func, args, kwargs)
+    return _ask(
+        handles, _ASKS[id(func)], op_info(func).function, m.ArgsKwargs.from_python(ref_args)
+    )
+
+
+def value_of(t: Tensor, what: str) -> torch.Tensor:
+    """The value of ``t`` as a local CPU tensor (``t.tolist()``, ``t.numpy()``)."""
+    if t._known is not None:
+        _note_read([t])
+        return t._known.clone()
+    return _ask([t], what, None, m.ArgsKwargs.from_python((t._ref,)))
+
+
+def _ask(
+    handles: list[Tensor],
+    what: str,
+    function: m.FunctionPath | None,
+    args_kwargs: m.ArgsKwargs,
+) -> Any:
+    """An implicit fetch: ``function(*args)`` (or the one argument) from every rank of the
+    handles' mesh, announced by the policy, checked to agree."""
+    mesh, stream = placement(handles, what, "fetch it under that stream")
+    site = implicit_fetch.call_site()
+    session = mesh._session
+    implicit_fetch.announce(session, what, site, handles[0]._describe())
+    values = implicit_fetch.from_every_rank(
+        session, mesh._ranks, stream, function, args_kwargs, handles
+    )
+    return implicit_fetch.agreed(values, mesh._ranks, what, site)
+
+
+def _note_read(handles: list[Tensor]) -> None:
+    """A value the client knows was read by Python: a trace in progress must guard on it."""
+    capture = handles[0]._session.capture if handles else None
+    if capture is not None and capture.tracing:
+        capture.read_known(handles)
+
+
+def _plan_from_known(
+    func: OpOverload, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor]
+) -> Plan | None:
+    """The outputs of an op whose shapes depend on data, when the client knows every input's
+    value: it runs the op itself (and mirrors it). None otherwise."""
+    if info.seeded or not all(h._known is not None for h in handles):
+        return None
+    return plan_of(client_values.run(func, args, kwargs), info)
+
+
+_DESCRIBE = m.FunctionPath("dask_monarch.propagation.describe")
+
+
+def _data_dependent(
+    func: OpOverload,
+    info: OpInfo,
+    args: tuple,
+    kwargs: dict,
+    handles: list[Tensor],
+    ref_args: tuple,
+    ref_kwargs: dict,
+) -> Any:
+    """An op whose output shapes depend on its inputs' values (``nonzero``, ``unique``,
+    ``x[mask]``): it runs on the ranks, and the outputs' metadata is an implicit fetch from
+    every rank, which must agree (a mesh tensor has one shape on every rank)."""
+    mesh, stream = placement(handles, func, "borrow it first")
+    returns = func._schema.returns
+    if any(str(r.type) != "Tensor" for r in returns):
+        raise ValueError(
+            f"{func}: what it returns depends on the values of its inputs, and is not a fixed "
+            "number of tensors; run it in a remote function (dask_monarch.remote) or fetch "
+            "its inputs (dask_monarch.inspect)"
+        )
+    session = mesh._session
+    what = str(func)
+    site = implicit_fetch.call_site()
+    need = "its output's shape, which depends on the value"
+    implicit_fetch.announce(session, what, site, handles[0]._describe(), need)
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        first_use(session, handles)
+        mutates = mutated_refs(_written(info, args, kwargs))
+        results, targets = [], []
+        for i in range(len(returns)):
+            if info.returns_write[i]:  # out=: the caller's handle, restrided below
+                targets.append(argument(info, args, kwargs, info.returns_alias[i]))
+                results.append(None)
+            else:
+                targets.append(session.new_ref())
+                results.append(targets[-1])
+        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates)
+        session.send(
+            mesh._ranks,
+            m.CallFunction(
+                seq,
+                results,
+                [m.Ref(r) for r in mutates],
+                info.function,
+                m.ArgsKwargs.from_python(ref_args, ref_kwargs),
+                stream_ref,
+                [],
+            ),
+        )
+    refs = [t._ref if isinstance(t, Tensor) else t for t in targets]
+    fresh = [r for r in results if r is not None]
+    try:
+        metas = implicit_fetch.agreed(
+            implicit_fetch.from_every_rank(
+                session,
+                mesh._ranks,
+                stream,
+                _DESCRIBE,
+                m.ArgsKwargs.from_python(refs),
+                [],
+                [r.id for r in refs],
+            ),
+            mesh._ranks,
+            what,
+            site,
+        )
+    except BaseException:
+        for ref in fresh:
+            session.drop_ref(mesh._ranks, ref)
+        raise
+    device = handles[0].device
+    outputs = []
+    with session.lock:
+        for i, (target, meta) in enumerate(zip(targets, metas)):
+            meta = TensorMeta(*meta[:4], device, meta[5])
+            if isinstance(target, Tensor):
+                restride(target, meta)
+                outputs.append(target)
+                continue
+            alias = info.returns_alias[i]
+            base = argument(info, args, kwargs, alias) if alias is not None else None
+            storage = base._storage if isinstance(base, Tensor) else None
+            outputs.append(Tensor(meta, session, mesh, stream, target, storage))
+    return _returned("tensor" if len(returns) == 1 else "tuple", outputs)
 
 
 def _flat(values: Any) -> bool:
@@ -597,7 +939,7 @@ def _own_generator(
     """A random op on a stream with generators of its own (``dm.random.seed_stream``) draws
     from them: the overload that takes ``generator=``, given the stream's generator (an
     OpaqueRef on its lane). Adds the ``generator`` keyword to ``ref_kwargs``."""
-    device = next((o.device for o in plan.outputs if o is not None), None)
+    device = next((o.meta.device for o in plan.outputs if o is not None), None)
     if device is None and handles:
         device = handles[0].device
     generator = stream.generator_for(mesh, device)
@@ -633,14 +975,18 @@ def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:
     return kwargs.get(info.names[index])
 
 
-def mutated_refs(handles: list[Tensor]) -> list[int]:
-    """Every live alias of every mutated storage (all of them are redefined by the op)."""
+def mutated_refs(handles: list[Tensor], keep_known: bool = False) -> list[int]:
+    """Every live alias of every mutated storage (all of them are redefined by the op). The
+    client no longer knows their values, unless ``keep_known``: it computes the op itself."""
     if not handles:
         return []
     refs: dict[int, None] = {}
     for h in handles:
         check_mutable(h)
-        for ref in h._storage.refs():
+        storage = h._storage
+        if not keep_known:
+            storage.forget_known()
+        for ref in storage.refs():
             refs[ref] = None
     return list(refs)
 

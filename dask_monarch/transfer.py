@@ -1,4 +1,5 @@
-"""Moving tensors between meshes of one controller: ``to_mesh`` and ``slice_mesh``.
+"""Moving tensors onto meshes: ``put`` from the client, ``to_mesh`` and ``slice_mesh`` between
+meshes of one controller.
 
 Semantics: docs/protocol.md §1.8.
 
@@ -17,14 +18,39 @@ import warnings
 from itertools import product
 from typing import Any
 
+import torch
 from torch.utils._pytree import tree_map
 
 from .borrows import first_use
 from .mesh import DeviceMesh
+from .propagation import TensorMeta
 from .protocol import messages as m
 from .protocol.ndslice import Slice
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, check_usable, contiguous, issue
+from .tensor import Tensor, active_mesh, check_usable, contiguous, from_client, issue
+
+
+def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = None) -> Any:
+    """The same value on every rank of ``mesh`` (the active mesh by default): each local
+    tensor in ``tensors`` (a tensor or a pytree of them) becomes a mesh tensor holding it.
+
+    Any size; the value travels once, inside the message that makes it. Under
+    ``mesh.activate()``, ``torch.tensor(data)`` does the same for data, and a small local
+    tensor used together with mesh tensors is placed by itself (docs/user_guide.md).
+    """
+    mesh = mesh or active_mesh()
+    if mesh is None:
+        raise RuntimeError("dask_monarch.put needs a mesh: mesh= or an active mesh")
+    stream = stream or get_active_stream()
+
+    def place(t: Any) -> Any:
+        if isinstance(t, Tensor):
+            raise TypeError(f"dask_monarch.put takes local tensors; {t._describe()} is on a mesh")
+        if isinstance(t, torch.Tensor):
+            return from_client(t.detach(), mesh, stream)
+        return t
+
+    return tree_map(place, tensors)
 
 
 class MeshSliceTensor:
@@ -110,9 +136,8 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
         result = session.new_ref()
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         shape = tuple(t.shape)
-        handle = Tensor(
-            shape, contiguous(shape), 0, t.dtype, t.device, session, dest, stream, result
-        )
+        meta = TensorMeta(shape, contiguous(shape), 0, t.dtype, t.device)
+        handle = Tensor(meta, session, dest, stream, result)
         issue(session, [t], [result.id], [handle])
         for from_ranks, to_ranks in pairs:
             ranks = tuple(sorted(set(from_ranks) | set(to_ranks)))

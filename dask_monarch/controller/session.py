@@ -264,6 +264,7 @@ class Session:
         self._first_incomplete = [0] * world_size
         self._completion = threading.Condition(self.lock)
         self._unobserved: dict[int, RemoteException] = {}
+        self.implicit_fetches = 0  # values Python asked the ranks for (implicit_fetch)
         self.closed = False
         self.controller.add_listener(self._on_message, consume=True)  # futures hold what they need
         _live.add(self)
@@ -365,7 +366,7 @@ class Session:
         capture = self.capture
         if capture is not None and capture.tracing:
             return None
-        return self.history.invoke(seq, uses, defs, _user_frame())
+        return self.history.invoke(seq, uses, defs, user_frame(sys._getframe(2)))
 
     def request_status(self) -> None:
         """Ask every rank to report progress up to the last seq issued (deletes go first)."""
@@ -477,6 +478,25 @@ class Session:
         else:
             self._futures[seq] = future
         return seq, future
+
+    def fetch(
+        self,
+        ranks: tuple[int, ...],
+        stream: m.StreamRef,
+        function: m.FunctionPath | m.Cloudpickle | None,
+        args_kwargs: m.ArgsKwargs,
+        uses: list[int],
+    ) -> MeshFuture:
+        """Send ``function(*args)`` (or the one argument) from each of ``ranks`` back on
+        ``stream``: a future of the value (a list in rank order for several ranks), failed at
+        once when the ref ids ``uses`` depend on a known failure. The caller holds the lock
+        and has sent what must run first (a borrow's first use)."""
+        if self.capture is not None:
+            raise NotImplementedError("NYI: fetching results during a coalescing block")
+        seq, future = self.expect_result(uses, len(ranks))
+        self.send(ranks, m.SendValue(seq, None, [], function, args_kwargs, stream))
+        self.request_status()
+        return future
 
     def _observe(self, failure: BaseException) -> None:
         self._unobserved.pop(id(failure), None)
@@ -596,9 +616,11 @@ _gc_state = _GCState
 gc.callbacks.append(_GCState.track)
 
 
-def _user_frame() -> tuple[str, int, str] | None:
-    """Where the user's code issued the current op (file, line, function), cheaply."""
-    f = sys._getframe(2)
+def user_frame(f: Any = None) -> tuple[str, int, str] | None:
+    """Where the user's code issued the current op (file, line, function), cheaply: the first
+    frame from ``f`` (the caller's by default) outward that is not dask_monarch's or torch's."""
+    if f is None:
+        f = sys._getframe(1)
     internal = _internal_code
     while f is not None:
         code = f.f_code

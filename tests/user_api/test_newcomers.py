@@ -24,6 +24,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
+from dask_monarch import implicit_fetch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,13 +52,19 @@ def test_wrong_mesh_names_both_meshes_with_ids_and_the_shape(client2, mesh2):
 @pytest.mark.parametrize(
     "convert", [np.asarray, lambda t: t.numpy(), lambda t: t.tolist(), np.array]
 )
-def test_local_conversions_point_to_inspect(mesh2, convert):
+def test_local_conversions_fetch_visibly_or_point_to_inspect(mesh2, convert, monkeypatch):
+    monkeypatch.setattr(implicit_fetch, "_warned", set())  # each call site warns once
     with mesh2.activate():
-        x = torch.ones(3, 4)
-    with pytest.raises(RuntimeError, match=r"dask_monarch\.inspect") as info:
-        convert(x)
+        # a mean is not bit-exact across devices: the client does not keep its value
+        x = torch.ones(3, 4).mean(0, keepdim=True).expand(3, 4) * 2
+    with dask.config.set({"dask_monarch.implicit-fetch": "error"}):
+        with pytest.raises(RuntimeError, match=r"dask_monarch\.inspect") as info:
+            convert(x)
     assert "shape [3, 4]" in str(info.value) and "subclass" not in str(info.value)
-    assert dm.inspect(x).numpy().shape == (3, 4)  # the way it points to works
+    with pytest.warns(dm.ImplicitFetchWarning, match="shape \\[3, 4\\]"):
+        value = convert(x)
+    assert np.asarray(value).tolist() == [[2.0] * 4] * 3
+    assert dm.inspect(x).numpy().shape == (3, 4)  # the explicit way
 
 
 def test_after_client_close_inspect_and_new_work_raise_clearly(cluster2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 
+import dask
 import pytest
 import torch
 from distributed import Client
@@ -151,12 +152,16 @@ def test_client_side_checks(mesh, client2):
     try:
         with mesh.activate():
             x = torch.ones(2)
-        local = torch.ones(2)  # made outside the mesh
-        with mesh.activate():
-            with pytest.raises(TypeError, match="LOCAL_TENSOR"):
-                torch.add(x, local)
-            with pytest.raises(TypeError, match="LOCAL_TENSOR"):
-                x + local
+        local = torch.ones(2)  # made outside the mesh: small, so placed on the mesh by itself
+        big = torch.ones(64)
+        with mesh.activate(), dask.config.set({"dask_monarch.local-tensors.max-bytes": 128}):
+            assert dm.inspect(torch.add(x, local)).tolist() == [2.0, 2.0]
+            assert dm.inspect(x + local).tolist() == [2.0, 2.0]
+            with pytest.raises(TypeError, match="LOCAL_TENSOR") as info:
+                x.sum() + big
+            assert "256 bytes" in str(info.value) and "dask_monarch.put" in str(info.value)
+            with pytest.raises(TypeError, match="LOCAL_TENSOR.*write into a local tensor"):
+                local.add_(x)
         with other.activate():
             y = torch.ones(2)
         with mesh.activate():

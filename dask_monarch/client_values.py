@@ -1,0 +1,112 @@
+"""Values the client knows: small tensors it made, mirrored so that Python reads them for free.
+
+``torch.tensor(0.0)`` under ``mesh.activate()`` (an optimizer's step count), a
+small factory such as ``torch.zeros(3)``, and what bit-exact ops (copies,
+views, indexing, comparisons, ``+ - * /``, min and max, integer arithmetic:
+``OpInfo.exact``) make of them hold values the client can compute itself,
+identical to the ranks'. The client keeps a local CPU copy of each
+(``Tensor._known``), computed alongside the message that makes it on the
+ranks, so ``step.item()`` or ``bool((mask == causal).all())`` needs no round
+trip. Any other op, a value the ranks change on their own (a collective, a
+remote function, a replayed recording: ``StorageInfo.forget_known``), or more
+than :data:`MAX_ELEMENTS` elements leaves the value unknown to the client, and
+Python asking for it is an implicit fetch (:mod:`.implicit_fetch`).
+DESIGN decision 16; docs/user_guide.md, "Bringing existing model code".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+    from .propagation import OpInfo, Plan
+
+MAX_ELEMENTS = 4096  # the client mirrors outputs of at most this many elements in all
+ALL_KNOWN = 1  # every input's value is known: the client runs the op on its copies
+VALUE_FREE = 2  # the op reads no input value (zeros_like, fill_): the client runs it on stand-ins
+_CPU = torch.device("cpu")
+_SCALE = frozenset({"add", "sub", "rsub"})  # exact only without a scale (alpha) that may be fused
+
+
+def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
+    """Whether (and how) the client can know the values ``info``'s op makes: 0 when not."""
+    if info.seeded or not (info.exact or info.value_free or _integral(handles, plan)):
+        return 0
+    if info.exact and kwargs.get("alpha", 1) != 1 and _base(info) in _SCALE:
+        return 0
+    if sum(math.prod(o.meta.shape) for o in plan.outputs if o is not None) > MAX_ELEMENTS:
+        return 0
+    for h in handles:
+        if h._known is None:
+            return VALUE_FREE if info.value_free else 0
+    return ALL_KNOWN
+
+
+def _base(info: OpInfo) -> str:
+    return info.function.path.split(".")[3].rstrip("_")
+
+
+def _integral(handles: list, plan: Plan) -> bool:
+    """Integer and boolean arithmetic is exact everywhere: an op with only such inputs and
+    outputs (and at least one tensor input) may be mirrored whatever it is."""
+    if not handles:
+        return False
+    for h in handles:
+        if h.dtype.is_floating_point or h.dtype.is_complex:
+            return False
+    for o in plan.outputs:
+        if o is not None and (o.meta.dtype.is_floating_point or o.meta.dtype.is_complex):
+            return False
+    return True
+
+
+def run(func: OpOverload, args: tuple, kwargs: dict, stand_ins: bool = False) -> Any:
+    """``func`` run locally on the client's copies of its mesh tensors (or, ``stand_ins``, on
+    fresh local tensors of their metadata): what the ranks compute, as local tensors."""
+
+    def local(x: Any) -> Any:
+        known = getattr(x, "_known", None)
+        if known is not None and not stand_ins:
+            return known
+        if known is not None or hasattr(x, "_known"):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+        if type(x) is list or type(x) is tuple:
+            return type(x)(local(v) for v in x)
+        if isinstance(x, torch.device):
+            return _CPU
+        return x
+
+    local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    if "device" in local_kwargs:
+        local_kwargs["device"] = _CPU
+    with _disable_current_modes():  # an active mesh must not see the local copies
+        return func(*[local(a) for a in args], **local_kwargs)
+
+
+def mirror(func: OpOverload, args: tuple, kwargs: dict, outputs: list, how: int) -> None:
+    """Give ``outputs`` (the op's result handles, in its return order; arguments it
+    changed in place among them) the values the ranks compute for them."""
+    try:
+        result = run(func, args, kwargs, stand_ins=how == VALUE_FREE)
+    except Exception:  # the ranks will say what is wrong; the client just does not know
+        result = None
+    values = result if isinstance(result, (list, tuple)) else [result]
+    for handle, value in zip(outputs, values):
+        if handle is None:
+            continue
+        if (
+            isinstance(value, torch.Tensor)
+            and value.shape == handle.shape
+            and value.dtype == handle.dtype
+        ):
+            if handle._known is not value:
+                handle._known = value
+                handle._storage.known = True
+        elif handle._known is not None:
+            handle._storage.forget_known()
