@@ -8,21 +8,50 @@ sending it; the capture becomes a ``DefineRecording`` per rank. Later calls
 with the same metadata send a single ``CallRecording``. The cache is keyed by
 the non-tensor arguments and, for tensors, their sizes, strides, dtype,
 device, mesh, stream, ``requires_grad`` and which ones share storage.
+
+A replay does what running the function again would do, or does not happen
+(DESIGN decision 16):
+
+* Tensors the function made that outlive the call (an optimizer's state,
+  ``p.grad``, ``self.cache = x``) are results of the recording: each replay
+  rebinds those handles to its new values. A trace that made such state is
+  *provisional*, because state made on a first call (an optimizer's
+  ``_init_group``) is found, not made, on the next: the function is traced
+  once more, and a recording is kept for replays only once two traces agree.
+* The function is traced again instead of replayed when something the trace
+  read on the client changed: the outside values behind a value Python read
+  (``step.item()``), the hyperparameters of an optimizer stepped inside (an LR
+  schedule), a local tensor used inside, or a tensor it uses that was dropped
+  or rebound.
+* A function traced again on most calls (one that reads a value it changes
+  itself, as torch.optim's default Adam reads its step count) runs eagerly from
+  then on, with one :class:`~dask_monarch.CompileWarning`: as fast as without
+  ``compile``, and right.
+* A value only the ranks know cannot be read inside: that implicit fetch is an
+  error (:mod:`.implicit_fetch`).
+
 ``verify=True`` traces again on the first reuse and compares the messages.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
+import warnings
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .borrows import first_use
 from .controller.session import Capture, Session
 from .debug import recorded_breakpoints
+from .exceptions import CompileWarning
+from .implicit_fetch import same_value, where
 from .protocol import messages as m
 from .protocol.rules import refs_mutated, refs_used
 from .tensor import Tensor, active_mesh, check_usable, mutated_refs
@@ -34,38 +63,65 @@ if TYPE_CHECKING:
 
 CHUNK = 1000  # commands per DefineRecording message
 TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
+RETRACES = 3  # traces in a row, none replayed, after which a signature runs eagerly
+
+Guard = tuple[str, Callable[[list[Tensor]], bool]]  # (what it watches, still the same?)
 
 
 class _Trace:
-    """One traced call: what to send to replay it, and what it returns."""
+    """One traced call: what to send to replay it, what it returns, and what must hold."""
 
     def __init__(
         self,
-        ref: m.Ref,
         ranks: list[int],
-        formals: dict[int, Tensor],
         outputs: list[tuple],
+        escaped: list[weakref.ref],
+        first_extra: int,
         template: list[Any],
         out_spec: TreeSpec,
-        captured: list[weakref.ref],
+        captured: list[tuple[weakref.ref, int]],
         mutated: list[tuple[int | None, int | None]],
         messages: list[tuple[tuple[int, ...], Any]],
+        guards: list[Guard],
     ) -> None:
-        self.ref = ref
+        self.ref: m.Ref | None = None  # the recording on the ranks, once defined
         self.ranks = ranks
-        self.formals = formals  # argument index -> formal handle (for aliasing of outputs)
-        self.outputs = outputs  # per output: (TensorMeta, stream, index of the formal it is,
-        #                          or None)
+        # per output: (TensorMeta, stream, index of the formal it is or None, index of the
+        # escaped handle it is or None)
+        self.outputs = outputs
+        self.escaped = escaped  # handles made inside that outlive the call: those returned
+        self.first_extra = first_extra  # (by slot) first, then the others, results after them
         self.template = template  # the output leaves, TENSOR_SLOT where a tensor goes
         self.out_spec = out_spec
-        self.captured = captured  # weakrefs to captured outside tensors
+        self.captured = captured  # (weakref to an outside tensor, the ref id it had)
         self.mutated = mutated  # (formal index or None, outside ref id) changed in place
         self.messages = messages
+        self.guards = guards
+        self.provisional = bool(escaped)  # made state: confirm with a second trace
         self.verified = False
         self.streams: list = []  # the Streams it runs on: their lanes must outlive the user's
 
-    def alive(self) -> bool:
-        return all(ref() is not None and ref()._dropped is None for ref in self.captured)
+    def stale(self, actuals: list[Tensor]) -> str | None:
+        """Why this recording cannot replay for ``actuals`` now (None: it can)."""
+        for ref, ref_id in self.captured:
+            h = ref()
+            if h is None or h._dropped is not None:
+                return "a tensor it uses was dropped"
+            if h._ref.id != ref_id:
+                return "a tensor it uses holds another value now"
+        for ref in self.escaped:
+            h = ref()
+            if h is None or h._dropped is not None:
+                return "a tensor it made on its last call is gone"
+        for what, holds in self.guards:
+            if not holds(actuals):
+                return f"{what} changed"
+        return None
+
+    def adopt(self, other: _Trace) -> None:
+        """Replay ``other``'s recording, which sends the same messages as this trace."""
+        self.ref, self.streams = other.ref, other.streams
+        self.provisional = False
 
 
 class Compiled:
@@ -75,6 +131,8 @@ class Compiled:
         self.fn = fn
         self.verify = verify
         self._traces: dict[Any, _Trace] = {}
+        self._retraces: dict[Any, int] = {}  # traces in a row with none replayed
+        self._eager: set[Any] = set()  # signatures that gave up on their recording
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -93,24 +151,48 @@ class Compiled:
                     f"arguments are on {mesh._label()}; move it with t.to_mesh(mesh)"
                 )
         key = _signature(leaves, spec_text)
+        if key in self._eager:
+            return self.fn(*args, **kwargs)
+        actuals = [t for _, t in tensors]
         trace = self._traces.get(key)
-        if trace is not None and not trace.alive():
-            trace = None
-        if trace is None:
-            trace = self._traces[key] = self._trace(mesh, leaves, spec, tensors)
-        elif self.verify and not trace.verified:
-            again = self._trace(mesh, leaves, spec, tensors, define=False)
-            _compare(self.fn, trace.messages, again.messages)
-            trace.verified = True
-        return _call_recording(mesh, trace, [t for _, t in tensors])
+        why = "it was never called with such arguments" if trace is None else trace.stale(actuals)
+        if why is None and not trace.provisional and (trace.verified or not self.verify):
+            self._retraces[key] = 0
+            return _call_recording(mesh, trace, actuals, traced=False)
+        new = self._trace(mesh, leaves, spec, tensors)
+        if why is None and _same_messages(trace, new):  # a second trace agrees: replay it
+            new.adopt(trace)
+            new.verified = True
+        elif why is None and not trace.provisional:  # verify=True, first reuse
+            _compare(self.fn, trace.messages, new.messages)
+        else:
+            _define_recording(mesh._session, new)
+            if trace is not None:
+                self._retrace(key, why)
+        self._traces[key] = new
+        return _call_recording(mesh, new, actuals, traced=True)
+
+    def _retrace(self, key: Any, why: str) -> None:
+        """Count a trace that replaced one never replayed; past RETRACES, run eagerly."""
+        count = self._retraces[key] = self._retraces.get(key, 0) + 1
+        if count >= RETRACES:
+            self._eager.add(key)
+            self._traces.pop(key, None)
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            warnings.warn(
+                f"dask_monarch.compile: {name} was traced {count + 1} times in a row without "
+                f"a replay (last because {why}); it runs eagerly from now on, as fast as "
+                "without compile and as right. A function that reads a value it changes "
+                "itself cannot replay: torch.optim's Adam, AdamW and others read their step "
+                "count on every step unless created with fused=True (capturable=True on "
+                "CUDA), and a learning rate that changes every step is best a tensor "
+                "(lr=torch.tensor(...)) with fused=True",
+                CompileWarning,
+                stacklevel=3,
+            )
 
     def _trace(
-        self,
-        mesh: DeviceMesh,
-        leaves: list[Any],
-        spec: TreeSpec,
-        tensors: list[tuple[int, Tensor]],
-        define: bool = True,
+        self, mesh: DeviceMesh, leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tensor]]
     ) -> _Trace:
         session = mesh._session
         with session.lock:
@@ -119,16 +201,28 @@ class Compiled:
                     "compiled functions cannot run inside coalescing() or another compiled function"
                 )
             capture = session.capture = Capture("recording", session.new_id())
-            first_id = capture.first_id
+            stepped: list = []
+            token = _stepped.set(stepped)
+            _watch_optimizers()
             try:
                 stand_ins = list(leaves)
-                formals = {}
+                formals: dict[int, Tensor] = {}
+                formal_values: dict[int, torch.Tensor] = {}
                 storages: dict[int, Any] = {}
                 for index, (position, t) in enumerate(tensors):
                     storage = storages.get(id(t._storage))
+                    known = t._known.clone() if t._known is not None else None
                     formal = Tensor(
-                        t._mkey, session, t._mesh, t._stream, session.new_ref(), storage
+                        t._mkey,
+                        session,
+                        t._mesh,
+                        t._stream,
+                        session.new_ref(),
+                        storage,
+                        known=known,
                     )
+                    if known is not None:
+                        formal_values[index] = known.clone()
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(
                         t._mesh._ranks,
@@ -136,18 +230,14 @@ class Compiled:
                     )
                     stand_ins[position] = formals[index] = formal
                 args, kwargs = tree_unflatten(stand_ins, spec)
+                del stand_ins
                 with recorded_breakpoints():  # breakpoint() in fn stops every replay
                     out = self.fn(*args, **kwargs)
+                del args, kwargs
                 out_leaves, out_spec = tree_flatten(out)
-                outputs = []
-                for j, h in enumerate(x for x in out_leaves if isinstance(x, Tensor)):
-                    if h.requires_grad:
-                        raise ValueError("outputs of a compiled function may not require grad")
-                    capture.add(
-                        h._mesh._ranks, m.RecordingResult(h._ref, j, session.stream_ref(h._stream))
-                    )
-                    is_formal = next((i for i, f in formals.items() if f is h), None)
-                    outputs.append((h._mkey, h._stream, is_formal))
+                del out
+                if any(isinstance(x, Tensor) and x.requires_grad for x in out_leaves):
+                    raise ValueError("outputs of a compiled function may not require grad")
                 open_borrows = [b for b in capture.borrows if not b.dropped]
                 if open_borrows:
                     raise RuntimeError(
@@ -159,35 +249,39 @@ class Compiled:
                 raise
             finally:
                 session.capture = None
-            for h in capture.created:
-                h._owns_ref = False  # internal to the recording: the replay deletes them
-            formal_ids = {f._ref.id: i for i, f in formals.items()}
-            used, mutated = {}, {}
-            for _, msg in capture.messages:
-                for ref in refs_used(msg):
-                    if ref < first_id and ref not in formal_ids:
-                        used[ref] = None
-                for ref in refs_mutated(msg):
-                    if ref in formal_ids:
-                        mutated[(formal_ids[ref], None)] = None
-                    elif ref < first_id:
-                        mutated[(None, ref)] = None
-            captured = [weakref.ref(capture.captured[r]) for r in used if r in capture.captured]
-            ranks = sorted({r for ranks, _ in capture.messages for r in ranks})
-            ref = session.new_ref()
-            if define:
-                _define_recording(session, ref, ranks, capture.messages, len(outputs), len(formals))
+                _stepped.reset(token)
             template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
+            returned = _returned(out_leaves, formals)
+            del out_leaves  # from here on, what holds a handle the trace made is not ours
+            held = _escaped(capture)
+            outputs, escaped = [], []
+            for j, (handle, ref, meta, stream, ranks, is_formal) in enumerate(returned):
+                capture.add(ranks, m.RecordingResult(ref, j, session.stream_ref(stream)))
+                h, slot = handle(), None
+                if h is not None and any(h is x for x in held):  # also held elsewhere
+                    slot = next((i for i, x in enumerate(escaped) if x is h), len(escaped))
+                    if slot == len(escaped):
+                        escaped.append(h)
+                outputs.append((meta, stream, is_formal, slot))
+            first_extra = len(escaped)
+            for h in held:  # results after the outputs: each replay rebinds them
+                if not any(h is x for x in escaped):
+                    index = len(outputs) + len(escaped) - first_extra
+                    capture.add(
+                        h._mesh._ranks,
+                        m.RecordingResult(h._ref, index, session.stream_ref(h._stream)),
+                    )
+                    escaped.append(h)
             trace = _Trace(
-                ref,
-                ranks,
-                formals,
+                sorted({r for ranks, _ in capture.messages for r in ranks}),
                 outputs,
+                [weakref.ref(h) for h in escaped],
+                first_extra,
                 template,
                 out_spec,
-                captured,
-                list(mutated),
+                *_uses(capture, formals),
                 capture.messages,
+                _guards(capture, formal_values, stepped),
             )
             trace.streams = session.streams_named(capture.messages)
             return trace
@@ -246,6 +340,140 @@ def _signature(leaves: list[Any], spec_text: str) -> Any:
     return (spec_text, tuple(parts))
 
 
+def _returned(leaves: list[Any], formals: dict[int, Tensor]) -> list[tuple]:
+    """Per output tensor: a weakref to it, its ref, metadata, stream and ranks, and the index
+    of the formal it is (None if none)."""
+    return [
+        (
+            weakref.ref(h),
+            h._ref,
+            h._mkey,
+            h._stream,
+            h._mesh._ranks,
+            next((i for i, f in formals.items() if f is h), None),
+        )
+        for h in leaves
+        if isinstance(h, Tensor)
+    ]
+
+
+def _escaped(capture: Capture) -> list[Tensor]:
+    """The handles the trace made that something outside holds after it returned; each
+    stops owning its trace-internal ref."""
+    made = _disown(capture)
+    found = _alive(made)
+    if found:  # what only a reference cycle keeps alive is not held by anyone
+        del found
+        gc.collect()
+        found = _alive(made)
+    return found
+
+
+def _disown(capture: Capture) -> list[weakref.ref]:
+    """Weak references to the handles the trace made, none of which owns its ref any more
+    (internal to the recording: the replay deletes them)."""
+    internal, capture.created = capture.created, []
+    for h in internal:
+        h._owns_ref = False
+    return [weakref.ref(h) for h in internal]
+
+
+def _alive(made: list[weakref.ref]) -> list[Tensor]:
+    return [h for h in (ref() for ref in made) if h is not None and h._dropped is None]
+
+
+def _uses(
+    capture: Capture, formals: dict[int, Tensor]
+) -> tuple[list[tuple[weakref.ref, int]], list[tuple[int | None, int | None]]]:
+    """The outside tensors the trace's messages read, and those (or formals) they change."""
+    first_id = capture.first_id
+    formal_ids = {f._ref.id: i for i, f in formals.items()}
+    used, mutated = {}, {}
+    for _, msg in capture.messages:
+        for ref in refs_used(msg):
+            if ref < first_id and ref not in formal_ids:
+                used[ref] = None
+        for ref in refs_mutated(msg):
+            if ref in formal_ids:
+                mutated[(formal_ids[ref], None)] = None
+            elif ref < first_id:
+                mutated[(None, ref)] = None
+    captured = [(weakref.ref(capture.captured[r]), r) for r in used if r in capture.captured]
+    return captured, list(mutated)
+
+
+def _guards(capture: Capture, formal_values: dict[int, torch.Tensor], stepped: list) -> list[Guard]:
+    """What a replay must find as the trace left it (see the module's docstring)."""
+    guards: list[Guard] = []
+    if capture.reads:  # Python read values: the outside values they came from must hold
+        what = f"the value read at {where(capture.reads[0])}"
+        for handle, value in capture.known.values():
+            guards.append((what, functools.partial(_same_known, weakref.ref(handle), value)))
+        for index, value in formal_values.items():
+            guards.append((what, functools.partial(_same_argument, index, value)))
+    for optimizer, hyper in stepped:
+        what = f"a hyperparameter of the {type(optimizer).__name__} stepped inside (lr?)"
+        guards.append((what, functools.partial(_same_hyper, weakref.ref(optimizer), hyper)))
+    for local, version in capture.locals:
+        what = "a local tensor used inside"
+        guards.append((what, functools.partial(_same_local, weakref.ref(local), version)))
+    return guards
+
+
+def _same_known(ref: weakref.ref, value: torch.Tensor, actuals: list[Tensor]) -> bool:
+    h = ref()
+    return h is not None and h._known is not None and same_value(h._known, value)
+
+
+def _same_argument(index: int, value: torch.Tensor, actuals: list[Tensor]) -> bool:
+    known = actuals[index]._known
+    return known is not None and same_value(known, value)
+
+
+def _same_hyper(ref: weakref.ref, hyper: list, actuals: list[Tensor]) -> bool:
+    optimizer = ref()
+    return optimizer is not None and same_value(_hyperparameters(optimizer), hyper)
+
+
+def _same_local(ref: weakref.ref, version: int, actuals: list[Tensor]) -> bool:
+    local = ref()
+    return local is not None and local._version == version
+
+
+# Optimizers stepped while a trace runs (a global step pre-hook, registered at the first trace)
+_stepped: ContextVar[list | None] = ContextVar("dask_monarch_stepped_optimizers", default=None)
+_watching = False
+
+
+def _watch_optimizers() -> None:
+    global _watching
+    if not _watching:
+        register_optimizer_step_pre_hook(_optimizer_stepped)
+        _watching = True
+
+
+def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stepped = _stepped.get()
+    if stepped is not None and all(o is not optimizer for o, _ in stepped):
+        stepped.append((optimizer, _hyperparameters(optimizer)))
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """What an optimizer's step reads besides its parameters and state (lr, betas, ...)."""
+    return [
+        {k: _frozen(v) for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Tensor):  # a replay reads its current value on the ranks
+        return ("mesh tensor", id(value))
+    if isinstance(value, torch.Tensor):  # a local value is copied into the recording
+        return value.detach().clone()
+    return value
+
+
 def _abandon(capture: Capture) -> None:
     """A trace failed: nothing it captured was sent, so its handles and borrows name
     nothing on the ranks and must not be deleted or dropped there."""
@@ -256,13 +484,14 @@ def _abandon(capture: Capture) -> None:
             borrow.forget("the compiled function that borrowed it failed")
 
 
-def _define_recording(
-    session: Session, ref: m.Ref, ranks: list[int], messages: list, nresults: int, nformals: int
-) -> None:
+def _define_recording(session: Session, trace: _Trace) -> None:
     """Send a traced recording to each of its ranks, in chunks (never captured)."""
     with session.lock:
-        for rank in ranks:
-            commands = [msg for msg_ranks, msg in messages if rank in msg_ranks]
+        trace.ref = ref = session.new_ref()
+        nresults = sum(1 for _, msg in trace.messages if type(msg) is m.RecordingResult)
+        nformals = sum(1 for _, msg in trace.messages if type(msg) is m.RecordingFormal)
+        for rank in trace.ranks:
+            commands = [msg for msg_ranks, msg in trace.messages if rank in msg_ranks]
             chunks = [commands[i : i + CHUNK] for i in range(0, len(commands), CHUNK)] or [[]]
             for index, chunk in enumerate(chunks):
                 session.send_setup(
@@ -270,8 +499,10 @@ def _define_recording(
                 )
 
 
-def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> Any:
-    """Replay a recording: one CallRecording to its ranks; returns its outputs."""
+def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], traced: bool) -> Any:
+    """Replay a recording: one CallRecording to its ranks; returns its outputs. ``traced``:
+    the function was just traced for this call, so the client already holds the values it
+    knows of what the replay changes (the trace computed them)."""
     session = mesh._session
     with session.lock:
         if session.capture is not None:
@@ -281,20 +512,30 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
         for t in actuals:
             check_usable(t)
         first_use(session, actuals)
-        results, handles = [], []
-        for meta, stream, is_formal in trace.outputs:
+        held = [ref() for ref in trace.escaped]
+        results, handles, rebinds = [], [], []
+        for meta, stream, is_formal, slot in trace.outputs:
             ref = session.new_ref()
-            storage = actuals[is_formal]._storage if is_formal is not None else None
-            handles.append(Tensor(meta, session, mesh, stream, ref, storage))
+            if slot is not None:  # also held elsewhere: the same object, rebound
+                handles.append(held[slot])
+                rebinds.append((held[slot], ref))
+            else:
+                storage = actuals[is_formal]._storage if is_formal is not None else None
+                handles.append(Tensor(meta, session, mesh, stream, ref, storage))
             results.append(ref)
-        captured = [ref() for ref in trace.captured]
+        for h in held[trace.first_extra :]:
+            results.append(session.new_ref())
+            rebinds.append((h, results[-1]))
+        for h, ref in rebinds:
+            _rebind(h, ref, traced)
+        captured = [ref() for ref, _ in trace.captured]
         changed = [
             actuals[i]
             if i is not None
             else next((h for h in captured if h is not None and h._ref.id == ref), None)
             for i, ref in trace.mutated
         ]
-        mutates = mutated_refs([h for h in changed if h is not None])
+        mutates = mutated_refs([h for h in changed if h is not None], keep_known=traced)
         seq = session.new_seq()
         uses = [a._ref.id for a in actuals] + [h._ref.id for h in captured if h is not None]
         session.invoke(seq, uses, [r.id for r in results] + mutates)
@@ -306,19 +547,50 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor]) -> A
     return tree_unflatten(leaves, trace.out_spec)
 
 
+def _rebind(h: Tensor, ref: m.Ref, traced: bool) -> None:
+    """Point handle ``h``, made by a traced call and held since, at a replay's new value."""
+    if h._owns_ref:
+        h._session.drop_ref(h._mesh._ranks, h._ref, h._nbytes())
+    h._ref = ref
+    h._owns_ref = True
+    if not traced:
+        h._storage.forget_known()
+
+
+def _same_messages(old: _Trace | None, new: _Trace) -> bool:
+    """Two traces of one signature send the same messages (up to ids) and hand back the same
+    outputs and state: the first's recording replays the second."""
+    return (
+        old is not None
+        and old.ref is not None
+        and len(old.escaped) == len(new.escaped)
+        and [o[0] for o in old.outputs] == [o[0] for o in new.outputs]
+        and _normalize(old.messages) == _normalize(new.messages)
+    )
+
+
 def _normalize(messages: list[tuple[tuple[int, ...], Any]]) -> list:
-    """Messages with ids renumbered by first appearance and seqs dropped (for comparison)."""
-    ids: dict[int, int] = {}
+    """Messages with ids (refs, streams, borrows) renumbered by first appearance, and seqs
+    dropped (for comparison)."""
+    ids: dict[Any, int] = {}
 
     def norm(x: Any) -> Any:
         if isinstance(x, (m.Ref, m.StreamRef)):
             return (type(x).__name__, ids.setdefault(int(x), len(ids)))
         if isinstance(x, m.ArgsKwargs):
             return norm(x.to_python())
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            return tuple(norm(v) for v in x)
+        if isinstance(x, dict):
+            return tuple((k, norm(v)) for k, v in x.items())
         if hasattr(x, "_fields"):
-            return (type(x).__name__,) + tuple(norm(v) for f, v in zip(x._fields, x) if f != "seq")
+            return (type(x).__name__,) + tuple(
+                ("borrow", ids.setdefault(("borrow", v), len(ids))) if f == "borrow" else norm(v)
+                for f, v in zip(x._fields, x)
+                if f != "seq"
+            )
+        if isinstance(x, (list, tuple)):
+            return tuple(norm(v) for v in x)
+        if isinstance(x, torch.Tensor):
+            return ("tensor", x.dtype, tuple(x.shape), x.flatten().tolist())
         return x
 
     return [(ranks, norm(msg)) for ranks, msg in messages]

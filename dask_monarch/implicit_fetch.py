@@ -127,7 +127,7 @@ def from_every_rank(
 def agreed(values: list[Any], ranks: tuple[int, ...], what: str, site: Site | None) -> Any:
     """The one value every rank gave, or a ValueError naming ranks and values."""
     first = values[0]
-    if all(_same(first, v) for v in values[1:]):
+    if all(same_value(first, v) for v in values[1:]):
         return first
     shown = ", ".join(f"rank {r}: {_short(v)}" for r, v in zip(ranks, values))
     raise ValueError(
@@ -137,7 +137,8 @@ def agreed(values: list[Any], ranks: tuple[int, ...], what: str, site: Site | No
     )
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values, tensors and containers of them included (NaN equals NaN)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
@@ -145,7 +146,11 @@ def _same(a: Any, b: Any) -> bool:
             return bool(((a == b) | (a.isnan() & b.isnan())).all())
         return torch.equal(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b

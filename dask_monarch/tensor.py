@@ -613,7 +613,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         function, inputs = info.function, handles
         if info.seeded and stream._generators is not None:
             function, inputs = _own_generator(func, info, stream, mesh, plan, handles, ref_kwargs)
-        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, outputs)
+        made = [o for o, r in zip(outputs, results) if r is not None]  # not the in-place ones
+        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, made)
         flat = _flat(ref_args) and (not ref_kwargs or _flat(ref_kwargs.values()))
         # built without the field checks: every field is known to be well formed here
         session.send(
@@ -759,6 +760,9 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
                 "Place this one once with dask_monarch.put(t) (the same value on every rank), "
                 "or create it under mesh.activate()"
             )
+        capture = mesh._session.capture
+        if capture is not None and capture.tracing:  # a replay reuses the value: guard it
+            capture.locals.append((v, v._version))
         return from_client(v, mesh, stream)
 
     new_args = tuple(place(a, i) for i, a in enumerate(args))
@@ -815,7 +819,7 @@ def _note_read(handles: list[Tensor]) -> None:
     """A value the client knows was read by Python: a trace in progress must guard on it."""
     capture = handles[0]._session.capture if handles else None
     if capture is not None and capture.tracing:
-        capture.read_known(handles)
+        capture.read_known(handles, implicit_fetch.call_site())
 
 
 def _plan_from_known(

@@ -194,6 +194,11 @@ class Capture:
         self.created: list = []  # handles made while tracing: internal to the recording
         self.captured: dict[int, Any] = {}  # outside handles a traced op used, by ref id
         self.borrows: list = []  # borrows created while tracing
+        # what a replay must find unchanged (dask_monarch.compile's guards):
+        self.known: dict[int, tuple[Any, Any]] = {}  # outside ref id -> (handle, known value
+        #                                              before the trace first touched it)
+        self.reads: list = []  # call sites where Python read a value the client knows
+        self.locals: list = []  # (local tensor, its version): placed on the mesh inside
 
     @property
     def tracing(self) -> bool:
@@ -203,13 +208,21 @@ class Capture:
         self.messages.append((ranks, message))
 
     def note(self, inputs: Iterable[tuple[int, Any]], outputs: Iterable[Any] = ()) -> None:
-        """Remember the outside handles traced work uses (``(ref id, handle)`` pairs) and the
-        handles it makes."""
+        """Remember the outside handles traced work uses (``(ref id, handle)`` pairs), with
+        the values the client knows of them, and the handles it makes."""
         first = self.first_id
         for ref, handle in inputs:
             if ref < first:
                 self.captured[ref] = handle
+                if handle._known is not None and ref not in self.known:
+                    self.known[ref] = (handle, handle._known.clone())
         self.created.extend(outputs)
+
+    def read_known(self, handles: Iterable[Any], site: Any) -> None:
+        """Python read the value of ``handles``, which the client knows, at ``site``: the
+        recording is only right while the outside values it came from stay the same."""
+        self.reads.append(site)
+        self.note([(h._ref.id, h) for h in handles])
 
 
 _new_id = int.__new__  # builds a Ref (an int subclass) without CheckedId's checks

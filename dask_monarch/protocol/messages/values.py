@@ -17,6 +17,7 @@ from typing import Any, Union
 
 import cloudpickle
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ndslice import Slice
 from .checked import CheckedId, check_int, checked, instance_of, list_of, optional, register_checks
@@ -200,9 +201,12 @@ class ArgsKwargs(tuple):
         return _tuple_new(cls, ((), {}, cloudpickle.dumps((new_args, new_kwargs)), False))
 
     def to_python(self) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` with Refs in place of referenceable objects."""
+        """``(args, kwargs)`` with Refs in place of referenceable objects. A pickled payload
+        is loaded as local values: no dispatch mode of the caller (an active mesh) sees the
+        tensors it rebuilds."""
         if self[2] is not None:
-            return pickle.loads(self[2])
+            with _disable_current_modes():
+                return pickle.loads(self[2])
         return self[0], dict(self[1])
 
     def __eq__(self, other: object) -> bool:
