@@ -223,6 +223,7 @@ class Compiled:
                     )
                     if known is not None:
                         formal_values[index] = known.clone()
+                        formal._roots = frozenset((("formal", index),))
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(
                         t._mesh._ranks,
@@ -405,12 +406,15 @@ def _uses(
 def _guards(capture: Capture, formal_values: dict[int, torch.Tensor], stepped: list) -> list[Guard]:
     """What a replay must find as the trace left it (see the module's docstring)."""
     guards: list[Guard] = []
-    if capture.reads:  # Python read values: the outside values they came from must hold
+    if capture.reads:  # Python read values: what they were computed from must hold
         what = f"the value read at {where(capture.reads[0])}"
-        for handle, value in capture.known.values():
-            guards.append((what, functools.partial(_same_known, weakref.ref(handle), value)))
-        for index, value in formal_values.items():
-            guards.append((what, functools.partial(_same_argument, index, value)))
+        for root in capture.read_roots:
+            if type(root) is tuple:  # ("formal", index): an argument
+                check = functools.partial(_same_argument, root[1], formal_values[root[1]])
+            else:
+                handle, value = capture.known[root]
+                check = functools.partial(_same_known, weakref.ref(handle), value)
+            guards.append((what, check))
     for optimizer, hyper in stepped:
         what = f"a hyperparameter of the {type(optimizer).__name__} stepped inside (lr?)"
         guards.append((what, functools.partial(_same_hyper, weakref.ref(optimizer), hyper)))

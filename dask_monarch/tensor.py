@@ -633,6 +633,9 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         )
     if how:
         client_values.mirror(func, args, kwargs, outputs, how)
+        capture = session.capture
+        if capture is not None and capture.tracing:  # what a read of them would depend on
+            capture.derive(outputs, () if how == client_values.VALUE_FREE else handles)
     return _returned(plan.kind, outputs)
 
 

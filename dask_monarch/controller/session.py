@@ -198,6 +198,7 @@ class Capture:
         self.known: dict[int, tuple[Any, Any]] = {}  # outside ref id -> (handle, known value
         #                                              before the trace first touched it)
         self.reads: list = []  # call sites where Python read a value the client knows
+        self.read_roots: set = set()  # what those values came from (see roots())
         self.locals: list = []  # (local tensor, its version): placed on the mesh inside
 
     @property
@@ -218,11 +219,30 @@ class Capture:
                     self.known[ref] = (handle, handle._known.clone())
         self.created.extend(outputs)
 
+    def roots(self, handle: Any) -> frozenset:
+        """The outside values (ref ids) and arguments (``("formal", index)``) the value the
+        client knows of ``handle`` was computed from."""
+        ref = handle._ref.id
+        if ref < self.first_id:
+            return frozenset((ref,))
+        return getattr(handle, "_roots", frozenset())
+
+    def derive(self, outputs: Iterable[Any], inputs: Iterable[Any]) -> None:
+        """The client computed the values of ``outputs`` from those of ``inputs``."""
+        roots = frozenset().union(*(self.roots(h) for h in inputs))
+        first = self.first_id
+        for out in outputs:
+            if out is not None and out._ref.id >= first:
+                out._roots = roots | getattr(out, "_roots", frozenset())
+
     def read_known(self, handles: Iterable[Any], site: Any) -> None:
         """Python read the value of ``handles``, which the client knows, at ``site``: the
-        recording is only right while the outside values it came from stay the same."""
+        recording is only right while the values they came from stay the same."""
+        handles = list(handles)
         self.reads.append(site)
         self.note([(h._ref.id, h) for h in handles])
+        for h in handles:
+            self.read_roots |= self.roots(h)
 
 
 _new_id = int.__new__  # builds a Ref (an int subclass) without CheckedId's checks
