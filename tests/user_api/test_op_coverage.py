@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import op_sweep
 import pytest
+import torch
 from op_sweep import CANNOT_FETCH, DATA_DEPENDENT, LOCAL_TENSOR, NEEDS_VALUE
+from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+import dask_monarch as dm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,3 +149,39 @@ def test_the_summary_counts_what_ran(sweep):
     assert len(summary.mismatches) == sum(len(v) for v in _failures(sweep, "mismatch").values())
     text = op_sweep.report(summary)
     assert f"ops fully passing {len(OPS) - len(failing)} / {len(OPS)}" in text
+
+
+panic = dm.remote("__test_panic", propagate=lambda x: x.clone())
+
+
+def _breaks_the_mesh(x: torch.Tensor) -> torch.Tensor:
+    """A fatal error on the ranks (the mesh is broken); locally, a clone."""
+    return panic(x) if isinstance(x, dm.Tensor) else x.clone()
+
+
+def _one_sample(op, device, dtype, requires_grad, **kwargs):
+    yield SampleInput(torch.ones(3, device=device, dtype=dtype))
+
+
+def test_a_mesh_that_breaks_is_replaced_and_the_sweep_goes_on(client2):
+    breaking = OpInfo(
+        "breaks_the_mesh",
+        op=_breaks_the_mesh,
+        dtypes=(torch.float32,),
+        sample_inputs_func=_one_sample,
+        supports_autograd=False,
+    )
+    sweep = op_sweep.Sweep(client2, samples=1)
+    try:
+        sweep.run([breaking, *op_sweep.select_ops(names=["add"])])
+    finally:
+        sweep.close()
+    first, *rest = sweep.outcomes
+    assert (first.op, first.status, first.category) == (
+        "breaks_the_mesh",
+        op_sweep.MESH_ERROR,
+        op_sweep.BROKEN,
+    )
+    assert "__test_panic" in first.detail
+    assert sweep.new_meshes == 1
+    assert rest and {o.status for o in rest} == {op_sweep.PASS}
