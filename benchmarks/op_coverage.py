@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=op_sweep.FETCH_TIMEOUT)
     parser.add_argument("--verbose", action="store_true", help="every failing sample")
     parser.add_argument("--progress", action="store_true", help="a line per op as it ends")
+    parser.add_argument(
+        "--placement",
+        choices=op_sweep.PLACEMENTS,
+        default="put",
+        help="put: samples placed with dm.put (the client keeps small values); ranks: sent "
+        "through a remote function (every value comes from the ranks)",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -62,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         client.wait_for_workers(2)
         start = time.perf_counter()
         log = (lambda line: print(line, flush=True)) if args.progress else None
-        sweep = op_sweep.Sweep(client, samples=args.samples, timeout=args.timeout, log=log)
+        sweep = op_sweep.Sweep(
+            client, samples=args.samples, timeout=args.timeout, log=log, placement=args.placement
+        )
         try:
             outcomes = sweep.run(ops)
         finally:
@@ -73,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(op_sweep.report(summary, verbose=args.verbose))
     print(
         f"\n{len(ops)} OpInfos selected, {len(sweep.unsupported)} without float32 on CPU; "
-        f"{args.samples} samples each; new meshes after a broken one: {sweep.new_meshes}; "
+        f"{args.samples} samples each, placed with {args.placement}; new meshes after a "
+        f"broken one: {sweep.new_meshes}; "
         f"{elapsed:.0f} s"
     )
     if args.json:

@@ -11,6 +11,7 @@ once per distinct op.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -123,6 +124,7 @@ class OpInfo:
     with_generator: m.FunctionPath | None = None
     exact: bool = False  # its results are bit-identical on every device (client_values)
     value_free: bool = False  # its results depend on no input's value (zeros_like, fill_)
+    answers: bool = False  # it returns Python values only (item, equal, allclose)
 
 
 # id(op) -> (op, its OpInfo). Keyed by id: an OpOverload hashes in Python (a call per lookup,
@@ -140,7 +142,9 @@ def op_info(func: OpOverload) -> OpInfo:
 def _make_op_info(func: OpOverload) -> OpInfo:
     schema = func._schema
     namespace, name = schema.name.split("::")
-    path = f"torch.ops.{namespace}.{name}.{func._overloadname}"
+    path = (
+        _custom_op_path(schema.name, func) or f"torch.ops.{namespace}.{name}.{func._overloadname}"
+    )
     names = tuple(a.name for a in schema.arguments)
     sets = {}
     writes = []
@@ -174,6 +178,7 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         _with_generator(func, names) if seeded else None,
         namespace == "aten" and base in _EXACT,
         namespace == "aten" and (base, func._overloadname) in _VALUE_FREE,
+        bool(schema.returns) and not makes_tensors,
     )
 
 
@@ -209,6 +214,24 @@ _VALUE_FREE = frozenset(
         ("zero", "default"),
     }
 )
+
+
+def _custom_op_path(qualname: str, func: OpOverload) -> str | None:
+    """The import path of the Python function that defines ``func`` (a ``torch.library``
+    custom op, ``torch_nn::...`` say): a rank that never imported its module finds it there,
+    where ``torch.ops.<namespace>`` would not know it yet."""
+    if func._overloadname != "default" or qualname.startswith("aten::"):
+        return None
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # another torch: the torch.ops path
+        return None
+    opdef = OPDEFS.get(qualname)
+    fn = getattr(opdef, "_init_fn", None)
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or getattr(module, getattr(fn, "__name__", ""), None) is not opdef:
+        return None
+    return f"{fn.__module__}.{fn.__name__}"
 
 
 def _with_generator(func: OpOverload, names: tuple[str, ...]) -> m.FunctionPath | None:
@@ -288,14 +311,19 @@ class Propagator:
         return plan
 
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
+        return plan_of(self.run_fake(func, args, kwargs), info)
+
+    def run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        """What ``func`` returns run on fake tensors with the mesh tensors' metadata (raises
+        one of DATA_DEPENDENT when that needs their values)."""
         _propagating.active = True
         try:
             with _disable_current_modes():  # an active mesh's mode must not see the fakes
-                return self._run_fake(func, info, args, kwargs)
+                return self._run_fake(func, args, kwargs)
         finally:
             _propagating.active = False
 
-    def _run_fake(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
+    def _run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         mesh_tensor = self._tensor_type
         with self._mode:
             bases: dict[int, torch.Tensor] = {}
@@ -307,8 +335,7 @@ class Propagator:
                     return type(x)(fake(v) for v in x)
                 return x
 
-            result = func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-        return plan_of(result, info)
+            return func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
 
 
 def extent(meta: TensorMeta) -> int:

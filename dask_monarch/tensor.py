@@ -562,7 +562,8 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run a torch op on mesh tensors: check, propagate, send one CallFunction, return handles."""
-    if id(func) in _ASKS:
+    info = op_info(func)
+    if info.answers:
         return python_value(func, args, kwargs)
     handles: list[Tensor] = []
     try:
@@ -571,7 +572,6 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     except _LocalTensor:
         return dispatch(func, *_place_locals(func, args, kwargs))
     mesh, stream = placement(handles, func, "borrow it first")
-    info = op_info(func)
     try:
         plan = mesh._propagator.plan(func, info, args, kwargs, handles)
     except DATA_DEPENDENT:
@@ -687,6 +687,11 @@ def from_client(
     """A mesh tensor holding local tensor ``value`` on every rank of ``mesh``, sent by value
     (``private``: nobody else holds ``value``, so it need not be copied first). The client
     keeps a copy when it is small (client_values)."""
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"a {value.layout} tensor cannot be placed on a mesh: mesh tensors are dense "
+            "(strided); place t.to_dense(), or build it on the ranks in a remote function"
+        )
     if value.requires_grad:
         raise misuse(
             f"LOCAL_TENSOR: a local tensor that requires grad (shape {list(value.shape)}) was "
@@ -777,19 +782,26 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 
 def python_value(func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``t.item()``, ``bool(t)``, ``torch.equal``: from the client's copies when it knows
-    every input's value, else an implicit fetch from every rank of the mesh."""
+    """``t.item()``, ``bool(t)``, ``torch.equal``, ``torch.allclose``: from the client's
+    copies when it knows every input's value, else from metadata where that tells (fake
+    tensors), else an implicit fetch from every rank of the mesh."""
     handles: list[Tensor] = []
     try:
         ref_args = tuple([_scan(a, handles) for a in args])
+        ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()}
     except _LocalTensor:
         return python_value(func, *_place_locals(func, args, kwargs))
     if all(h._known is not None for h in handles):
         _note_read(handles)
         return client_values.run(func, args, kwargs)
-    return _ask(
-        handles, _ASKS[id(func)], op_info(func).function, m.ArgsKwargs.from_python(ref_args)
-    )
+    what = _ASKS.get(id(func))
+    if what is None:  # an op answering with Python values: metadata alone may do
+        try:
+            return handles[0]._mesh._propagator.run_fake(func, args, kwargs)
+        except DATA_DEPENDENT:
+            what = str(func)
+    args_kwargs = m.ArgsKwargs.from_python(ref_args, ref_kwargs)
+    return _ask(handles, what, op_info(func).function, args_kwargs)
 
 
 def value_of(t: Tensor, what: str) -> torch.Tensor:

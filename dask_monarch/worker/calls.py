@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -126,8 +127,15 @@ def _walk(path: str) -> Callable:
         first, rest = path.split(".", 1)
         if first == "torch":
             obj: Any = torch
+            walked = first
             for part in rest.split("."):
-                obj = getattr(obj, part)
+                walked += "." + part
+                try:
+                    obj = getattr(obj, part)
+                except AttributeError:  # a submodule torch does not import by itself
+                    if not isinstance(obj, types.ModuleType):
+                        raise
+                    obj = importlib.import_module(walked)
             # OpOverload.__call__ only forwards to its C++ callable: calling that directly
             # saves a Python frame per op (about 1 us of the 8 an add of 100x100 costs)
             return obj._op if type(obj) is torch._ops.OpOverload else obj
@@ -257,6 +265,8 @@ def to_cpu(value: Any) -> Any:
     def move(x):
         if isinstance(x, torch.Tensor):
             x = x.detach()
+            if x._is_zerotensor():  # autograd's lazy zeros (a gradient): not picklable
+                return torch.zeros(x.shape, dtype=x.dtype)
             return x if x.device.type == "cpu" else x.cpu()
         return x
 

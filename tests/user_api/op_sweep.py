@@ -91,14 +91,20 @@ CATEGORIES = (
 # -- placing a sample on the mesh --------------------------------------------------------------
 
 
-def place(t: torch.Tensor, mesh: dm.DeviceMesh) -> torch.Tensor:
+PLACEMENTS = ("put", "ranks")
+
+
+def place(t: torch.Tensor, mesh: dm.DeviceMesh, placement: str = "put") -> torch.Tensor:
     """``t``'s value on every rank of ``mesh``: a leaf handle, requiring grad if ``t`` does.
 
-    Uses ``dm.put`` (issue 34) where it exists; otherwise :func:`send_by_value`.
+    ``put``: with ``dm.put``, so the client keeps small values and computes bit-exact ops
+    on them itself (and answers Python's value requests itself); ``ranks``: with
+    :func:`send_by_value`, so every value comes from the ranks (implicit fetches, data-
+    dependent shapes through the ranks).
     """
     with dm.no_mesh.activate():
         local = t.detach()
-        handle = dm.put(local, mesh=mesh) if hasattr(dm, "put") else send_by_value(local, mesh)
+        handle = dm.put(local, mesh=mesh) if placement == "put" else send_by_value(local, mesh)
     if t.requires_grad:
         handle.requires_grad_(True)
     return handle
@@ -111,9 +117,7 @@ def send_by_value(t: torch.Tensor, mesh: dm.DeviceMesh) -> torch.Tensor:
     The layout matters: ``as_strided`` reads the storage around a view, and the
     outputs' strides can be compared with local torch's only for inputs laid out alike.
     """
-    copy = torch.empty(0, dtype=t.dtype).set_(
-        t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride()
-    )  # a copy: the message may be pickled after the local run has changed the sample
+    copy = same_layout_copy(t)  # the message may be pickled after the local run changed t
     shape, stride, offset, dtype = tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
     elements = t.untyped_storage().nbytes() // t.element_size()
 
@@ -124,8 +128,8 @@ def send_by_value(t: torch.Tensor, mesh: dm.DeviceMesh) -> torch.Tensor:
         return dm.remote("torch.Tensor.detach", propagate=propagate)(copy)
 
 
-def place_tree(tree: Any, mesh: dm.DeviceMesh) -> Any:
-    return tree_map(lambda x: place(x, mesh) if isinstance(x, torch.Tensor) else x, tree)
+def place_tree(tree: Any, mesh: dm.DeviceMesh, placement: str = "put") -> Any:
+    return tree_map(lambda x: place(x, mesh, placement) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def same_layouts(local: Any, placed: Any) -> bool:
@@ -307,7 +311,17 @@ def _as_sample(tree: tuple, like: SampleInput) -> SampleInput:
 
 
 def _clone(tree: Any) -> Any:
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+    """A copy of every tensor with its whole storage, strides and offset (an in-place
+    ``as_strided_`` reads around the view, as on the ranks)."""
+    return tree_map(lambda x: same_layout_copy(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        return t.clone()
+    return torch.empty(0, dtype=t.dtype).set_(
+        t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride()
+    )
 
 
 def _is_float(t: Any) -> bool:
@@ -339,8 +353,12 @@ class Sweep:
         samples: int = 3,
         timeout: float = FETCH_TIMEOUT,
         log: Callable[[str], None] | None = None,
+        placement: str = "put",
     ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement is one of {PLACEMENTS}, got {placement!r}")
         self.client = client
+        self.placement = placement
         self.samples = samples
         self.timeout = timeout
         self.log = log or (lambda _: None)
@@ -406,7 +424,7 @@ class Sweep:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                placed = _as_sample(place_tree(tree, self.mesh), sample)
+                placed = _as_sample(place_tree(tree, self.mesh, self.placement), sample)
             except (dm.DeviceException, TimeoutError) as e:
                 self.renew_mesh()
                 return self._note(op, phase, index, MESH_ERROR, category(e), _describe(e))
@@ -480,7 +498,7 @@ class Sweep:
             if phase == "inplace":
                 out = (out, placed.input)
             elif phase == "backward":
-                out = self._grads(placed, out, lambda t: place(_weights(t), mesh))
+                out = self._grads(placed, out, lambda t: place(_weights(t), mesh, self.placement))
         if phase == "backward" and isinstance(local, tuple):
             local, out = _none_for_zeros(local, out)
         pending = check_metadata(phase, local, out, strides)

@@ -384,8 +384,51 @@ def _reduce_storage(value: torch.storage.TypedStorage) -> tuple:
     return storage, (str(value._dtype).removeprefix("torch."), pickle.PickleBuffer(raw.numpy()))
 
 
+def _reduce_tensor(value: torch.Tensor) -> Any:
+    """torch pickles no tensor of a dtype without a typed storage class (complex32, uint16 to
+    uint64, the float8s, the bits types): those travel as their storage's bytes."""
+    if value.dtype not in _RAW_DTYPES or value.device.type != "cpu":
+        return value.__reduce_ex__(5)
+    raw = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+    return raw_tensor, (
+        str(value.dtype).removeprefix("torch."),
+        tuple(value.shape),
+        value.stride(),
+        value.storage_offset(),
+        pickle.PickleBuffer(raw.numpy()),
+    )
+
+
+def raw_tensor(
+    dtype: str, shape: tuple, stride: tuple, offset: int, data: bytearray
+) -> torch.Tensor:
+    """A CPU tensor of ``torch.<dtype>`` over the bytes of its storage (:func:`_reduce_tensor`)."""
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype):
+        raise ValueError(f"torch.{dtype} is not a dtype")
+    if type(data) is not bytearray:
+        data = bytearray(data)
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(kind).as_strided(shape, stride, offset)
+
+
+_RAW_DTYPES = frozenset(
+    d
+    for d in (
+        getattr(torch, name, None)
+        for name in (
+            "complex32 uint16 uint32 uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
+            "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 bits1x8 bits2x4 bits4x2 bits8 "
+            "bits16"
+        ).split()
+    )
+    if isinstance(d, torch.dtype)
+)
 _BATCH_REDUCERS = {torch.memory_format: _reduce_memory_format}  # dumps
-_VALUE_REDUCERS = {torch.storage.TypedStorage: _reduce_storage}  # dumps_value
+_VALUE_REDUCERS = {  # dumps_value
+    torch.storage.TypedStorage: _reduce_storage,
+    torch.Tensor: _reduce_tensor,
+}
 _tables: dict[tuple, dict] = {}  # (our reducers, size of copyreg's table) -> the merged table
 
 
