@@ -753,14 +753,15 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
         if not isinstance(v, torch.Tensor) or isinstance(v, Tensor):
             return v
         nbytes = v.numel() * v.element_size()
-        site = implicit_fetch.where(implicit_fetch.call_site())
         if key in written:
+            site = implicit_fetch.where(implicit_fetch.call_site())
             raise misuse(
                 f"LOCAL_TENSOR: {func} at {site} would write into a local tensor of shape "
                 f"{list(v.shape)} a value computed on the ranks; fetch it instead "
                 "(local.copy_(dask_monarch.inspect(t)))"
             )
         if nbytes > limit:
+            site = implicit_fetch.where(implicit_fetch.call_site())
             raise misuse(
                 f"LOCAL_TENSOR: a local tensor of shape {list(v.shape)} ({nbytes} bytes) was "
                 f"used with mesh tensors in {func} at {site}; local tensors up to {limit} bytes "
