@@ -133,11 +133,15 @@ class Comms:
     def timeout(self) -> float:
         return float(self.state.settings.get("collective_timeout") or 60.0)
 
-    def group(self, key: str, ranks: list[int], what: str, lane: Lane) -> dist.ProcessGroup:
+    def group(
+        self, key: str, ranks: list[int], what: str, lane: Lane, checked: bool = True
+    ) -> dist.ProcessGroup:
         """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix.
 
         Its rendezvous blocks ``lane`` until every member's control steps
         reach the same message (``what``): the lane shows it as waiting on them.
+        ``checked``: dask_monarch issues its operations (emulate-nccl checks them;
+        not a process group's, which user functions drive).
         """
         state = self.state
         cuda = None
@@ -166,7 +170,8 @@ class Comms:
                         cuda=cuda,
                         device=state.torch_device,
                     )
-                    built.append((pg, self._sequence(key, ranks) if self.emulate else None))
+                    checks = self.emulate and checked
+                    built.append((pg, self._sequence(key, ranks) if checks else None))
                 except BaseException as e:
                     built.append(e)
                 finally:
@@ -424,6 +429,7 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
         ranks,
         f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
         lane,
+        checked=False,
     )
 
 
@@ -658,9 +664,13 @@ def _through_host(
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of a CUDA tensor, complete when this returns (the copy waits for
     the lane's stream, which made the tensor)."""
-    host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
+    host = _host_like(tensor)
     host.copy_(tensor)
     return host
+
+
+def _host_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
 
 
 def send_tensor(lane: Lane, msg: SendTensor) -> None:
@@ -768,15 +778,14 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
         if remote_send:
             tensor = state.device.zeros(msg.factory) if type(value) is SeqError else value
             send = (tensor.contiguous(), to_rank)
+        buffer = state.device.empty(msg.factory) if remote_recv else None
         if remote_recv:
-            recv = (state.device.empty(msg.factory), from_rank)
-        nccl = groups.uses_nccl(pg)
-        staged = not nccl and state.torch_device is not None  # gloo on a CUDA rank
-        if staged:
+            recv = (buffer, from_rank)
+        on_gpu = (send[0] if send is not None else buffer).is_cuda
+        nccl = on_gpu and groups.uses_nccl(pg)
+        if on_gpu and not nccl:  # gloo on a CUDA rank: host copies
             send = (_to_host(send[0]), send[1]) if send is not None else None
-            device_buffer, recv = (
-                (recv[0], (_to_host(recv[0]), recv[1])) if recv is not None else (None, None)
-            )
+            recv = (_host_like(buffer), from_rank) if recv is not None else None
         works = groups.point_to_point(pg, send, recv, tag)
         if nccl:  # enqueued on the device: the lane's stream waits, the watch follows it
             for work in works:
@@ -788,11 +797,9 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
             for work in works:
                 work.wait()
         if recv is not None:
-            if staged:
-                device_buffer.copy_(recv[0])
-                lane.env[msg.result.id] = device_buffer
-            else:
-                lane.env[msg.result.id] = recv[0]
+            if recv[0] is not buffer:
+                buffer.copy_(recv[0])
+            lane.env[msg.result.id] = buffer
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
     lane.set_running()

@@ -14,14 +14,14 @@ import dask
 import pytest
 import torch
 from distributed import Client
-from gpus import GPUS, needs_gpus
+from gpus import GPUS, all_reduce, cuda_factory, needs_gpus
 from raw import S0, S1, S2, call, create_streams, fetch, values
 from torch import nn
 from workers import inlined_segments
 
 import dask_monarch as dm
 from dask_monarch import messages as m
-from dask_monarch.messages import Factory, ReduceOp, Ref
+from dask_monarch.messages import Ref
 from dask_monarch.ndslice import Slice
 
 MESH = Ref(100)
@@ -51,10 +51,6 @@ def shared_client():
 
 def cuda_ctrl(client, world_size=1):
     return dm.Controller(client, world_size=world_size, device="cuda")
-
-
-def cuda_factory(shape, dtype=torch.float32):
-    return Factory(tuple(shape), dtype, torch.strided, "cuda")
 
 
 def test_ranks_use_cuda_and_their_own_gpu(gpu_client):
@@ -192,21 +188,7 @@ def test_two_ranks_sharing_a_gpu_need_gloo(shared_client):
         ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         ctrl.send(ranks, call(0, Ref(1), "torch.ones", 4, device="cuda"))
-        ctrl.send(
-            ranks,
-            m.Reduce(
-                Ref(2),
-                Ref(1),
-                cuda_factory((4,)),
-                MESH,
-                S0,
-                ["gpu"],
-                ReduceOp.SUM,
-                False,
-                False,
-                None,
-            ),
-        )
+        ctrl.send(ranks, all_reduce(Ref(2), Ref(1), (4,), MESH, S0))
         ctrl.send(
             ranks,
             m.SendTensor(
@@ -228,21 +210,7 @@ def test_nccl_collectives_and_a_pairwise_exchange_of_64_mib(gpu_client):
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         n = 64 * MiB // 4
         ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
-        ctrl.send(
-            ranks,
-            m.Reduce(
-                Ref(2),
-                Ref(1),
-                cuda_factory((n,)),
-                MESH,
-                S0,
-                ["gpu"],
-                ReduceOp.SUM,
-                False,
-                False,
-                None,
-            ),
-        )
+        ctrl.send(ranks, all_reduce(Ref(2), Ref(1), (n,), MESH, S0))
         one, two = Slice(0, [1], [1]), Slice(1, [1], [1])
         ctrl.send(ranks, m.SendTensor(Ref(3), one, two, Ref(1), cuda_factory((n,)), S0, S0))
         ctrl.send(ranks, m.SendTensor(Ref(3), two, one, Ref(1), cuda_factory((n,)), S0, S0))

@@ -15,19 +15,15 @@ import dask
 import pytest
 import torch
 from distributed import Client, LocalCluster
-from gpus import needs_gpus
+from gpus import all_reduce, needs_gpus
 from raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
-from dask_monarch.messages import Factory, ReduceOp, Ref
+from dask_monarch.messages import Ref
 from dask_monarch.ndslice import Slice
 
 MESH = Ref(100)
-
-
-def cuda_factory(shape):
-    return Factory(tuple(shape), torch.float32, torch.strided, "cuda")
 
 
 # ------------------------------------------------------------------ a worker that sees every GPU
@@ -121,19 +117,7 @@ def _in_an_all_reduce(ctrl):
     ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
     ctrl.send(ranks, call(0, Ref(1), "torch.ones", 1 << 20, device="cuda"))
     ctrl.send(1, call(1, None, "remote_fns.sleep_then", 120))
-    reduce = m.Reduce(
-        Ref(2),
-        Ref(1),
-        cuda_factory((1 << 20,)),
-        MESH,
-        S0,
-        ["gpu"],
-        ReduceOp.SUM,
-        False,
-        False,
-        None,
-    )
-    ctrl.send(ranks, reduce)
+    ctrl.send(ranks, all_reduce(Ref(2), Ref(1), (1 << 20,), MESH, S0))
     ctrl.send(0, fetch(2, (Ref(2),), fn="torch.ops.aten.sum.default"))
     ctrl.flush()
 
