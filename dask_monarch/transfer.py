@@ -9,12 +9,16 @@ the (source stream, destination stream) pair. Dims are matched by name and
 must agree in size; a destination dim the source lacks is a broadcast (one
 send per destination slice). Each ``SendTensor`` goes at once to both ends of
 every pair, so the pre-dispatch check (DESIGN decision 14) never refuses one
-made here.
+made here: a move that it would refuse, a rank both sending and receiving over
+the communicator of two different streams, is refused here first with a
+``ValueError`` that loses nothing (docs/architecture.md, "Streams and
+hand-offs").
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from itertools import product
 from typing import Any
 
@@ -131,6 +135,8 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
     with session.lock:  # one SendTensor per destination slice, all defining one ref
         src_ref = session.stream_ref(t._stream)
         dst_ref = session.stream_ref(stream)
+        if src_ref.id != dst_ref.id:
+            _one_role_per_rank(session, (src_ref.id, dst_ref.id), pairs, t._stream, stream)
         session.ensure_p2p(src_ref, dst_ref)
         first_use(session, [t])
         result = session.new_ref()
@@ -145,3 +151,37 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
                 ranks, m.SendTensor(result, from_ranks, to_ranks, t._ref, factory, src_ref, dst_ref)
             )
         return handle
+
+
+# session -> (from stream id, to stream id) -> rank -> "send" or "receive" over that pair
+_ROLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _one_role_per_rank(
+    session: Any, key: tuple[int, int], pairs: list, source: Stream, dest: Stream
+) -> None:
+    """Refuse a move in which a rank would send and receive over the communicator of two
+    different streams (now or with earlier moves): NCCL runs a communicator's operations in
+    the order a rank issues them, and the rank's two streams would issue them in an order
+    that differs between ranks."""
+    roles = _ROLES.setdefault(session, {}).setdefault(key, {})
+    new: dict[int, str] = {}
+    for from_ranks, to_ranks in pairs:
+        for sender, receiver in zip(from_ranks, to_ranks):
+            if sender == receiver:  # a copy on the rank: no communicator
+                continue
+            for rank, role in ((sender, "send"), (receiver, "receive")):
+                before = new.get(rank) or roles.get(rank)
+                if before is not None and before != role:
+                    when = "in this move" if new.get(rank) else "in an earlier move"
+                    raise ValueError(
+                        f"to_mesh from stream {source.name!r} to stream {dest.name!r}: rank "
+                        f"{rank} would {role} over that pair of streams and it {before}s over "
+                        f"it {when}. NCCL runs a communicator's operations in the order a rank "
+                        "issues them, and two streams of one rank would issue them in an order "
+                        "that differs between ranks, which deadlocks. Move between overlapping "
+                        "meshes on one stream (to_mesh(..., stream=the tensor's stream)), or "
+                        f"move the other way from stream {dest.name!r} to {source.name!r}"
+                    )
+                new[rank] = role
+    roles.update(new)

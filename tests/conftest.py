@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import dask
 import pytest
 import torch
 from distributed import Client
@@ -80,3 +81,32 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "exercises(*messages): worker messages whose effect the test checks"
     )
+    config.addinivalue_line(
+        "markers",
+        "nccl_rules: the module's tests on ranks run twice, the second time with "
+        "dask_monarch.comm.emulate-nccl (NCCL's rules checked on the gloo ranks)",
+    )
+
+
+# A test of a module marked nccl_rules that runs on ranks (through these fixtures) runs as
+# [gloo] and as [emulate-nccl]: every rank then checks that each communicator sees the same
+# operations in the same order on all its members (worker/nccl_rules.py), as NCCL needs.
+_ON_RANKS = {"client2", "client4", "fuzz_client"}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("nccl_rules") and _ON_RANKS & set(
+        metafunc.fixturenames
+    ):
+        metafunc.parametrize("comm_rules", ["gloo", "emulate-nccl"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def comm_rules(request):
+    """The communicator rules controllers made in the test check (see pytest_generate_tests)."""
+    mode = getattr(request, "param", "gloo")
+    if mode != "emulate-nccl":
+        yield mode
+        return
+    with dask.config.set({"dask_monarch.comm.emulate-nccl": True}):
+        yield mode

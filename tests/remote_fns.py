@@ -295,3 +295,87 @@ def describe(*args, **kwargs):
         return type(x).__name__
 
     return repr((shape(args), shape(kwargs)))
+
+
+# -- NCCL's rules on CPU (tests/worker/test_nccl_rules.py) -------------------------------------
+
+
+def checked_communicators():
+    """{communicator name: operations issued} of this rank's checked (emulate-nccl) ones."""
+    from dask_monarch.worker.lane import current_lane
+
+    comms = current_lane().rank.comms
+    if comms is None:
+        return {}
+    return {seq.name: seq.count + sum(seq.pairs.values()) for seq in list(comms.sequences.values())}
+
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops it sees, by thread (as dask_monarch.worker.dispatch-mode)."""
+
+    seen: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import threading
+
+        name = threading.current_thread().name
+        CountOps.seen[name] = CountOps.seen.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_seen(*after):
+    """{thread name: ops CountOps saw on it} in this worker process."""
+    return dict(CountOps.seen)
+
+
+class ZerosActor:
+    """An actor whose constructor makes a tensor (where it runs is checked)."""
+
+    def __init__(self):
+        import threading
+
+        self.thread = threading.current_thread().name
+        self.value = torch.zeros(2) + 1
+
+    def __call__(self, *tensors):
+        return self.thread
+
+
+# -- CUDA ranks (tests/gpu) ---------------------------------------------------------------------
+
+
+def device_of(x):
+    """Where a tensor (or each tensor of a list) lives, as text."""
+    if isinstance(x, (list, tuple)):
+        return [str(t.device) for t in x]
+    return str(x.device)
+
+
+def current_cuda_device():
+    return torch.cuda.current_device()
+
+
+def cuda_loader(pipe, batches):
+    """A data loader on the rank's GPU: batch i is full of i, made with device="cuda"."""
+    for i in range(batches):
+        pipe.send(torch.full((4,), float(i), device="cuda"))
+
+
+def cuda_echo_loader(pipe):
+    """Doubles what the lanes send it, on the GPU, and says which device it got it on."""
+    while True:
+        x = pipe.recv()
+        pipe.send((x * 2, str(x.device)))
+
+
+class CudaActor:
+    """An actor whose constructor makes a CUDA tensor with device="cuda"."""
+
+    def __init__(self):
+        self.value = torch.arange(4.0, device="cuda")
+
+    def device(self):
+        return str(self.value.device)
+
+    def add(self, t):
+        return (self.value + t).sum().item()

@@ -606,6 +606,7 @@ class Controller:
             rank: self._client.submit(
                 construct_actor,
                 payload,
+                self.token,
                 actor=True,
                 pure=False,
                 key=f"monarch_actor-{name}-{self.token}-{broker[1]}-{rank}",

@@ -261,6 +261,8 @@ def claim_ranks(
         "device": device,
         "collective_timeout": config.seconds("timeouts.collective"),
         "backend": backend,
+        # check NCCL's per-communicator order on every rank (worker/nccl_rules.py)
+        "emulate_nccl": bool(config.get("comm.emulate-nccl", False)),
     }
     ranks = {address: rank for rank, address in enumerate(workers)}
     replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)

@@ -24,6 +24,10 @@ runs (:class:`~.routing.ProtocolError`, which breaks the controller):
   cycle (across lanes and ranks; borrows included), or on a rank that exited;
 * what is certain to fail on the rank anyway: a ``Reduce`` or send without
   its communicator, a second ``SplitComm`` of one key, unknown dims;
+* a rank that both sends and receives over the point-to-point communicator of
+  two different streams (in one message, as Monarch refuses, or in two): its
+  two lanes would issue the communicator's operations in an order that differs
+  between ranks, which NCCL, running them in issue order, deadlocks on;
 * a borrow id used again before the controller knows that the earlier
   borrow's ``BorrowDrop`` ran: a rank keys borrows by id, so the new borrow's
   steps could meet the old one's and wait forever.
@@ -180,6 +184,9 @@ class Precheck:
         self.splits: list[dict[tuple, tuple[int, ...]]] = [{} for _ in self.world]
         self.split_groups: dict[tuple, dict[int, tuple[int, ...]]] = {}
         self.p2p: list[set[tuple[int, int]]] = [set() for _ in self.world]
+        # (rank, from stream, to stream) of two streams -> (lane, SendTensor ref) that first
+        # used the communicator on the rank: the one lane that may (docs/architecture.md)
+        self.p2p_lanes: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.groups: list[dict[int, tuple[int, tuple[str, ...]]]] = [{} for _ in self.world]
         self.group_comms: list[set[tuple[int, int]]] = [set() for _ in self.world]
         self.borrows: list[dict[int, int]] = [{} for _ in self.world]  # live borrow -> instance
@@ -332,6 +339,8 @@ class Precheck:
                 f"SendTensor from stream {src_stream} to {dst_stream}: no "
                 "communicator (BackendNetworkPointToPointInit was not sent)",
             )
+        if src_stream != dst_stream:
+            self._one_lane(rank, label, src_stream, dst_stream, ref)
         sig = ("SendTensor", ref, msg.factory.size, msg.factory.dtype)
         event = _Event(_MEET)
         if sending:
@@ -347,6 +356,25 @@ class Precheck:
                 sig,
             )
         self._queue(rank, label, event)
+
+    def _one_lane(self, rank: int, label: int, src_stream: int, dst_stream: int, ref: int) -> None:
+        """Only one lane of ``rank`` issues on the communicator of two different streams."""
+        first = self.p2p_lanes.setdefault((rank, src_stream, dst_stream), (label, ref))
+        if first[0] == label:
+            return
+        role = {src_stream: "send", dst_stream: "receive"}
+        earlier = "in the same message" if first[1] == ref else f"in SendTensor r{first[1]}"
+        raise ProtocolError(
+            rank,
+            f"SendTensor r{ref}: rank {rank} would {role[label]} on stream {label} over the "
+            f"point-to-point communicator of streams {src_stream} -> {dst_stream}, and it "
+            f"{role[first[0]]}s on stream {first[0]} over it {earlier}. NCCL runs a "
+            "communicator's operations in the order a rank issues them, and two streams of "
+            "a rank would issue them in an order that differs between ranks (a deadlock): "
+            "over a pair of different streams a rank only sends or only receives (Monarch "
+            "refuses a rank that does both in one message). Move between overlapping "
+            "slices on one stream, or send back over the reverse pair of streams",
+        )
 
     def _part(
         self,

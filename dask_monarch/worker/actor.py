@@ -21,6 +21,7 @@ itself is called with the ``local_state`` values.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_map
@@ -31,6 +32,7 @@ from . import calls
 from .errors import DependentError, FatalError
 from .failures import dependent_failure, fail_call
 from .lane import Lane
+from .nccl_watch import check_device
 
 if TYPE_CHECKING:
     from .rank import RankState
@@ -71,7 +73,9 @@ def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | N
     try:
         value = _run(lane, call)
         if results is None:
-            lane.rank.report(Fetched(call.seq, lane.rank.rank, calls.pickle_value(value)))
+            data = calls.pickle_value(value)
+            check_device(lane.rank)
+            lane.rank.report(Fetched(call.seq, lane.rank.rank, data))
         else:
             calls.bind_results(lane.env, results, value)
     except FatalError:
@@ -99,3 +103,30 @@ def call_actor_method(lane: Lane, msg: CallActorMethod) -> None:
 
 def register_actor(state: RankState, broker_id: tuple, actor: Any) -> None:
     state.actors[tuple(broker_id)] = actor
+
+
+def build_actor(state: RankState, cls: type, args: tuple, kwargs: dict) -> Any:
+    """``cls(*args, **kwargs)`` on the rank's device, in a stream of its own, finished before
+    any lane uses what it made (its constructor hands its tensors to every lane).
+
+    Built on a thread of its own: the thread enters the rank's device, stream and
+    dispatch modes (``Device.thread``), none of which a Dask thread that runs other
+    tasks should keep.
+    """
+    device = state.device
+    built: list = []
+
+    def build() -> None:
+        try:
+            with device.thread("actor") as stream:
+                built.append(cls(*args, **kwargs))
+                device.synchronize(stream)
+        except BaseException as e:  # noqa: B036 - re-raised on the Dask thread
+            built.append(e)
+
+    thread = threading.Thread(target=build, name=f"monarch-actor-{state.rank}", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(built[0], BaseException):
+        raise built[0]
+    return built[0]

@@ -15,12 +15,25 @@ where it is; each group is then built over that store under its own prefix:
   (``SplitCommForProcessGroup``).
 
 Each stream has groups of its own, so collectives on two streams of a rank
-never share a communicator and cannot pair the wrong operations. On gloo they
-may interleave freely. NCCL's rule for concurrent communicators also holds:
-a rank issues each communicator's operations in message order, but two
-streams' communicators progress independently, so their kernels must be able
-to run at once; keep collectives of different streams off the same GPU
-resources or give each stream's work a consistent order across ranks.
+never share a communicator and cannot pair the wrong operations. NCCL's rules
+hold on both backends (docs/architecture.md, "Streams and hand-offs"):
+
+* every communicator is made at the message that declares it, on the control
+  lane, so every rank makes them in message order (NCCL's is made there too,
+  eagerly, never inside a lane's first operation);
+* one lane issues a communicator's operations on a rank, in message order: a
+  (mesh, stream, dims) group and a process group by their stream's lane, and a
+  (from stream, to stream) point-to-point one by the sender's lane on senders
+  and the receiver's on receivers; a rank that would both send and receive
+  over a pair of different streams is refused before dispatch
+  (``controller/precheck.py``, ``transfer.py``);
+* every send and receive of one ``SendTensor`` on a rank is one grouped call
+  on that communicator (``groups.point_to_point``).
+
+``dask_monarch.comm.emulate-nccl`` checks the order at run time on gloo
+(:mod:`.nccl_rules`). With ``backend: gloo`` on CUDA ranks, what dask_monarch
+sends through gloo is staged through pinned host memory: gloo's transport
+reads host memory only.
 
 A rank whose input errored still takes part with zeros (its peers never
 hang); Reduce and SendTensor report nothing. An input whose shape or dtype is
@@ -35,10 +48,11 @@ No wait on a peer outlives its controller: a rendezvous polls for its members
 retries a member that left until the timeout), and a gloo collective is
 waited for in slices (:func:`.groups.finish`), both giving up as soon as the controller fails or
 releases the rank, instead of at the collective timeout; a send or receive
-fails fast when the peer's release closes its communicator.
+fails fast when the peer's release closes its communicator. An NCCL operation
+only enqueues work on the device: :mod:`.nccl_watch` follows it to its end.
 
 Every handler here shares one :class:`Comms` per rank (its store, groups and
-hand-offs), which is why they live in one module of about 700 lines.
+hand-offs), which is why they live in one module of about 800 lines.
 """
 
 from __future__ import annotations
@@ -66,6 +80,8 @@ from ..protocol.wire import ValueFailed
 from . import groups
 from .errors import FatalError, SeqError
 from .lane import Lane
+from .nccl_rules import OpSequence
+from .nccl_watch import NcclWatch
 
 if TYPE_CHECKING:
     from ..protocol.messages import Ref
@@ -103,6 +119,10 @@ class Comms:
         self.handoffs: dict[Any, tuple[threading.Event, list]] = {}
         self.dropped: set[int] = set()  # streams dropped on this rank (their p2p may go)
         self.lock = threading.Lock()
+        # dask_monarch.comm.emulate-nccl: each communicator's operations, checked (nccl_rules.py)
+        self.emulate = bool(state.settings.get("emulate_nccl"))
+        self.sequences: dict[Any, OpSequence] = {}  # group -> its checked sequence
+        self.watch = NcclWatch(state)
 
     @property
     def host(self) -> str:
@@ -113,11 +133,15 @@ class Comms:
     def timeout(self) -> float:
         return float(self.state.settings.get("collective_timeout") or 60.0)
 
-    def group(self, key: str, ranks: list[int], what: str, lane: Lane) -> dist.ProcessGroup:
+    def group(
+        self, key: str, ranks: list[int], what: str, lane: Lane, checked: bool = True
+    ) -> dist.ProcessGroup:
         """A new group of ``ranks`` (global, in group order), named ``key`` under our prefix.
 
         Its rendezvous blocks ``lane`` until every member's control steps
         reach the same message (``what``): the lane shows it as waiting on them.
+        ``checked``: dask_monarch issues its operations (emulate-nccl checks them;
+        not a process group's, which user functions drive).
         """
         state = self.state
         cuda = None
@@ -136,17 +160,18 @@ class Comms:
 
             def build() -> None:
                 try:
-                    built.append(
-                        groups.new_group(
-                            self.store,
-                            f"{self.prefix}{key}/",
-                            ranks,
-                            state.rank,
-                            host=self.host,
-                            timeout=self.timeout,
-                            cuda=cuda,
-                        )
+                    pg = groups.new_group(
+                        self.store,
+                        f"{self.prefix}{key}/",
+                        ranks,
+                        state.rank,
+                        host=self.host,
+                        timeout=self.timeout,
+                        cuda=cuda,
+                        device=state.torch_device,
                     )
+                    checks = self.emulate and checked
+                    built.append((pg, self._sequence(key, ranks) if checks else None))
                 except BaseException as e:
                     built.append(e)
                 finally:
@@ -156,9 +181,32 @@ class Comms:
             state.wait(lane, done, waiting, peers=peers)
             if isinstance(built[0], BaseException):
                 raise built[0]
-            return built[0]
+            pg, sequence = built[0]
+            if sequence is not None:
+                self.sequences[pg] = sequence
+            return pg
         finally:
             lane.set_running()
+
+    def _sequence(self, key: str, ranks: list[int]) -> OpSequence:
+        """The checked operation sequence of the group ``key`` (emulate-nccl), over a store
+        client of its own (a lane polling it must not hold another lane's client)."""
+        host, port = self.rendezvous
+        client = groups.connect_store(host, port, self.timeout, self.state.abort.is_set)
+        store = dist.PrefixStore(f"{self.prefix}{key}/ops/", client)
+        return OpSequence(store, key, ranks, self.state.rank, self.timeout, self.stopped)
+
+    def stopped(self) -> str | None:
+        """Why a wait on peers gives up now (the controller failed or released the rank)."""
+        if not self.state.abort.is_set():
+            return None
+        return self.state.failed or "the rank was released"
+
+    def check_collective(self, lane: Lane, pg: Any, what: str) -> None:
+        """emulate-nccl: ``lane`` issues ``what`` on ``pg`` next; every member must too."""
+        sequence = self.sequences.get(pg)
+        if sequence is not None:
+            sequence.collective(lane, what)
 
     def arrive(self, prefix: str, ranks: list[int], what: str) -> None:
         """Say this rank reached the rendezvous under ``prefix``; wait until every member did.
@@ -209,6 +257,7 @@ class Comms:
             for k in [k for k in self.p2p if stream in k and all(s in self.dropped for s in k)]
         ]
         for pg in gone:
+            self.sequences.pop(pg, None)
             groups.release_group(pg)
 
     def close(self) -> None:
@@ -219,6 +268,8 @@ class Comms:
         self.splits.clear()
         self.p2p.clear()
         self.remote.clear()
+        self.sequences.clear()
+        self.watch.clear()
 
 
 def comms_of(state: RankState) -> Comms:
@@ -281,16 +332,15 @@ def backend_network_init(lane: Lane, msg: BackendNetworkInit) -> None:
     comms.world = _fatal_call(
         "BackendNetworkInit", comms.group, "world", world, "BackendNetworkInit", lane
     )
-    warm_up = torch.ones(1, device=lane.rank.torch_device or "cpu")
-    lane.set_waiting(
-        f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}",
-        peers=tuple((r, lane.label) for r in world if r != lane.rank.rank),
-    )
+    cuda = lane.rank.torch_device is not None and groups.uses_nccl(comms.world)
+    warm_up = torch.ones(1, device=lane.rank.torch_device if cuda else "cpu")
+    what = f"the BackendNetworkInit warm-up all-reduce of ranks {_ranks_text(world)}"
+    lane.set_waiting(what, peers=tuple((r, lane.label) for r in world if r != lane.rank.rank))
+    _fatal_call("BackendNetworkInit warm-up", comms.check_collective, lane, comms.world, "warm-up")
     work = _fatal_call(
         "BackendNetworkInit warm-up", dist.all_reduce, warm_up, group=comms.world, async_op=True
     )
-    cuda = warm_up.is_cuda and groups.uses_nccl(comms.world)
-    _fatal_call("BackendNetworkInit warm-up", _finish, lane, work, cuda)
+    _fatal_call("BackendNetworkInit warm-up", _finish, lane, work, cuda, what)
     lane.set_running()
 
 
@@ -379,6 +429,7 @@ def split_comm_for_process_group(lane: Lane, msg: SplitCommForProcessGroup) -> N
         ranks,
         f"SplitCommForProcessGroup r{key[0]} of stream {key[1]}",
         lane,
+        checked=False,
     )
 
 
@@ -456,12 +507,14 @@ def reduce(lane: Lane, msg: Reduce) -> None:
 
     Semantics: docs/protocol.md §3.11.
 
-    An errored input is replaced by zeros from the factory (``out`` is then
-    ignored) and the result is a valid tensor; nothing is reported. Missing
-    inputs, a missing communicator and failures inside the collective are fatal.
+    An errored input is replaced by zeros from the factory, made on the rank's
+    device (``out`` is then ignored), and the result is a valid tensor; nothing
+    is reported. Missing inputs, a missing communicator and failures inside the
+    collective are fatal.
     """
     dims = tuple(sorted(msg.dims))
-    comms = comms_of(lane.rank)
+    state = lane.rank
+    comms = comms_of(state)
     key = (msg.mesh.id, lane.label, dims)
     pg = comms.splits.get(key)
     if pg is None:
@@ -474,21 +527,22 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     if type(value) is SeqError:
         if lane.recording is not None:
             lane.recording.dependent(value)
-        value, out = msg.factory.zeros(), None
+        value, out = state.device.zeros(msg.factory), None
     if type(out) is SeqError:
         out = None
     mismatch = _declared(
         lane, value, msg.factory, f"Reduce {msg.reduction!r} over {list(dims)}", msg.tensor
     )
     if mismatch is not None:
-        value, out = msg.factory.zeros(), None
+        value, out = state.device.zeros(msg.factory), None
     members, peers = comms.members[key]
     op = getattr(msg.reduction, "value", msg.reduction)
     kind = _KINDS[(op == "stack", bool(msg.scatter))]
-    lane.set_waiting(
-        f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks {members}", peers=peers
-    )
-    output = _fatal_call(f"Reduce over {list(dims)}", _collective, lane, pg, msg, value, out)
+    what = f"{kind} ({op}) over {list(dims)} of mesh r{msg.mesh.id} with ranks {members}"
+    lane.set_waiting(what, peers=peers)
+    signature = f"{kind} {op} of {_metadata(msg.factory)} (r{msg.result.id})"
+    _fatal_call(f"Reduce over {list(dims)}", comms.check_collective, lane, pg, signature)
+    output = _fatal_call(f"Reduce over {list(dims)}", _collective, lane, pg, msg, value, out, what)
     lane.set_running()
     if mismatch is not None:
         _report_mismatch(lane, mismatch, msg.result)
@@ -500,20 +554,26 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     lane.env[msg.result.id] = output
 
 
+def _metadata(factory: Factory) -> str:
+    return f"{str(factory.dtype).removeprefix('torch.')}{list(factory.size)}"
+
+
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-def _finish(lane: Lane, work, cuda: bool) -> None:
+def _finish(lane: Lane, work, cuda: bool, what: str) -> None:
     """Wait for a collective; give up when the controller fails or releases the rank.
 
     A gloo op is waited for in slices (a peer that never comes holds the op,
     not the lane, until the collective timeout); an NCCL op is only enqueued
-    on the device here, so its wait never blocks on a peer.
+    on the device here, so its wait never blocks on a peer: the lane's stream
+    waits for it, and :class:`NcclWatch` follows it to its end.
     """
+    state = lane.rank
     if cuda:
         work.wait()
+        comms_of(state).watch.add(work, what)
         return
-    state = lane.rank
     if not groups.finish(work, state.abort.is_set):
         raise FatalError(
             f"{lane.title} stopped waiting for its peers: {state.failed or 'the rank was released'}"
@@ -521,10 +581,12 @@ def _finish(lane: Lane, work, cuda: bool) -> None:
 
 
 def _collective(
-    lane: Lane, pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None
+    lane: Lane, pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None, what: str
 ) -> torch.Tensor:
+    if value.is_cuda and not groups.uses_nccl(pg):
+        return _through_host(lane, pg, msg, value, out, what)
     n = pg.size()
-    cuda = value.is_cuda and groups.uses_nccl(pg)
+    cuda = value.is_cuda
     if msg.reduction == "stack":
         if not msg.scatter:  # all-gather: [n, *shape]
             if msg.in_place:
@@ -533,18 +595,19 @@ def _collective(
             work = _all_gather(
                 output.view(-1), value.contiguous().view(-1), group=pg, async_op=True
             )
-            _finish(lane, work, cuda)
+            _finish(lane, work, cuda, what)
         else:  # all-to-all: chunks along dim 0
             output = value if msg.in_place else out if out is not None else value.clone()
             source = value.clone() if output is value else value.contiguous()
             gathered = output if output.is_contiguous() else torch.empty_like(output)
-            _finish(lane, dist.all_to_all_single(gathered, source, group=pg, async_op=True), cuda)
+            work = dist.all_to_all_single(gathered, source, group=pg, async_op=True)
+            _finish(lane, work, cuda, what)
             if gathered is not output:
                 output.copy_(gathered)
             return output
     else:
         op = _TORCH_OPS[msg.reduction]
-        if msg.reduction in _BITWISE and value.is_cuda and groups.uses_nccl(pg):
+        if msg.reduction in _BITWISE and cuda:
             raise FatalError(
                 f"Reduce {msg.reduction.name}: NCCL (the backend of CUDA tensors "
                 "here) has no bitwise reductions; use dask_monarch.backend: gloo"
@@ -560,7 +623,7 @@ def _collective(
             work = dist.reduce_scatter_tensor(
                 output.view(-1), value.contiguous().view(-1), op=op, group=pg, async_op=True
             )
-            _finish(lane, work, cuda)
+            _finish(lane, work, cuda, what)
         else:  # all-reduce
             if msg.in_place:
                 output = value
@@ -569,12 +632,45 @@ def _collective(
                 output = out
             else:
                 output = value.clone()
-            _finish(lane, dist.all_reduce(output, op=op, group=pg, async_op=True), cuda)
+            _finish(lane, dist.all_reduce(output, op=op, group=pg, async_op=True), cuda, what)
             return output
     if out is not None:
         out.copy_(output)
         return out
     return output
+
+
+def _through_host(
+    lane: Lane, pg, msg: Reduce, value: torch.Tensor, out: torch.Tensor | None, what: str
+) -> torch.Tensor:
+    """A collective of CUDA tensors over gloo (``backend: gloo`` on a CUDA rank): on pinned
+    host copies, the lane's stream synchronised first, the result copied back after.
+
+    gloo's transport reads host memory; some of its ops stage CUDA tensors
+    themselves and others would read device pointers as host ones. In place
+    and ``out`` keep their meaning: the result lands in the same device tensor.
+    """
+    host_out = _to_host(out) if out is not None else None
+    result = _collective(lane, pg, msg, _to_host(value), host_out, what)
+    if msg.in_place:
+        value.copy_(result)
+        return value
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result.to(value.device)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor, complete when this returns (the copy waits for
+    the lane's stream, which made the tensor)."""
+    host = _host_like(tensor)
+    host.copy_(tensor)
+    return host
+
+
+def _host_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
 
 
 def send_tensor(lane: Lane, msg: SendTensor) -> None:
@@ -583,13 +679,17 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     Semantics: docs/protocol.md §3.19.
 
     A sender sends its tensor (zeros if it errored); a receiver binds a fresh
-    buffer and receives into it. A rank sending to itself binds a deep copy
-    (an error is copied as the error); when the two streams differ, the copy
-    crosses from the sending lane to the receiving lane inside the rank, as a
-    hand-off: an event recorded on the sender's stream, waited on by the
-    receiver's, which also keeps the copy's block from reuse. A rank that both
-    sends and receives issues the two as one grouped call (NCCL would deadlock
-    on a pairwise exchange issued as two).
+    buffer and receives into it, both made on the rank's device. A rank sending
+    to itself binds a deep copy (an error is copied as the error); when the two
+    streams differ, the copy crosses from the sending lane to the receiving
+    lane inside the rank, as a hand-off: an event recorded on the sender's
+    stream, waited on by the receiver's, which also keeps the copy's block from
+    reuse. Everything a lane sends and receives for the message is one grouped
+    call on the (from stream, to stream) communicator, on every backend: NCCL
+    would deadlock on a pairwise exchange issued as two calls, and mixes
+    communicators when some ranks group and others do not. (A rank both sends
+    and receives remotely only when the two streams are one: the pre-dispatch
+    check refuses the rest.)
     """
     state = lane.rank
     me = state.rank
@@ -665,18 +765,41 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     lane.set_waiting(what, peers=peers)
 
     def exchange():
+        metadata = _metadata(msg.factory)
+        sequence = comms.sequences.get(pg)
+        if sequence is not None:
+            sequence.point_to_point(
+                lane,
+                f"SendTensor r{msg.result.id}",
+                {to_rank: metadata} if remote_send else {},
+                {from_rank: metadata} if remote_recv else {},
+            )
         send = recv = None
         if remote_send:
-            tensor = msg.factory.zeros() if type(value) is SeqError else value.contiguous()
-            send = (tensor, to_rank)
+            tensor = state.device.zeros(msg.factory) if type(value) is SeqError else value
+            send = (tensor.contiguous(), to_rank)
+        buffer = state.device.empty(msg.factory) if remote_recv else None
         if remote_recv:
-            buffer = msg.factory.empty()
-            lane.env[msg.result.id] = buffer
             recv = (buffer, from_rank)
-        # a plain wait: a timed wait on a gloo send or receive closes its pair when it expires
-        # (the peer's release closes it, so this one fails fast then too)
-        for work in groups.point_to_point(pg, send, recv, tag):
-            work.wait()
+        on_gpu = (send[0] if send is not None else buffer).is_cuda
+        nccl = on_gpu and groups.uses_nccl(pg)
+        if on_gpu and not nccl:  # gloo on a CUDA rank: host copies
+            send = (_to_host(send[0]), send[1]) if send is not None else None
+            recv = (_host_like(buffer), from_rank) if recv is not None else None
+        works = groups.point_to_point(pg, send, recv, tag)
+        if nccl:  # enqueued on the device: the lane's stream waits, the watch follows it
+            for work in works:
+                work.wait()
+                comms.watch.add(work, f"SendTensor r{msg.result.id} ({what})")
+        else:
+            # a plain wait: a timed wait on a gloo send or receive closes its pair when it
+            # expires (the peer's release closes it, so this one fails fast then too)
+            for work in works:
+                work.wait()
+        if recv is not None:
+            if recv[0] is not buffer:
+                buffer.copy_(recv[0])
+            lane.env[msg.result.id] = buffer
 
     _fatal_call(f"SendTensor of r{msg.tensor.id}", exchange)
     lane.set_running()

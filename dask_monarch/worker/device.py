@@ -16,13 +16,29 @@ interface with two implementations:
 Every lane thread enters its stream with :meth:`Device.running` around a
 segment; :func:`current_stream` says which stream the calling thread is in
 (remote functions can ask, as they would ask ``torch.cuda.current_stream()``).
+Threads outside the lanes that run user code on the rank (a pipe's producer
+thread, an actor's constructor) enter the rank's device and a stream of their
+own with :meth:`Device.running` too.
+
+The CUDA device and the current stream are per thread, and so are torch's
+dispatch modes: every thread that touches the device also enters the modes of
+:func:`thread_modes` (torch's CUDA stream sanitizer under
+``TORCH_CUDA_SANITIZER=1``; ``dask_monarch.worker.dispatch-mode``), or the
+sanitizer would watch only the thread that imported torch.
+
+What the worker makes itself (zeros for a failed input, receive buffers) is
+made on the rank's device by :meth:`Device.zeros` and :meth:`Device.empty`,
+whatever device the client's ``Factory`` names: the client's handle may say
+``cuda:0`` for a rank whose GPU is ``cuda:3``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import fcntl
+import importlib
 import itertools
 import logging
 import os
@@ -35,7 +51,8 @@ from typing import Any
 
 import torch
 
-from ..protocol.messages import StreamCreationMode
+from .. import config
+from ..protocol.messages import Factory, StreamCreationMode
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -47,6 +64,69 @@ _entered = threading.local()
 def current_stream() -> Any:
     """The device stream this thread's lane is running in (None outside a segment)."""
     return getattr(_entered, "stream", None)
+
+
+# -- dispatch modes every device thread enters -----------------------------------------------
+
+_modes: list | None = None
+_modes_lock = threading.Lock()
+
+
+def thread_modes() -> list:
+    """The torch dispatch modes every thread that touches the device enters (made once).
+
+    torch enters its CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``) as a
+    dispatch mode, which is thread-local, in the thread that imports torch
+    only: a lane's ops run on the lane's thread, which it would never see.
+    The same mode object is entered on every lane, pipe-producer and
+    actor-constructor thread instead (one sanitizer state for the process, as
+    torch keeps it). ``dask_monarch.worker.dispatch-mode`` names another mode
+    class (``module.Class``, read on the worker) entered the same way: a
+    debugging aid (and how the CPU tests prove the switch reaches the lanes).
+    """
+    global _modes
+    if _modes is None:
+        with _modes_lock:
+            if _modes is None:
+                _modes = _make_modes()
+    return _modes
+
+
+def _make_modes() -> list:
+    modes = []
+    if os.environ.get("TORCH_CUDA_SANITIZER"):
+        from torch.cuda import _sanitizer
+
+        # torch entered it in the thread that imported torch (enable_cuda_sanitizer); the
+        # same object here, whose state (what each stream accessed) is the process's
+        modes.append(_sanitizer.cuda_sanitizer.dispatch)
+    path = config.get("worker.dispatch-mode")
+    if path:
+        module, _, name = str(path).rpartition(".")
+        try:
+            modes.append(getattr(importlib.import_module(module), name)())
+        except Exception as e:
+            raise ValueError(
+                f"dask_monarch.worker.dispatch-mode is {path!r}, which is not an importable "
+                f"TorchDispatchMode class (module.Class): {type(e).__name__}: {e}"
+            ) from e
+    return modes
+
+
+def enter_thread_modes() -> None:
+    """Enter :func:`thread_modes` on the calling thread, once for the thread's life.
+
+    Never left: a lane's thread lives as long as its lane, and leaving a mode
+    that other threads entered too would restore another thread's flags. Never
+    entered on an event loop (a CPU rank's quick segment, worker/inline.py):
+    nothing user-written runs there (DESIGN decision 17), and CUDA ranks never
+    run segments there.
+    """
+    if getattr(_entered, "modes", False) or asyncio._get_running_loop() is not None:
+        return
+    _entered.modes = True
+    for mode in thread_modes():
+        mode.__enter__()
 
 
 class HostStream:
@@ -98,6 +178,47 @@ class Device(abc.ABC):
     def keep(self, value: Any, stream: Any) -> None:
         """``stream`` uses ``value``'s memory: keep the allocator from reusing it early."""
 
+    @abc.abstractmethod
+    def synchronize(self, stream: Any) -> None:
+        """Block the calling thread until ``stream``'s work is done (a hand-off out of a
+        thread that will not say when it is done with the memory, e.g. an actor's constructor)."""
+
+    # -- what the worker makes ----------------------------------------------------------------
+
+    def where(self, factory: Factory) -> torch.device:
+        """Where the worker makes a tensor the client declared with ``factory``: a CUDA
+        factory means this rank's GPU (any index the client's handle carries is the
+        client's view, not the rank's); a CPU rank has no GPU, its tensors are on the CPU."""
+        declared = torch.device(factory.device)
+        if declared.type == "cuda":
+            return self.torch_device if self.torch_device is not None else torch.device("cpu")
+        return declared
+
+    def zeros(self, factory: Factory) -> torch.Tensor:
+        """Zeros as declared (a failed input's part in a collective), on this rank's device."""
+        return torch.zeros(
+            factory.size, dtype=factory.dtype, layout=factory.layout, device=self.where(factory)
+        )
+
+    def empty(self, factory: Factory) -> torch.Tensor:
+        """An uninitialised tensor as declared (a receive buffer), on this rank's device."""
+        return torch.empty(
+            factory.size, dtype=factory.dtype, layout=factory.layout, device=self.where(factory)
+        )
+
+    @contextlib.contextmanager
+    def thread(self, name: str) -> Iterator[Any]:
+        """Run the body on a thread outside the lanes (a pipe's producer, an actor's
+        constructor) in this rank's device and a stream of its own; yields the stream.
+
+        Its work is synchronised before the body's values leave the thread
+        only where the caller says so (:meth:`synchronize`); a pipe producer's
+        values travel with an event instead (``PipeEnd.send``).
+        """
+        stream = self.stream(name, StreamCreationMode.CreateNewStream)
+        with self.running(stream):
+            yield stream
+
 
 class HostDevice(Device):
     """CPU ranks: nothing to synchronise; remembers what it was asked, for tests."""
@@ -114,11 +235,12 @@ class HostDevice(Device):
     @contextlib.contextmanager
     def running(self, stream: HostStream) -> Iterator[None]:
         self.log.append(("enter", stream.name))
-        _entered.stream = stream
+        enter_thread_modes()
+        previous, _entered.stream = current_stream(), stream
         try:
             yield
         finally:
-            _entered.stream = None
+            _entered.stream = previous
 
     def switch(self, stream: HostStream) -> None:
         self.log.append(("enter", stream.name))
@@ -140,6 +262,9 @@ class HostDevice(Device):
         if _tensors(value):
             self.log.append(("keep", stream.name))
 
+    def synchronize(self, stream: HostStream) -> None:
+        self.log.append(("synchronize", stream.name))
+
 
 class CudaDevice(Device):
     """A GPU rank: CUDA streams, events and ``record_stream`` on one device."""
@@ -157,12 +282,13 @@ class CudaDevice(Device):
     @contextlib.contextmanager
     def running(self, stream: torch.cuda.Stream) -> Iterator[None]:
         torch.cuda.set_device(self.torch_device)  # per thread, like the current stream
-        _entered.stream = stream
+        enter_thread_modes()
+        previous, _entered.stream = current_stream(), stream
         try:
             with torch.cuda.stream(stream):
                 yield
         finally:
-            _entered.stream = None
+            _entered.stream = previous
 
     def switch(self, stream: torch.cuda.Stream) -> None:
         torch.cuda.set_stream(stream)  # the running() block restores the thread's stream after
@@ -184,6 +310,9 @@ class CudaDevice(Device):
             if tensor.is_cuda:
                 tensor.record_stream(stream)
 
+    def synchronize(self, stream: torch.cuda.Stream) -> None:
+        stream.synchronize()
+
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in a handed-off value (a tensor, or a pytree of them)."""
@@ -203,12 +332,18 @@ def device_for(torch_device: torch.device | None) -> Device:
 
 # -- which GPU a rank uses ---------------------------------------------------------------------
 
-_chosen: dict[str, torch.device | None] = {}
+_claimed: list[torch.device] = []  # this process's GPU, once it claimed one
+_claim_lock = threading.Lock()  # claims run on threads (asyncio.to_thread), maybe two at once
 _locks: list = []  # open lock files: held for the life of the worker process
 
 
 def pick_device(kind: str) -> torch.device | None:
     """This worker process's GPU (None: a CPU rank), chosen once and deliberately.
+
+    One GPU per worker process, whatever ``kind`` asked for it (``auto`` or
+    ``cuda``) and however many controllers claim ranks here at once: every CUDA
+    rank of the process uses it (a second one would break the one-GPU-per-rank
+    rule NCCL needs, and the host-wide lock files would run out).
 
     The first visible device that no other dask_monarch worker on this host
     holds: with ``CUDA_VISIBLE_DEVICES`` rotated per worker (LocalMeshCluster,
@@ -220,9 +355,10 @@ def pick_device(kind: str) -> torch.device | None:
     """
     if kind == "cpu" or not torch.cuda.is_available():
         return None
-    if kind not in _chosen:
-        _chosen[kind] = _claim_free_gpu()
-    return _chosen[kind]
+    with _claim_lock:
+        if not _claimed:
+            _claimed.append(_claim_free_gpu())
+        return _claimed[0]
 
 
 def _claim_free_gpu() -> torch.device:

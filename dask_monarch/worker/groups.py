@@ -28,6 +28,7 @@ from distributed.comm.addressing import get_address_host
 from torch.distributed import distributed_c10d as c10d
 
 from .. import config
+from .nccl_watch import nccl_environment
 
 logger = logging.getLogger("dask_monarch.worker")
 
@@ -116,13 +117,17 @@ def new_group(
     host: str,
     timeout: float,
     cuda: str | None,
+    device: torch.device | None = None,
 ) -> dist.ProcessGroup:
     """The group of global ``ranks`` as seen by global ``rank`` (a blocking rendezvous).
 
     ``ranks`` is the group in group-rank order; every member must call this
     with the same ``prefix`` and ``ranks``. CPU tensors always use gloo; ``cuda``
     names the backend for CUDA tensors (``"nccl"`` or ``"gloo"``; None on CPU
-    workers).
+    workers). An NCCL communicator is made here, eagerly, on ``device`` (the
+    rank's GPU): made lazily it would start inside the group's first
+    operation, on whichever lane issues it first, uninterruptibly and in an
+    order that differs between ranks.
     """
     group_rank, size = ranks.index(rank), len(ranks)
     prefixed = dist.PrefixStore(prefix, store)
@@ -135,9 +140,11 @@ def new_group(
     gloo = dist.ProcessGroupGloo(prefixed, group_rank, size, options)
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    if cuda == "gloo":
+    if cuda == "gloo":  # for user functions' collectives (gloo stages CUDA tensors in those);
+        # dask_monarch's own ops hand gloo host copies (worker/comm.py)
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
     elif cuda == "nccl":
+        nccl_environment()
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = delta
         nccl = dist.ProcessGroupNCCL(
@@ -145,16 +152,26 @@ def new_group(
         )
         nccl._set_sequence_number_for_group()
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        if device is not None:
+            nccl.eager_connect_single_device(device)
     c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
     return pg
 
 
 def release_group(pg: dist.ProcessGroup) -> None:
     """Forget the group and stop its backends (a peer blocked in it then fails fast; an op
-    of ours that waits on a peer ends at its timeout, off the lane: :func:`finish`)."""
+    of ours that waits on a peer ends at its timeout, off the lane: :func:`finish`).
+
+    A group with an NCCL communicator is aborted rather than shut down: a
+    shutdown waits for the kernels in flight, which wait forever for a peer
+    that is gone; an abort ends them, and the worker goes on.
+    """
     c10d._world.pg_group_ranks.pop(pg, None)
     try:
-        pg.shutdown()
+        if uses_nccl(pg):
+            pg.abort()
+        else:
+            pg.shutdown()
     except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
         logger.debug("shutting down process group %r: %r", pg, e)
 
@@ -187,25 +204,22 @@ def point_to_point(
     recv: tuple[torch.Tensor, int] | None,
     tag: int,
 ) -> list:
-    """Start a send and/or a receive on ``pg`` (peers in group ranks); returns their works.
+    """Start a send and/or a receive on ``pg`` (peers in group ranks) as one grouped call;
+    returns their works.
 
-    A rank that does both issues them as one grouped call on CUDA tensors, as
-    ``batch_isend_irecv`` does: NCCL runs a send and a receive issued apart in
-    order on one stream, so two ranks exchanging large tensors would each wait
-    in its send for the other's receive.
+    One call on every backend and for every rank, whatever it does: NCCL runs
+    a send and a receive issued apart in order (two ranks exchanging large
+    tensors would each wait in its send for the other's receive), and it runs
+    a lone send or receive on a two-rank communicator of its own but a grouped
+    one on the group's, so ranks that grouped and ranks that did not would
+    never meet. gloo, which does not group, issues the two one after the other.
     """
-    if send is not None and recv is not None and send[0].is_cuda:
-        ops = [
-            dist.P2POp(dist.isend, send[0], dist.get_global_rank(pg, send[1]), pg, tag),
-            dist.P2POp(dist.irecv, recv[0], dist.get_global_rank(pg, recv[1]), pg, tag),
-        ]
-        return dist.batch_isend_irecv(ops)
-    works = []
+    ops = []
     if send is not None:
-        works.append(pg.send([send[0]], send[1], tag))
+        ops.append(dist.P2POp(dist.isend, send[0], group=pg, tag=tag, group_peer=send[1]))
     if recv is not None:
-        works.append(pg.recv([recv[0]], recv[1], tag))
-    return works
+        ops.append(dist.P2POp(dist.irecv, recv[0], group=pg, tag=tag, group_peer=recv[1]))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def uses_nccl(pg: dist.ProcessGroup) -> bool:

@@ -27,6 +27,7 @@ from .errors import DependentError, FatalError, SeqError
 from .failures import call_failed, dependent_failure, fail_call
 from .lane import Lane
 from .mesh import DeviceMesh
+from .nccl_watch import check_device
 from .pipe import pipe_for
 
 
@@ -132,9 +133,11 @@ def send_value(lane: Lane, msg: SendValue) -> None:
         else:
             value = calls.resolve_function(msg.function)(*args, **kwargs)
         if msg.destination is not None:
-            pipe_for(lane, msg.destination).send(value)
+            pipe_for(lane, msg.destination).send(value, lane)
         else:
-            lane.rank.report(Fetched(msg.seq, lane.rank.rank, calls.pickle_value(value)))
+            data = calls.pickle_value(value)
+            check_device(lane.rank)  # no value computed from a failed NCCL op leaves the rank
+            lane.rank.report(Fetched(msg.seq, lane.rank.rank, data))
     except FatalError:
         raise
     except DependentError as e:
@@ -188,6 +191,7 @@ def read_ref(lane: Lane, msg: ReadRef | GetRefUnitTestsOnly) -> None:
         reply = RefValue(probe, lane.rank.rank, "error", value.error)
     else:
         reply = RefValue(probe, lane.rank.rank, "ok", calls.pickle_value(value))
+        check_device(lane.rank)
     lane.rank.report(reply)
 
 

@@ -15,14 +15,27 @@ The producer runs in a process of its own (spawned, so a loader doing real
 CPU work does not hold the worker's GIL; ``LocalMeshCluster`` makes workers
 non-daemonic for this). On a daemonic worker, which may not have children,
 it runs in a thread instead, with a warning.
+
+On a CUDA rank the producer works on the rank's GPU: a producer process sets
+it as its device and works on its default stream (torch's CUDA IPC records an
+event there for every tensor it sends, which the receiving lane's stream waits
+on); it stays alive until the pipe is closed, since the worker's lanes use its
+memory until then. A producer thread enters the rank's device and a stream of
+its own (``Device.thread``), and every value between it and a lane is a
+hand-off: an event recorded by the side that made it, waited on by the other,
+which keeps the block (docs/architecture.md, "Streams and hand-offs"). A value
+a lane sends into a producer process waits for the lane's stream first: the
+queue pickles it on a thread of its own, whose stream is not the lane's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import queue
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as tmp
@@ -30,6 +43,7 @@ import torch.multiprocessing as tmp
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
 from ..protocol.names import describe_output
 from . import calls
+from .device import current_stream, enter_thread_modes
 from .errors import FatalError, format_exception
 from .failures import fail_call
 from .lane import Lane, current_lane
@@ -95,24 +109,47 @@ class PipeEnd:
 
     def recv(self) -> Any:
         """The next value the controller sent into the pipe."""
-        return self._in.get()
+        value = self._in.get()
+        if type(value) is _HandOff:  # made on a lane's stream: this thread's waits for it
+            device, stream = self._device, current_stream()
+            device.wait(stream, value.event)
+            device.keep(value.value, stream)
+            value = value.value
+        return value
 
 
-def _produce(function, args, kwargs, ranks, sizes, out_queue, in_queue, device=None) -> None:
+def _produce(
+    function, args, kwargs, ranks, sizes, out_queue, in_queue, device=None, gpu=None
+) -> None:
     """Run a producer to its end; its failure travels down the pipe as a value.
 
-    The producer then waits for the worker to read that last value: tensors
-    cross the queue as shared memory whose descriptors the worker fetches from
-    this process, so it must outlive every value it sent.
+    The producer then waits for the worker to say it may end (:class:`_Close`):
+    tensors cross the queue as shared memory whose descriptors the worker
+    fetches from this process, and CUDA ones as this process's memory, which
+    the worker's lanes may use until the pipe closes. ``device`` is the rank's
+    (a producer thread); ``gpu`` its index (a producer process).
     """
-    try:
-        fn = calls.resolve_function(function)
-        fn(PipeEnd(ranks, sizes, out_queue, in_queue, device), *args, **kwargs)
-        out_queue.put(_Ended())
-    except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
-        out_queue.put(_Failed(format_exception(e)))
+    with device.thread("pipe producer") if device is not None else _in_process(gpu):
+        try:
+            fn = calls.resolve_function(function)
+            fn(PipeEnd(ranks, sizes, out_queue, in_queue, device), *args, **kwargs)
+            out_queue.put(_Ended())
+        except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
+            out_queue.put(_Failed(format_exception(e)))
     while not isinstance(in_queue.get(), _Close):
         pass
+
+
+@contextlib.contextmanager
+def _in_process(gpu: int | None) -> Iterator[None]:
+    """A producer process: on the rank's GPU (its default stream, see the module docs), in the
+    dispatch modes every thread that touches the device enters."""
+    if gpu is not None:
+        import torch
+
+        torch.cuda.set_device(gpu)
+    enter_thread_modes()
+    yield
 
 
 class Pipe:
@@ -158,10 +195,12 @@ class Pipe:
                 self.out_queue,
                 self.in_queue,
                 state.device if in_thread else None,
+                None if state.torch_device is None else state.torch_device.index,
             ),
         )
         producer.start()
         self.process = None if in_thread else producer  # a thread cannot be terminated
+        self.in_thread = in_thread
 
     def recv(self, lane: Lane) -> Any:
         """The next value (blocks the lane); raises PipeFailed when the producer cannot give one."""
@@ -193,7 +232,8 @@ class Pipe:
         finally:
             lane.set_running()
         if isinstance(value, (_Failed, _Ended)):
-            self.in_queue.put(_Close())
+            if self.state.torch_device is None:  # its CUDA memory is in use until the close
+                self.in_queue.put(_Close())
             self.ended = (
                 f"the producer of pipe {self.key!r} failed:\n{value.text}"
                 if isinstance(value, _Failed)
@@ -207,10 +247,20 @@ class Pipe:
             value = value.value
         return value
 
-    def send(self, value: Any) -> None:
+    def send(self, value: Any, lane: Lane) -> None:
+        """A value ``lane`` made goes to the producer (a hand-off between their streams)."""
+        device = self.state.device
+        if self.in_thread:
+            value = _HandOff(value, device.record(lane.stream))
+        elif self.state.torch_device is not None:
+            device.synchronize(lane.stream)  # the queue pickles it off the lane's stream
         self.in_queue.put(value)
 
     def close(self) -> None:
+        finished = self.ended is not None and self.state.torch_device is not None
+        if finished and self.process is not None and self.process.is_alive():
+            self.in_queue.put(_Close())  # it waits to be told it may end (CUDA: see recv)
+            self.process.join(timeout=1)
         if self.process is not None and self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=5)

@@ -434,8 +434,9 @@ async def trace_collect(
 # -- the tasks the controller submits --------------------------------------------------------
 
 
-def construct_actor(payload: bytes) -> Any:
-    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task).
+def construct_actor(payload: bytes, token: str | None = None) -> Any:
+    """Build an actor from ``cloudpickle.dumps((cls, args, kwargs))`` (a Dask actor task)
+    for controller ``token``'s rank here: on the rank's device (``actor.build_actor``).
 
     The class travels pickled: refused where pickled code is (docs/security.md).
     """
@@ -445,7 +446,12 @@ def construct_actor(payload: bytes) -> Any:
             "dask_monarch.functions.allow-pickled on this worker"
         )
     cls, args, kwargs = cloudpickle.loads(payload)
-    return cls(*args, **kwargs)
+    state = _plugin(get_worker()).ranks.get(token) if token is not None else None
+    if state is None:
+        return cls(*args, **kwargs)
+    from .actor import build_actor  # imports torch
+
+    return build_actor(state, cls, args, kwargs)
 
 
 def run_segment(

@@ -101,6 +101,9 @@ class _Program:
         self.meshed = self.networked = False
         self.splits: set[int] = set()
         self.p2p: set[tuple[int, int]] = set()
+        # (from stream, to stream) of two streams -> rank -> "send"/"receive": a rank only sends
+        # or only receives over such a pair (docs/architecture.md, "Streams and hand-offs")
+        self.roles: dict[tuple[int, int], dict[int, str]] = {}
         self.exited = False
 
     def send(self, ranks: tuple[int, ...], msg: Any) -> None:
@@ -339,6 +342,15 @@ class _Program:
             every = Slice.row_major([n])
             self.send(self.world, m.SendTensor(r, every, every, t, _factory(), src, dst))
         else:
+            roles = self.roles.setdefault((fs, ts), {})
+            if fs != ts and a != b:
+                if roles.get(a, "send") != "send" or roles.get(b, "receive") != "receive":
+                    if rng.random() < 0.1:
+                        self.invalid("send-and-receive-over-two-streams")
+                    else:
+                        a, b = b, a  # the way this pair of streams already goes
+                roles.setdefault(a, "send")
+                roles.setdefault(b, "receive")
             frm, to = Slice(a, [1], [1]), Slice(b, [1], [1])
             ranks = tuple(sorted({a, b}))
             if a != b and rng.random() < 0.04:

@@ -24,6 +24,9 @@ from dask_monarch.ndslice import Slice
 sys.path.insert(0, str(Path(__file__).parent))  # fuzz.py sits here (also when imported by path)
 import fuzz  # noqa: E402
 
+# also run with dask_monarch.comm.emulate-nccl (tests/conftest.py)
+pytestmark = pytest.mark.nccl_rules
+
 S0, S1 = StreamRef(0), StreamRef(1)
 
 SEED = 20_000  # the suite's seeds: SEED, SEED + 1, ...

@@ -3,7 +3,11 @@
 While these tests run, worker processes start with ``TORCH_CUDA_SANITIZER=1``
 (torch's CUDA stream sanitizer, which fails an op that touches memory another
 stream may still use without synchronisation), unless the environment says
-otherwise.
+otherwise. torch enters the sanitizer, a per-thread dispatch mode, only in the
+thread that imports it; every thread of a rank that touches the device (each
+lane, a pipe's producer, an actor's constructor) enters it too
+(``worker/device.py``, ``thread_modes``), so it sees every op the ranks run.
+Tests that need more GPUs than the machine shows skip and say how many.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from torch import nn
 
 import dask_monarch as dm
 
-pytestmark = pytest.mark.timeout(240)
+# also run with dask_monarch.comm.emulate-nccl (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.nccl_rules]
 
 
 def _model(seed_fn) -> nn.Module:

@@ -9,6 +9,9 @@ import torch
 
 import dask_monarch as dm
 
+# also run with dask_monarch.comm.emulate-nccl (tests/conftest.py)
+pytestmark = pytest.mark.nccl_rules
+
 
 def values_on(mesh, t):
     """``t`` on every rank, in rank order."""

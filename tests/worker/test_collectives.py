@@ -12,6 +12,9 @@ from dask_monarch import messages as m
 from dask_monarch.messages import Factory, ReduceOp, Ref
 from dask_monarch.ndslice import Slice
 
+# also run with dask_monarch.comm.emulate-nccl (tests/conftest.py)
+pytestmark = pytest.mark.nccl_rules
+
 MESH = Ref(900)
 
 

@@ -11,6 +11,9 @@ from dask_monarch import messages as m
 from dask_monarch.messages import Factory, ReduceOp, Ref
 from dask_monarch.ndslice import Slice
 
+# also run with dask_monarch.comm.emulate-nccl (tests/conftest.py)
+pytestmark = pytest.mark.nccl_rules
+
 BOTH = [0, 1]
 REC = Ref(500)
 
