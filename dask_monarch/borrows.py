@@ -1,13 +1,14 @@
-"""Aliases and borrows of a storage on the client, and the borrow steps after its creation.
+"""Aliases and borrows of a storage on the client, and the four steps of a borrow.
 
 Handles that share storage (views, in-place results) share a
 :class:`StorageInfo`: every live alias of a mutated storage is redefined by
 the op (and poisoned together if it fails), and a storage lent to another
 stream may not be used (mutable borrow) or changed (immutable borrow) until
-the borrow is dropped. :meth:`dask_monarch.Stream.borrow` sends
-``BorrowCreate``; this module sends the other three steps: ``BorrowFirstUse``
-lazily, on the borrowed tensor's first use, and ``BorrowLastUse`` and
-``BorrowDrop`` on :meth:`Borrow.drop`.
+the borrow is dropped. A borrow's steps, all sent from here: ``BorrowCreate``
+(:func:`lend`, what :meth:`dask_monarch.Stream.borrow` does),
+``BorrowFirstUse`` lazily, on the borrowed tensor's first use
+(:func:`first_use`), and ``BorrowLastUse`` and ``BorrowDrop`` on
+:meth:`Borrow.drop`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .handles import Handle
 from .protocol import messages as m
 
 if TYPE_CHECKING:
     from .controller.session import Session
+    from .stream import Stream
     from .tensor import Tensor
 
 
@@ -163,6 +166,44 @@ class Borrow:
         state = "dropped" if self.dropped else "active"
         kind = "mutable" if self.mutable else "immutable"
         return f"<Borrow {self.id} ({kind}, {state})>"
+
+
+def lend(stream: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
+    """``t`` as seen from ``stream``, and the borrow that gives it back (``BorrowCreate``).
+
+    Immutable: both streams may read it, neither may change it. Mutable: only
+    ``stream`` may touch it until the drop, and its changes are visible to
+    ``t``'s stream afterwards.
+    """
+    if not isinstance(t, Handle) or not hasattr(t, "_storage"):
+        raise TypeError(f"only mesh tensors can be borrowed, got {type(t).__name__}")
+    session = t._session
+    with session.lock:
+        t._check()
+        if stream is t._stream:
+            raise ValueError(f"{t!r} already belongs to stream {stream.name!r}")
+        if t._storage.borrow is not None:
+            raise RuntimeError(f"{t!r} is itself borrowed; borrow the original tensor")
+        if mutable and t._storage._lent:
+            raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed immutably")
+        src, dst = session.stream_ref(t._stream), session.stream_ref(stream)
+        borrow_id, result = session.new_id(), session.new_ref()
+        first_use(session, [t])
+        if mutable:  # the borrower may change it: the client stops following its value
+            t._storage.forget_known()
+        borrowed = type(t)(t._mkey, session, t._mesh, stream, result)
+        session.issue([t], [result.id], [borrowed])
+        session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
+        handle = Borrow(session, borrow_id, t, borrowed, mutable)
+        borrowed._storage.borrow = handle
+        capture = session.capture
+        if capture is not None and capture.tracing:
+            capture.borrows.append(handle)
+        if mutable:
+            t._storage.lent_mutably = handle
+        else:
+            t._storage.lent.add(handle)
+        return borrowed, handle
 
 
 def first_use(session: Session, handles: list[Tensor]) -> None:

@@ -27,7 +27,7 @@ from .borrows import first_use
 from .propagation import TensorMeta
 from .protocol import messages as m
 from .protocol.messages import ReduceOp
-from .tensor import Tensor, check_usable, contiguous, issue, mutated_refs, placement
+from .tensor import Tensor, check_usable, contiguous, mutated_refs, placement
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -129,7 +129,7 @@ def _reduce(
             stride, offset = contiguous(result_shape), 0
         meta = TensorMeta(result_shape, stride, offset, t.dtype, t.device)
         handle = Tensor(meta, session, own, stream, result, storage)
-        issue(session, inputs, [result.id] + mutates, [handle])
+        session.issue(inputs, [result.id] + mutates, [handle])
         factory = m.Factory(tuple(t.shape), t.dtype, t.layout, str(t.device))
         session.send(
             own._ranks,

@@ -36,8 +36,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .controller.dry import DryController, DryRunError, RankFigures, by_rank
+from .handles import exited
 from .propagation import TensorMeta, extent
-from .tensor import Tensor, exited
+from .tensor import Tensor
 
 if TYPE_CHECKING:
     from .controller.session import Session

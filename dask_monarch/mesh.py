@@ -192,7 +192,8 @@ class DeviceMesh:
     @contextlib.contextmanager
     def activate(self) -> Iterator[DeviceMesh]:
         """Run torch code on this mesh: factories create mesh tensors, ops run on the ranks."""
-        from .tensor import activate_mesh, exited
+        from .handles import exited
+        from .tensor import activate_mesh
 
         if self._session.closed:
             raise exited(self)

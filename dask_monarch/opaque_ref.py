@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._pytree import tree_flatten
 
 from .borrows import first_use
+from .handles import Handle, misuse
 from .mesh import RemoteProcessGroup
 from .protocol import messages as m
 from .protocol.messages.values import resolvable
-from .stream import Stream, drop_trace, get_active_stream
-from .tensor import Tensor, exited, issue, misuse, placement
+from .stream import Stream, get_active_stream
+from .tensor import Tensor, placement
 
 if TYPE_CHECKING:
-    from .controller.session import Session
     from .mesh import DeviceMesh
 
 BUILD = "dask_monarch.worker.resident.build"  # the rank's side (worker/resident.py), by path
 
 
-class OpaqueRef:
+class OpaqueRef(Handle):
     """``factory(*args, **kwargs)``'s result on every rank of the active mesh, held by handle.
 
     Mesh tensors, process groups and other OpaqueRefs among the arguments
@@ -40,11 +40,6 @@ class OpaqueRef:
     active when it was made; remote functions on that stream receive it.
     :meth:`drop` (or garbage collection of the handle) deletes it on the ranks.
     """
-
-    _ref: m.Ref
-    _session: Session
-    _mesh: DeviceMesh
-    _stream: Stream
 
     def __init__(self, factory: Callable | str, *args: Any, **kwargs: Any) -> None:
         if not (callable(factory) or isinstance(factory, str)):
@@ -69,7 +64,7 @@ class OpaqueRef:
                 session.ensure_group_split(group.mesh._ranks, group.ref, stream_ref)
             first_use(session, handles)
             ref = session.new_ref()
-            seq = issue(session, [*handles, *objects], [ref.id])
+            seq = session.issue([*handles, *objects], [ref.id])
             session.send(
                 mesh._ranks,
                 m.CallFunction(
@@ -85,30 +80,6 @@ class OpaqueRef:
         self._ref, self._session, self._mesh, self._stream = ref, session, mesh, stream
         self._owns_ref = True
 
-    @property
-    def mesh(self) -> DeviceMesh:
-        return self._mesh
-
-    @property
-    def stream(self) -> Stream:
-        return self._stream
-
-    def __monarch_ref__(self) -> m.Ref:
-        check_object(self)
-        return self._ref
-
-    def drop(self) -> None:
-        """Delete the object on the ranks now; the handle cannot be used afterwards."""
-        if self._dropped is None:
-            self._dropped = drop_trace()
-            if self._owns_ref:
-                self._owns_ref = False
-                self._session.drop_ref(self._mesh._ranks, self._ref)
-
-    @property
-    def dropped(self) -> bool:
-        return self._dropped is not None
-
     def __repr__(self) -> str:
         state = " dropped" if self._dropped is not None else ""
         mesh = getattr(self, "_mesh", None)
@@ -121,10 +92,6 @@ class OpaqueRef:
             f"{self!r} stands for an object on the ranks and cannot be pickled; pass it as "
             "an argument of a remote function (it arrives there as the rank's object)"
         )
-
-    def __del__(self) -> None:
-        if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._session.drop_ref(self._mesh._ranks, self._ref)
 
 
 def split_handles(leaves: Sequence[Any]) -> tuple[list[Tensor], list[OpaqueRef]]:
@@ -139,16 +106,6 @@ def split_handles(leaves: Sequence[Any]) -> tuple[list[Tensor], list[OpaqueRef]]
     return handles, objects
 
 
-def check_object(obj: OpaqueRef) -> None:
-    """An OpaqueRef passes these checks at every use (as a tensor does, docs/protocol.md §1.2)."""
-    if obj._session.closed:
-        raise exited(obj._mesh)
-    if obj._dropped is not None:
-        raise misuse(
-            f"DROPPED: {obj!r} was dropped and cannot be used; it was dropped at:\n{obj._dropped}"
-        )
-
-
 def place(handles: list[Tensor], objects: list[OpaqueRef], what: str) -> tuple[DeviceMesh, Stream]:
     """Where a use of tensors and OpaqueRefs runs: :func:`~dask_monarch.tensor.placement`, and
     every OpaqueRef on that mesh and the active stream. With only OpaqueRefs, their mesh."""
@@ -159,7 +116,7 @@ def place(handles: list[Tensor], objects: list[OpaqueRef], what: str) -> tuple[D
     else:
         mesh, stream = objects[0]._mesh, get_active_stream()
     for obj in objects:
-        check_object(obj)
+        obj._check()
         if obj._mesh is not mesh and obj._mesh != mesh:
             raise misuse(
                 f"WRONG_MESH: {obj!r} lives on {obj._mesh!r}, but {what} runs on {mesh!r}; "

@@ -41,7 +41,7 @@ from .protocol import messages as m
 from .protocol.messages.values import resolvable
 from .protocol.names import describe_output, described_tensor
 from .stream import Stream
-from .tensor import Tensor, issue, mutated_refs
+from .tensor import Tensor, mutated_refs
 
 logger = logging.getLogger("dask_monarch.remote_function")
 
@@ -213,7 +213,7 @@ def bind_outputs(
                 out.append(leaf)
                 results.append(None)
         inputs = [*handles, *objects] if objects else handles
-        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, out)
+        seq = session.issue(inputs, [r.id for r in results if r is not None] + mutates, out)
         session.send(mesh._ranks, make(seq, results, mutates, stream_ref))
     return None if spec is None else tree_unflatten(out, treespec)
 

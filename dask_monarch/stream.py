@@ -1,4 +1,4 @@
-"""Streams on the client, and the creation of borrows (docs/protocol.md §1.6).
+"""Streams on the client (docs/protocol.md §1.6).
 
 A :class:`Stream` is a named lane on every rank: work on different streams
 runs concurrently, work on one stream in order. Its lane (a thread and a ref
@@ -6,22 +6,20 @@ table per rank) is created the first time a mesh uses it and ends once the
 Stream object and every tensor on it are garbage, after everything it ran
 (:meth:`Session.stream_ref <dask_monarch.controller.session.Session.stream_ref>`);
 its name is what the dashboard and errors show. Create a stream once, not in
-every step. Tensors belong to the stream
-that made them; another stream uses them only through a borrow:
-:meth:`Stream.borrow` sends ``BorrowCreate``, :mod:`dask_monarch.borrows`
-the later steps (first use lazily, last use and drop on ``Borrow.drop``).
+every step. Tensors belong to the stream that made them; another stream uses
+them only through a borrow (:meth:`Stream.borrow`; :mod:`dask_monarch.borrows`
+holds a borrow's steps).
 """
 
 from __future__ import annotations
 
 import contextlib
-import traceback
 import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from .borrows import Borrow, first_use
+from .borrows import Borrow, lend
 from .protocol import messages as m
 
 if TYPE_CHECKING:
@@ -66,37 +64,7 @@ class Stream:
         only this stream may touch it until the drop, and its changes are
         visible to ``t``'s stream afterwards. Sends ``BorrowCreate``.
         """
-        from .tensor import Tensor, check_usable, issue
-
-        if not isinstance(t, Tensor):
-            raise TypeError(f"only mesh tensors can be borrowed, got {type(t).__name__}")
-        session = t._session
-        with session.lock:
-            check_usable(t)
-            if self is t._stream:
-                raise ValueError(f"{t!r} already belongs to stream {self.name!r}")
-            if t._storage.borrow is not None:
-                raise RuntimeError(f"{t!r} is itself borrowed; borrow the original tensor")
-            if mutable and t._storage._lent:
-                raise RuntimeError(f"cannot borrow {t!r} mutably: it is already borrowed immutably")
-            src, dst = session.stream_ref(t._stream), session.stream_ref(self)
-            borrow_id, result = session.new_id(), session.new_ref()
-            first_use(session, [t])
-            if mutable:  # the borrower may change it: the client stops following its value
-                t._storage.forget_known()
-            borrowed = Tensor(t._mkey, session, t._mesh, self, result)
-            issue(session, [t], [result.id], [borrowed])
-            session.send(t._mesh._ranks, m.BorrowCreate(result, borrow_id, t._ref, src, dst))
-            handle = Borrow(session, borrow_id, t, borrowed, mutable)
-            borrowed._storage.borrow = handle
-            capture = session.capture
-            if capture is not None and capture.tracing:
-                capture.borrows.append(handle)
-            if mutable:
-                t._storage.lent_mutably = handle
-            else:
-                t._storage.lent.add(handle)
-            return borrowed, handle
+        return lend(self, t, mutable)
 
     def generator_for(self, mesh: DeviceMesh, device: torch.device | None) -> Any:
         """This stream's own generator (an OpaqueRef) for a random op on ``mesh`` and
@@ -124,8 +92,3 @@ _active: ContextVar[Stream] = ContextVar("dask_monarch_active_stream", default=D
 def get_active_stream() -> Stream:
     """The stream new work runs on (``main`` unless another one is active in this thread/task)."""
     return _active.get()
-
-
-def drop_trace() -> str:
-    """Where a tensor was dropped, for the DROPPED error."""
-    return "".join(traceback.format_stack(limit=8)[:-2])

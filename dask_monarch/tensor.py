@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import client_values, config, implicit_fetch
 from .borrows import StorageInfo, first_use
+from .handles import Handle, last_misuse, misuse
 from .propagation import (
     DATA_DEPENDENT,
     OpInfo,
@@ -48,7 +48,7 @@ from .propagation import (
     set_bits,
 )
 from .protocol import messages as m
-from .stream import Stream, drop_trace, get_active_stream
+from .stream import Stream, get_active_stream
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 _tuple_new = tuple.__new__
 
 
-class Tensor(torch.Tensor):
+class Tensor(torch.Tensor, Handle):
     """A tensor on every rank of a mesh; this object holds its metadata and its ref."""
 
     _ref: m.Ref
@@ -116,29 +116,8 @@ class Tensor(torch.Tensor):
 
     # -- the mesh side ------------------------------------------------------------------------
 
-    @property
-    def mesh(self) -> DeviceMesh:
-        return self._mesh
-
-    @property
-    def stream(self) -> Stream:
-        return self._stream
-
-    def __monarch_ref__(self) -> m.Ref:
+    def _check(self) -> None:
         check_usable(self)
-        return self._ref
-
-    def drop(self) -> None:
-        """Delete the value on the ranks now; the handle cannot be used afterwards."""
-        if self._dropped is None:
-            self._dropped = drop_trace()
-            if self._owns_ref:
-                self._owns_ref = False
-                self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
-
-    @property
-    def dropped(self) -> bool:
-        return self._dropped is not None
 
     def reduce(
         self,
@@ -266,25 +245,6 @@ class Tensor(torch.Tensor):
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 
-    def __del__(self) -> None:
-        if getattr(self, "_owns_ref", False) and self._dropped is None:
-            self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
-
-
-_last_error = threading.local()
-
-
-def misuse(text: str) -> TypeError:
-    """A client-side check failed (docs/protocol.md §1.2): a TypeError, remembered for operators.
-
-    torch turns a TypeError raised inside ``a + b`` into ``NotImplemented``, and
-    Python then reports only "unsupported operand types"; the operators of
-    :class:`Tensor` raise the remembered error instead.
-    """
-    error = TypeError(text)
-    _last_error.value = error
-    return error
-
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     original = getattr(torch.Tensor, name)
@@ -294,10 +254,10 @@ def _operator(name: str) -> Callable[[Tensor, Any], Any]:
         func = direct and _direct_op(direct, self, other)
         if func is not None:
             return dispatch(func, (other, self) if direct[2] else (self, other), {})
-        _last_error.value = None
+        last_misuse.value = None
         result = original(self, other)
-        if result is NotImplemented and _last_error.value is not None:
-            raise _last_error.value
+        if result is NotImplemented and last_misuse.value is not None:
+            raise last_misuse.value
         return result
 
     operator.__name__ = name
@@ -381,26 +341,15 @@ for _name in (
 
 
 def check_usable(t: Tensor) -> None:
-    """The client-side checks every use of a handle passes (docs/protocol.md §1.2)."""
-    if t._session.closed:
-        raise exited(t._mesh)
-    if t._dropped is not None:
-        raise misuse(
-            f"DROPPED: {t!r} was dropped and cannot be used; it was dropped at:\n{t._dropped}"
-        )
+    """The client-side checks every use of a mesh tensor passes (docs/protocol.md §1.2)."""
+    if t._session.closed or t._dropped is not None:
+        Handle._check(t)  # raises what is wrong
     if t._storage.lent_mutably is not None:
         raise misuse(
             f"BORROWED: {t!r} is borrowed by stream "
             f"{t._storage.lent_mutably.borrowed._stream.name!r}; use the borrowed "
             "tensor until the borrow is dropped"
         )
-
-
-def exited(mesh: DeviceMesh) -> RuntimeError:
-    return RuntimeError(
-        f"{mesh!r} has exited (mesh.exit()): its tensors are gone and it runs "
-        "nothing more; create a new mesh with dask_monarch.device_mesh"
-    )
 
 
 def check_mutable(t: Tensor) -> None:
@@ -614,7 +563,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if info.seeded and stream._generators is not None:
             function, inputs = _own_generator(func, info, stream, mesh, plan, handles, ref_kwargs)
         made = [o for o, r in zip(outputs, results) if r is not None]  # not the in-place ones
-        seq = issue(session, inputs, [r.id for r in results if r is not None] + mutates, made)
+        seq = session.issue(inputs, [r.id for r in results if r is not None] + mutates, made)
         flat = _flat(ref_args) and (not ref_kwargs or _flat(ref_kwargs.values()))
         # built without the field checks: every field is known to be well formed here
         session.send(
@@ -706,7 +655,7 @@ def from_client(
         stream_ref = session.stream_ref(stream)
         ref = session.new_ref()
         handle = Tensor(meta_of(value), session, mesh, stream, ref, known=known)
-        seq = issue(session, [], [ref.id], [handle])
+        seq = session.issue([], [ref.id], [handle])
         session.send(
             mesh._ranks,
             m.CallFunction(
@@ -888,7 +837,7 @@ def _data_dependent(
             else:
                 targets.append(session.new_ref())
                 results.append(targets[-1])
-        seq = issue(session, handles, [r.id for r in results if r is not None] + mutates)
+        seq = session.issue(handles, [r.id for r in results if r is not None] + mutates)
         session.send(
             mesh._ranks,
             m.CallFunction(
@@ -973,19 +922,6 @@ def _own_generator(
         )
     ref_kwargs["generator"] = generator.__monarch_ref__()
     return info.with_generator, [*handles, generator]
-
-
-def issue(session: Session, inputs: list[Tensor], defs: list[int], outputs: list = ()) -> int:
-    """The seq of a new message that reads ``inputs`` and defines ``defs``: registered in the
-    history, and noted by a trace in progress with the handles it makes (``outputs``)."""
-    seq = session.new_seq()
-    session.invoke(seq, [h._ref.id for h in inputs], defs)
-    capture = session.capture
-    if capture is not None and capture.tracing:
-        capture.note(
-            [(h._ref.id, h) for h in inputs], [o for o in outputs if isinstance(o, Tensor)]
-        )
-    return seq
 
 
 def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:

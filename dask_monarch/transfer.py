@@ -31,7 +31,7 @@ from .propagation import TensorMeta
 from .protocol import messages as m
 from .protocol.ndslice import Slice
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, active_mesh, check_usable, contiguous, from_client, issue
+from .tensor import Tensor, active_mesh, check_usable, contiguous, from_client
 
 
 def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = None) -> Any:
@@ -144,7 +144,7 @@ def _move(t: Tensor, source: DeviceMesh, dest: DeviceMesh, stream: Stream | None
         shape = tuple(t.shape)
         meta = TensorMeta(shape, contiguous(shape), 0, t.dtype, t.device)
         handle = Tensor(meta, session, dest, stream, result)
-        issue(session, [t], [result.id], [handle])
+        session.issue([t], [result.id], [handle])
         for from_ranks, to_ranks in pairs:
             ranks = tuple(sorted(set(from_ranks) | set(to_ranks)))
             session.send(

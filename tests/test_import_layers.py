@@ -17,7 +17,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dask_monarch"
 BACK_REFERENCES = {
     ("tensor", "collectives"): "Tensor.reduce and Tensor.reduce_",
     ("tensor", "transfer"): "Tensor.to_mesh and Tensor.slice_mesh",
-    ("stream", "tensor"): "Stream.borrow makes the borrowed handle",
     ("mesh", "remote_function"): "DeviceMesh.rank runs a remote function",
     ("mesh", "actor_mesh"): "DeviceMesh.spawn makes an ActorMesh",
 }

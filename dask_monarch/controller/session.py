@@ -394,6 +394,19 @@ class Session:
         if (self._pending_deletes or self._dead_streams) and self.capture is None:
             self._flush_deletes()
 
+    def issue(self, inputs: list, defs: list[int], outputs: Iterable[Any] = ()) -> int:
+        """The seq of a new message that reads handles ``inputs`` and defines ref ids
+        ``defs``: registered in the history, and noted by a trace in progress with the handles
+        it makes (``outputs``)."""
+        seq = self._seq
+        self._seq += 1
+        capture = self.capture
+        if capture is not None and capture.tracing:  # nothing runs while tracing
+            capture.note([(h._ref.id, h) for h in inputs], outputs)
+            return seq
+        self.history.invoke(seq, [h._ref.id for h in inputs], defs, user_frame(sys._getframe(1)))
+        return seq
+
     def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
         """Register an invocation in the history (not while tracing: nothing runs then)."""
         capture = self.capture
