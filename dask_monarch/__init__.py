@@ -39,6 +39,7 @@ _NAMES = {
     "fetch_shard": "fetch",
     "inspect": "fetch",
     "MeshFuture": "controller.session",
+    "gather": "controller.gather",
     "reduce": "collectives",
     "reduce_": "collectives",
     "MeshSliceTensor": "transfer",

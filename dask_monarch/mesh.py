@@ -332,7 +332,6 @@ def device_mesh(
     Neither name can be a dimension.
     """
     # imported here: the workers import this module (for _coordinate) and need none of these
-    from .controller.gather import serve_gather
     from .controller.session import Session
     from .propagation import Propagator, warm_up
     from .tensor import Tensor
@@ -373,7 +372,6 @@ def device_mesh(
         workers=None if workers is None else list(workers),
         distinct_hosts=distinct_hosts,
     )
-    serve_gather(client)  # client.gather(mesh_future) gives the value: controller/gather.py
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

@@ -1,53 +1,61 @@
-"""``client.gather`` that understands MeshFutures, on the clients that drive a mesh.
+"""``dm.gather``: the values of MeshFutures, and of Dask futures beside them, in one call.
 
 ``Client.gather`` finds the futures in its argument by type (a ``TaskRef``,
-docs/dask.md §5) and hands back everything else unchanged: a MeshFuture
-(``fetch_shard``, a remote call's result) would come back as itself, a silent
-wrong answer. A MeshFuture cannot be a ``TaskRef`` without silencing
+docs/dask.md §5) and hands back everything else unchanged: given a MeshFuture
+(``fetch_shard``, a remote call's result) it would give back the MeshFuture
+itself. A MeshFuture cannot be a ``TaskRef`` without silencing
 ``distributed.wait``/``progress`` (which skip TaskRefs that are not Dask
-futures), and distributed has no hook for other kinds of futures. So every
-client a dask_monarch mesh runs on gets this gather in place of its bound one:
-it waits for the MeshFutures in the argument (lists, tuples, sets, dicts,
-nested, as Dask walks them), puts their values in their place, and gives the
-rest to Dask's own gather, with the same ``errors=`` meaning. An argument
-without MeshFutures costs one walk of its containers.
+futures), and distributed has no hook for other kinds of futures; nor does
+dask_monarch patch the user's ``Client``. So :func:`gather` is the call that
+knows both: it waits for the MeshFutures in its argument (lists, tuples,
+sets, dicts, nested, as Dask walks them), puts their values in their place,
+and gives what remains to the Dask futures' own client, with the same
+``errors=`` meaning. An argument without MeshFutures costs one walk of its
+containers.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from distributed import Client
+from distributed import Future
 
 from .session import MeshFuture
 
 _CONTAINERS = (list, tuple, set, frozenset)
 
 
-def serve_gather(client: Client) -> None:
-    """Give ``client`` (once) a ``gather`` that resolves MeshFutures, then calls Dask's."""
-    if "gather" in vars(client):  # installed already (or the user put one there)
-        return
-    dask_gather = client.gather
+def gather(futures: Any, errors: str = "raise") -> Any:
+    """The values of the MeshFutures and Dask futures in ``futures`` (a future, or lists,
+    tuples, sets and dicts of them, nested), in their place.
 
-    @functools.wraps(Client.gather)
-    def gather(futures: Any, errors: str = "raise", direct: Any = None, asynchronous: Any = None):
-        if _holds_mesh_future(futures):
-            futures = _resolve(futures, errors)
-        return dask_gather(futures, errors=errors, direct=direct, asynchronous=asynchronous)
+    ``errors="raise"`` raises the first failure (a ``RemoteException`` for a
+    MeshFuture); ``"skip"`` gives None for a failed future, as ``Client.gather``
+    does.
+    """
+    if errors not in ("raise", "skip"):
+        raise ValueError(f"errors= is 'raise' or 'skip', got {errors!r}")
+    resolved = _resolve(futures, errors) if _holds(futures, MeshFuture) else futures
+    dask_future = _first(resolved, Future)
+    if dask_future is not None:
+        resolved = dask_future.client.gather(resolved, errors=errors)
+    return resolved
 
-    client.gather = gather
+
+def _holds(value: Any, kind: type) -> bool:
+    return _first(value, kind) is not None
 
 
-def _holds_mesh_future(value: Any) -> bool:
-    if isinstance(value, MeshFuture):
-        return True
-    if type(value) in _CONTAINERS:
-        return any(_holds_mesh_future(v) for v in value)
-    if type(value) is dict:
-        return any(_holds_mesh_future(v) for v in value.values())
-    return False
+def _first(value: Any, kind: type) -> Any:
+    """The first ``kind`` in ``value``'s containers (None if none)."""
+    if isinstance(value, kind):
+        return value
+    items = value.values() if type(value) is dict else value if type(value) in _CONTAINERS else ()
+    for v in items:
+        found = _first(v, kind)
+        if found is not None:
+            return found
+    return None
 
 
 def _resolve(value: Any, errors: str) -> Any:

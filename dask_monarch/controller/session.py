@@ -126,8 +126,8 @@ class MeshFuture(concurrent.futures.Future):
         return await loop.run_in_executor(None, self.result)
 
     # Dask finds futures by type and by protocol; each hook it reads here refuses, so no Dask
-    # tool answers silently and wrongly. Client.gather reads none: a mesh's client gets a
-    # gather that resolves MeshFutures (controller/gather.py, docs/dask.md §5).
+    # tool answers silently and wrongly. Client.gather reads none, and hands a MeshFuture
+    # back as it is: dm.gather resolves both kinds (controller/gather.py, docs/dask.md §5).
 
     def __dask_graph__(self) -> Any:
         """Refuse Dask's collection helpers: ``distributed.wait``, ``progress``, ``compute``
@@ -176,7 +176,7 @@ def _not_for_dask(future: MeshFuture, what: str) -> str:
     return (
         f"MeshFuture seq {future.seq} ({future._state.lower()}) is a dask_monarch future, not a "
         f"distributed.Future: {what} cannot use it. Get its value with f.result() (or "
-        "client.gather(f) on the mesh's client); `await f` in async code, "
+        "dask_monarch.gather(f), which takes Dask futures too); `await f` in async code, "
         "[f.result() for f in futures] for several, "
         "dm.inspect(t) to fetch a tensor and wait in one call. Wait for several with "
         "concurrent.futures.wait/as_completed, and pass values, not MeshFutures, to "

@@ -4,7 +4,7 @@ Each message says what happened and what to do, and names the mesh (with an
 id that tells two meshes apart) and the tensor's shape; ``MeshFuture`` works
 with ``await`` and ``concurrent.futures``, and Dask's own future helpers and
 task arguments refuse it with a TypeError that says what to call instead;
-``client.gather`` on a mesh's client gives its value.
+``dm.gather`` gives its value (with Dask futures' beside it).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def test_dask_refuses_a_mesh_future_as_a_value_saying_what_to_call(client2, mesh
         use(client2, future)
     text = str(info.value)
     assert "f.result()" in text and "[f.result() for f in futures]" in text, text
-    assert "client.gather(f)" in text, text
+    assert "dask_monarch.gather(f)" in text, text
     assert not [k for k in client2.futures if "_identity" in str(k)]  # no task was made
     assert future.result().tolist() == [1.0, 1.0]
 
@@ -236,27 +236,29 @@ def test_a_mesh_future_as_a_remote_function_argument_is_refused(mesh2):
     [lambda f: f, lambda f: [f, f], lambda f: {"loss": f, "more": (f, [f])}],
     ids=["one", "list", "nested"],
 )
-def test_client_gather_gives_the_values_of_mesh_futures(client2, mesh2, wrap):
-    """``client.gather`` on a mesh's client resolves MeshFutures like its own futures
-    (controller/gather.py), also mixed with Dask futures in one call."""
+def test_dm_gather_gives_the_values_of_mesh_futures_and_dask_futures(client2, mesh2, wrap):
+    """``dm.gather`` resolves MeshFutures and Dask futures in one call (controller/gather.py);
+    the user's client is not patched: its own gather hands a MeshFuture back as it is."""
     with mesh2.activate():
         future = dm.fetch_shard(torch.ones(2))
     dask_future = client2.submit(_identity, 7, pure=False)
-    got = client2.gather([wrap(future), dask_future])
+    got = dm.gather([wrap(future), dask_future])
     value = future.result()
     assert str(got) == str([wrap(value), 7])
-    assert torch.equal(client2.gather(future), value)
+    assert torch.equal(dm.gather(future), value)
+    assert "gather" not in vars(client2)  # nothing of the Client was replaced
+    assert client2.gather(future) is future
 
 
-def test_client_gather_of_a_failed_mesh_future_raises_or_skips(client2, mesh2):
+def test_dm_gather_of_a_failed_mesh_future_raises_or_skips(client2, mesh2):
     boom = dm.remote("tests.remote_fns.boom", propagate=lambda x: x)
     with mesh2.activate():
         x = torch.ones(2)
         bad = dm.fetch_shard(boom(x))
         good = dm.fetch_shard(x)
     with pytest.raises(dm.RemoteException):
-        client2.gather([good, bad])
-    skipped = client2.gather([good, bad], errors="skip")  # as Dask's gather skips: None
+        dm.gather([good, bad])
+    skipped = dm.gather([good, bad], errors="skip")  # as Dask's gather skips: None
     assert torch.equal(skipped[0], good.result()) and skipped[1] is None
 
 
