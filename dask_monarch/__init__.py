@@ -38,7 +38,7 @@ _NAMES = {
     "remote": "remote_function",
     "fetch_shard": "fetch",
     "inspect": "fetch",
-    "MeshFuture": "controller.session",
+    "MeshFuture": "controller.futures",
     "gather": "controller.gather",
     "reduce": "collectives",
     "reduce_": "collectives",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .borrows import first_use
-from .controller.session import MeshFuture
+from .controller.futures import MeshFuture
 from .protocol import messages as m
 from .remote_function import bind_outputs, propagate_locally
 from .stream import get_active_stream

@@ -74,7 +74,7 @@ def _scope(mesh: DeviceMesh | None, client: Any) -> tuple[Any, str | None]:
             )
     if mesh is not None:
         controller = mesh._session.controller
-        return controller._client, controller.token
+        return controller.client, controller.token
     return client, None
 
 

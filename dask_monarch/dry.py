@@ -29,33 +29,16 @@ docs/observability.md.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .controller.dry import DryController, DryRunError, RankFigures, by_rank
 from .handles import exited
-from .propagation import TensorMeta, extent
-from .tensor import Tensor
 
 if TYPE_CHECKING:
-    from .controller.session import Session
     from .mesh import DeviceMesh
 
 __all__ = ["DryRun", "DryRunError", "dry_run"]
-
-# the session state a dry run replaces and puts back (refs created lazily on the ranks)
-_LAZY = (
-    "_streams",
-    "_stream_objects",
-    "_meshes",
-    "_network",
-    "_comms",
-    "_dead_streams",
-    "_status_requested_at",
-)
 
 
 class DryRun:
@@ -145,139 +128,14 @@ def dry_run(mesh: DeviceMesh) -> Iterator[DryRun]:
     with session.lock:
         if session.closed:
             raise exited(mesh)
-        if isinstance(session.controller, DryController):
-            raise RuntimeError(f"{mesh!r} is already in a dry run")
-        if session.capture is not None:
-            raise RuntimeError("a dry run cannot start inside coalescing or a compiled trace")
-        session.flush_pending()
-        real = session.controller
-        real.flush()  # what came before goes to the ranks as usual
-        first_seq, first_id = session._seq, session.new_id()
-        saved = {name: getattr(session, name) for name in _LAZY}
-        definers = dict(session.history.definer)
-        dry = DryController(real, first_id, session._futures)
-        run = DryRun(mesh, dry)
-        session.controller = dry
-        session._streams, session._stream_objects, session._meshes = {}, {}, {}
-        session._network, session._comms, session._dead_streams = False, set(), []
+        dry = DryController(session.controller, session.new_id(), session.pending_fetches)
+    run = DryRun(mesh, dry)
 
-        def exit_inside(timeout: float = 600) -> None:  # the mesh outlives its dry run
-            run.exited = True
+    def exit_inside() -> None:  # the mesh outlives its dry run
+        run.exited = True
 
-        session.exit = exit_inside  # type: ignore[method-assign]
-        _track(session, dry)
-    failed = True
-    try:
+    with session.substitute(dry, exit_inside):
         yield run
-        failed = False
-    finally:
-        with session.lock:
-            try:
-                session.flush_pending()
-                if not failed:
-                    dry.sync()  # the final check: what would wait forever
-            finally:
-                _untrack(session)
-                del session.exit
-                _restore(session, real, dry, saved, definers, first_seq, first_id)
-
-
-def _restore(
-    session: Session,
-    real: Any,
-    dry: DryController,
-    saved: dict,
-    definers: dict,
-    first_seq: int,
-    first_id: int,
-) -> None:
-    """Put the session back as it was before the dry run; forget what the run made."""
-    dead = [ref for ref in session._dead_streams if ref.id < first_id]
-    session.controller = real
-    for name, value in saved.items():
-        setattr(session, name, value)
-    # streams and refs of the real run that died meanwhile: dropped on the ranks from now on
-    for ref in [*dry.real_drops, *dead]:
-        for key, known in list(session._streams.items()):
-            if known.id == ref.id:
-                del session._streams[key]
-        session._stream_objects.pop(ref.id, None)
-        if ref not in session._dead_streams:
-            session._dead_streams.append(ref)
-    session._pending_deletes.extend(dry.real_deletes)
-    history = session.history
-    for seq in [s for s in history.invocations if s >= first_seq]:
-        del history.invocations[seq]
-    # refs made before: defined as before (the block's in-place ops never ran), unless their
-    # definer completed meanwhile; refs made inside: see below
-    made = [ref for ref in history.definer if ref >= first_id]
-    history.definer = {ref: seq for ref, seq in definers.items() if seq in history.invocations}
-    for seq in [s for s in session._futures if s >= first_seq]:
-        session._futures.pop(seq).set_exception(_made_inside())
-    for seq in [s for s in session._values if s >= first_seq]:
-        del session._values[seq]
-    if made:  # a later use of what the block made fails, saying why
-        seq = session.new_seq()
-        history.invoke(seq, [], made)
-        history.fail(seq, _made_inside())
-
-
-def _made_inside() -> DryRunError:
-    return DryRunError(
-        "this value was made inside a dask_monarch.dry_run block: nothing ran, so it has no "
-        "value on the ranks; make it again outside the dry run"
-    )
-
-
-# -- the handles a dry run makes: their bytes --------------------------------------------------
-
-_lock = threading.Lock()
-# id(session) -> (its dry controller, StorageInfo -> the key the controller knows it by)
-_dry: dict[int, tuple[DryController, weakref.WeakKeyDictionary]] = {}
-_keys = itertools.count()
-_original_new = Tensor.__dict__["__new__"]
-
-
-def _counting_new(
-    cls: type,
-    meta: TensorMeta,
-    session: Session,
-    mesh: DeviceMesh,
-    stream: Any,
-    ref: Any,
-    storage: Any = None,
-    owns_ref: bool = True,
-    known: Any = None,
-) -> Tensor:
-    """``Tensor.__new__`` while a dry run is on: tells the dry controller what each handle
-    holds. Installed only then, so a normal run never pays for it."""
-    t = _original_new.__func__(cls, meta, session, mesh, stream, ref, storage, owns_ref, known)
-    entry = _dry.get(id(session))
-    if entry is not None and ref.id >= entry[0].first_id:
-        controller, keys = entry
-        key = keys.get(t._storage)
-        if key is None:  # weakly keyed: a storage's handles must die as in a real run
-            key = keys[t._storage] = next(_keys)
-        nbytes = 0 if storage is not None else extent(meta) * meta.dtype.itemsize
-        controller.created(ref.id, key, nbytes, mesh._ranks)
-    return t
-
-
-def _track(session: Session, controller: DryController) -> None:
-    with _lock:
-        if not _dry:
-            Tensor.__new__ = staticmethod(_counting_new)  # type: ignore[method-assign]
-        _dry[id(session)] = (controller, weakref.WeakKeyDictionary())
-
-
-def _untrack(session: Session) -> None:
-    """Stop counting; the handles the dry run made stop owning their refs (nothing on the
-    ranks to delete: their deaths send nothing)."""
-    with _lock:
-        controller, keys = _dry.pop(id(session))
-        for info in list(keys):
-            for handle in info.handles:
-                if handle._ref.id >= controller.first_id:
-                    handle._owns_ref = False
-        if not _dry:
-            Tensor.__new__ = _original_new  # type: ignore[method-assign]
+        with session.lock:  # the final check: what would wait forever
+            session.flush_pending()
+            dry.sync()

@@ -17,7 +17,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .borrows import first_use
-from .controller.session import MeshFuture, Session
+from .controller.futures import MeshFuture
+from .controller.session import Session
 from .exceptions import RemoteException
 from .mesh import DeviceMesh
 from .protocol import messages as m

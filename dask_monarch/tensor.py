@@ -98,12 +98,16 @@ class Tensor(torch.Tensor, Handle):
         t._owns_ref = owns_ref
         t._dropped = None
         t._known = known  # the value, when the client knows it (client_values)
-        if storage is None:
+        fresh = storage is None
+        if fresh:
             storage = StorageInfo()
         t._storage = storage
         storage.add(t)
         if known is not None:
             storage.known = True
+        watch = session.watch
+        if watch is not None:  # a dry run counts what each handle holds
+            watch(ref.id, storage, extent(meta) * meta.dtype.itemsize if fresh else 0, mesh._ranks)
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -148,7 +148,7 @@ def _publish(controllers: list, body: str, data: dict, path: str) -> None:
     }
     seen = set()
     for controller in controllers:
-        client = controller._client
+        client = controller.client
         if id(client) in seen:
             continue
         seen.add(id(client))

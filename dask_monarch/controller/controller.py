@@ -823,6 +823,11 @@ class Controller:
     # -- failure and shutdown -----------------------------------------------------------------
 
     @property
+    def client(self) -> Client:
+        """The Dask client this controller drives its ranks through."""
+        return self._client
+
+    @property
     def broken(self) -> DeviceException | None:
         """The DeviceException that broke this controller, if any (waiting loops poll it: a
         client that lost its scheduler, or was closed, breaks the controller here)."""

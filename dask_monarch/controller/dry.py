@@ -19,7 +19,9 @@ would move. Fetches cannot have a value: their futures fail at once with
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,7 @@ from ..protocol.wire import ActorCall, DropLane, ExpectResults
 from .compiler import Compiler, InternalStep, PayloadError
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
+_keys = itertools.count()
 _KINDS = {
     (False, False): "all-reduce",
     (False, True): "reduce-scatter",
@@ -95,10 +98,12 @@ class DryController:
     """Stands in for a Controller: compiles and checks every flush, submits nothing."""
 
     def __init__(self, real: Any, first_id: int, futures: dict) -> None:
+        self._real = real
         self.world_size = real.world_size
         self.workers = real.workers  # the mesh's display (to_table) still names them
         self.backend = real.backend
         self.token = f"{real.token}-dry"
+        self.span = None
         self.first_id = first_id  # ref and stream ids below it existed before the dry run
         self._futures = futures  # the session's fetch futures: failed at once
         self._compiler = Compiler(self.token, [f"dry-{r}" for r in range(self.world_size)], {})
@@ -112,6 +117,9 @@ class DryController:
         self.real_deletes: list[tuple[tuple[int, ...], int]] = []  # refs of the real run
         self.real_drops: list[m.StreamRef] = []  # streams of the real run that died meanwhile
         self._storages: dict[int, _Storage] = {}  # storage key -> what it holds
+        # the user API's storage objects -> their keys, weakly: a storage's handles must die
+        # as in a real run, and their DeleteRefs free it
+        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ref_storage: dict[int, int] = {}  # ref id -> storage key
         self._borrowed: dict[int, int] = {}  # borrow id -> the borrowed ref
 
@@ -209,6 +217,29 @@ class DryController:
     def waiting_for(self) -> str:
         return ""
 
+    def drain(self, timeout: float = 60) -> None:
+        self.flush()
+
+    @property
+    def client(self) -> Any:
+        return self._real.client
+
+    @property
+    def debugging(self) -> dict:
+        return {}  # no rank runs, none stops in pdb
+
+    def attend_debugger(self) -> bool:
+        return False
+
+    def add_listener(self, listener: Any, *, consume: bool = False) -> None:
+        """No rank reports: a listener would hear nothing."""
+
+    def start_trace(self, limit: int | None = None) -> None:
+        raise DryRunError("dm.trace inside a dry run: nothing runs, so there is nothing to trace")
+
+    def collect_trace(self, stop: bool = True) -> list[dict]:
+        return []
+
     def close(self, timeout: float | None = None) -> None:
         self.closed = True
 
@@ -221,9 +252,13 @@ class DryController:
 
     # -- accounting ---------------------------------------------------------------------------
 
-    def created(self, ref: int, storage: int, nbytes: int, ranks: tuple[int, ...]) -> None:
-        """The user API made a handle of ref ``ref`` on ``ranks`` over storage key ``storage``
-        (``nbytes`` if that storage is new)."""
+    def created(self, ref: int, storage: Any, nbytes: int, ranks: tuple[int, ...]) -> None:
+        """The user API made a handle of ref ``ref`` on ``ranks`` over ``storage`` (one
+        object per storage; ``nbytes`` if that storage is new)."""
+        key = self._keys.get(storage)
+        if key is None:
+            key = self._keys[storage] = next(_keys)
+        storage = key
         held = self._storages.get(storage)
         if held is None:
             held = self._storages[storage] = _Storage(nbytes, ranks)
@@ -233,6 +268,16 @@ class DryController:
                 figures.peak_tensor_bytes = max(figures.peak_tensor_bytes, figures.tensor_bytes)
         held.refs.add(ref)
         self._ref_storage[ref] = storage
+
+    def nothing_ran(self) -> DryRunError:
+        return DryRunError(
+            "this value was made inside a dask_monarch.dry_run block: nothing ran, so it has "
+            "no value on the ranks; make it again outside the dry run"
+        )
+
+    def storages(self) -> list[Any]:
+        """The storage objects of the handles made while it stood in (alive still)."""
+        return list(self._keys)
 
     def _release(self, ref: int) -> None:
         key = self._ref_storage.pop(ref, None)

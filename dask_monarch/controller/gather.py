@@ -20,7 +20,7 @@ from typing import Any
 
 from distributed import Future
 
-from .session import MeshFuture
+from .futures import MeshFuture
 
 _CONTAINERS = (list, tuple, set, frozenset)
 

@@ -16,7 +16,7 @@ one class.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import functools
 import gc
 import itertools
@@ -26,162 +26,27 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from distributed import Client
 
 from .. import config
-from ..exceptions import DeviceException, RemoteException
+from ..exceptions import RemoteException
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
 from ..protocol.rules import streams_named
 from ..protocol.wire import ValueFailed
 from .controller import Controller
+from .futures import MeshFuture, waiting_for
 from .history import History
+from .seam import ControllerSeam, Substitute
 
 STATUS_EVERY = 10_000  # ask for progress at least this often, so the history can be pruned
 DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and exit) ...
 # ... or earlier once the dropped handles name this many bytes: 1024 dropped activations of a
 # real model are gigabytes the ranks (GPUs) would keep for nothing.
 DELETE_BYTES = 64 << 20
-
-
-class MeshFuture(concurrent.futures.Future):
-    """The value of a fetch: resolves once every rank has passed it (``.result()``)."""
-
-    def __init__(self, session: Session, seq: int, ranks: int = 1) -> None:
-        super().__init__()
-        self._session = session
-        self.seq = seq
-        self.ranks = ranks  # values expected: one per rank, returned as a list when > 1
-        self.check: Any = None  # called with the value before result() returns it
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The value; waits ``timeout`` seconds at most (None: until it resolves).
-
-        Never waits past a broken mesh (its DeviceException is raised) or an
-        exited one; a TimeoutError names the lanes still running and what they
-        wait on, as a LivenessWarning does.
-        """
-        controller = self._session.controller
-        controller.flush()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                value = super().result(timeout=0.05)
-                if self.check is not None:
-                    self.check(value)
-                return value
-            except concurrent.futures.TimeoutError:
-                if controller.debugging:  # a rank stopped in pdb: its user may drive it here
-                    controller.attend_debugger()
-                broken = controller.broken
-                if broken is not None:
-                    raise broken from None
-                if controller.closed and not self.done():
-                    raise RuntimeError(
-                        f"the mesh was exited before the fetch of seq {self.seq} resolved"
-                    ) from None
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"the fetch of seq {self.seq} did not resolve within "
-                        f"{timeout}s: {_waiting_for(controller)}"
-                    ) from None
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except (RemoteException, DeviceException) as e:
-            return e
-        return None
-
-    # -- the ways Dask and asyncio users wait ---------------------------------------------------
-
-    def __await__(self) -> Any:
-        """``await f``: the value, without blocking the event loop (a notebook's, say)."""
-        return self._result_async().__await__()
-
-    async def _result_async(self) -> Any:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        resolved = asyncio.Event()
-
-        def wake(_: concurrent.futures.Future) -> None:
-            try:
-                loop.call_soon_threadsafe(resolved.set)
-            except RuntimeError:  # the loop closed while we waited
-                pass
-
-        self.add_done_callback(wake)
-        controller = self._session.controller
-        await loop.run_in_executor(None, controller.flush)
-        while not self.done():
-            try:
-                await asyncio.wait_for(resolved.wait(), 0.05)
-            except asyncio.TimeoutError:
-                if controller.broken is not None or controller.closed:
-                    break  # result() raises what happened
-        return await loop.run_in_executor(None, self.result)
-
-    # Dask finds futures by type and by protocol; each hook it reads here refuses, so no Dask
-    # tool answers silently and wrongly. Client.gather reads none, and hands a MeshFuture
-    # back as it is: dm.gather resolves both kinds (controller/gather.py, docs/dask.md §5).
-
-    def __dask_graph__(self) -> Any:
-        """Refuse Dask's collection helpers: ``distributed.wait``, ``progress``, ``compute``
-        would otherwise see no Dask future here and answer at once, wrongly."""
-        raise TypeError(
-            _not_for_dask(self, "distributed.wait/as_completed/progress, compute and delayed")
-        )
-
-    @property
-    def __dask_future__(self) -> bool:
-        """Refuse being a task's argument (``client.submit(fn, f)``, ``client.map``): the
-        scheduler would wait for a key no worker holds."""
-        raise TypeError(_not_for_dask(self, "client.submit/map and task graphs"))
-
-    def __dask_tokenize__(self) -> Any:
-        """Refuse Dask's tokenizing (``client.submit``, ``client.scatter`` hash arguments)."""
-        raise TypeError(_not_for_dask(self, "client.submit/map/scatter and task graphs"))
-
-    def __reduce__(self) -> Any:
-        """Refuse pickling (a remote function's argument, ``client.run``): the value lives in
-        this process only, and may not have arrived yet."""
-        raise TypeError(_not_for_dask(self, "pickling (a remote function's arguments)"))
-
-    def __repr__(self) -> str:
-        return (
-            f"<MeshFuture seq {self.seq}, {self._state.lower()}: a dask_monarch future, not a "
-            "distributed.Future: f.result(), await f, concurrent.futures.wait/as_completed>"
-        )
-
-    def _repr_html_(self) -> str:
-        from html import escape
-
-        state = self._state.lower()
-        if state == "finished":
-            error = super().exception(timeout=0)
-            state = f"failed: {type(error).__name__}" if error is not None else "resolved"
-        return (
-            f"<div><strong>dask_monarch.MeshFuture</strong> seq {self.seq}: "
-            f"{escape(state)}<br><small>f.result() (or <code>await f</code>) waits for the "
-            "value</small></div>"
-        )
-
-
-def _not_for_dask(future: MeshFuture, what: str) -> str:
-    """The refusal every Dask hook of a MeshFuture raises: what it is, what to call instead."""
-    return (
-        f"MeshFuture seq {future.seq} ({future._state.lower()}) is a dask_monarch future, not a "
-        f"distributed.Future: {what} cannot use it. Get its value with f.result() (or "
-        "dask_monarch.gather(f), which takes Dask futures too); `await f` in async code, "
-        "[f.result() for f in futures] for several, "
-        "dm.inspect(t) to fetch a tensor and wait in one call. Wait for several with "
-        "concurrent.futures.wait/as_completed, and pass values, not MeshFutures, to "
-        "client.submit/map/scatter and remote functions"
-    )
 
 
 class Capture:
@@ -298,6 +163,10 @@ class Session:
         self._completion = threading.Condition(self.lock)
         self._unobserved: dict[int, RemoteException] = {}
         self.implicit_fetches = 0  # values Python asked the ranks for (implicit_fetch)
+        # while a controller stands in (substitute): told of every handle made, and what
+        # mesh.exit() does instead
+        self.watch: Callable[[int, Any, int, tuple[int, ...]], None] | None = None
+        self._exit_instead: Callable[[], None] | None = None
         self.closed = False
         self.controller.add_listener(self._on_message, consume=True)  # futures hold what they need
         _live.add(self)
@@ -544,6 +413,11 @@ class Session:
         self.request_status()
         return future
 
+    @property
+    def pending_fetches(self) -> dict[int, MeshFuture]:
+        """The futures of fetches not resolved yet, by seq (a stand-in fails them at once)."""
+        return self._futures
+
     def _observe(self, failure: BaseException) -> None:
         self._unobserved.pop(id(failure), None)
 
@@ -608,10 +482,99 @@ class Session:
         self.history.complete(done)
         self._completion.notify_all()
 
+    # -- a controller standing in -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def substitute(self, stand_in: Substitute, exit_instead: Callable[[], None]) -> Iterator[None]:
+        """Run the block with ``stand_in`` in place of this session's controller
+        (``dm.dry_run``). What came before goes to the ranks first; inside, the state created
+        lazily on the ranks (streams, meshes, communicators) starts empty, every handle made
+        is told to ``stand_in``, and ``mesh.exit()`` calls ``exit_instead``. Afterwards the
+        session is as it was, but for what the real ranks must still learn (deletes and dead
+        streams of before, meanwhile), and a later use of what the block made fails, saying
+        why (nothing of it ran)."""
+        with self.lock:
+            if self._exit_instead is not None:
+                raise RuntimeError("this mesh is already in a dry run")
+            if self.capture is not None:
+                raise RuntimeError("a dry run cannot start inside coalescing or a compiled trace")
+            self.flush_pending()
+            real = self.controller
+            real.flush()  # what came before goes to the ranks as usual
+            first_seq, first_id = self._seq, stand_in.first_id
+            saved = {name: getattr(self, name) for name in _LAZY}
+            definers = dict(self.history.definer)
+            self.controller = stand_in
+            self._streams, self._stream_objects, self._meshes = {}, {}, {}
+            self._network, self._comms, self._dead_streams = False, set(), []
+            self.watch, self._exit_instead = self._watching(stand_in), exit_instead
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.watch, self._exit_instead = None, None
+                for storage in stand_in.storages():  # nothing on the ranks to delete
+                    for handle in storage.handles:
+                        if handle._ref.id >= first_id:
+                            handle._owns_ref = False
+                self._restore(real, stand_in, saved, definers, first_seq, first_id)
+
+    @staticmethod
+    def _watching(stand_in: Substitute) -> Callable[[int, Any, int, tuple[int, ...]], None]:
+        first = stand_in.first_id
+
+        def watch(ref: int, storage: Any, nbytes: int, ranks: tuple[int, ...]) -> None:
+            if ref >= first:
+                stand_in.created(ref, storage, nbytes, ranks)
+
+        return watch
+
+    def _restore(
+        self,
+        real: ControllerSeam,
+        stand_in: Substitute,
+        saved: dict,
+        definers: dict,
+        first_seq: int,
+        first_id: int,
+    ) -> None:
+        """Put the session back as it was before ``stand_in``; forget what it was sent."""
+        dead = [ref for ref in self._dead_streams if ref.id < first_id]
+        self.controller = real
+        for name, value in saved.items():
+            setattr(self, name, value)
+        # streams and refs of the real run that died meanwhile: dropped on the ranks from now
+        for ref in [*stand_in.real_drops, *dead]:
+            for key, known in list(self._streams.items()):
+                if known.id == ref.id:
+                    del self._streams[key]
+            self._stream_objects.pop(ref.id, None)
+            if ref not in self._dead_streams:
+                self._dead_streams.append(ref)
+        self._pending_deletes.extend(stand_in.real_deletes)
+        history = self.history
+        for seq in [s for s in history.invocations if s >= first_seq]:
+            del history.invocations[seq]
+        # refs made before: defined as before (the block's in-place ops never ran), unless
+        # their definer completed meanwhile; refs made inside: see below
+        made = [ref for ref in history.definer if ref >= first_id]
+        history.definer = {ref: seq for ref, seq in definers.items() if seq in history.invocations}
+        for seq in [s for s in self._futures if s >= first_seq]:
+            self._futures.pop(seq).set_exception(stand_in.nothing_ran())
+        for seq in [s for s in self._values if s >= first_seq]:
+            del self._values[seq]
+        if made:  # a later use of what the block made fails, saying why
+            seq = self.new_seq()
+            history.invoke(seq, [], made)
+            history.fail(seq, stand_in.nothing_ran())
+
     # -- shutdown -----------------------------------------------------------------------------
 
     def exit(self, timeout: float = 600) -> None:
         """Wait for everything sent, release the ranks, raise a failure nobody fetched."""
+        if self._exit_instead is not None:  # a stand-in's session outlives it
+            self._exit_instead()
+            return
         if self.closed:
             return
         try:
@@ -629,7 +592,7 @@ class Session:
                     if remaining <= 0:
                         raise TimeoutError(
                             f"mesh.exit() waited {timeout}s for the ranks: "
-                            f"{_waiting_for(self.controller)}"
+                            f"{waiting_for(self.controller)}"
                         )
                     self._completion.wait(min(remaining, 0.1))
             unobserved = next(iter(self._unobserved.values()), None)
@@ -640,12 +603,16 @@ class Session:
             raise unobserved
 
 
-def _waiting_for(controller: Controller) -> str:
-    """What a timed-out wait says: the lanes still running and what each waits on."""
-    lanes = controller.waiting_for()
-    if lanes:
-        return f"waiting for {lanes}"
-    return "every rank has run everything sent to it, but its reports have not arrived"
+# the session state a substitute replaces and puts back (refs created lazily on the ranks)
+_LAZY = (
+    "_streams",
+    "_stream_objects",
+    "_meshes",
+    "_network",
+    "_comms",
+    "_dead_streams",
+    "_status_requested_at",
+)
 
 
 class _GCState:
@@ -686,4 +653,4 @@ _INTERNAL = os.path.dirname(os.path.dirname(__file__))  # the dask_monarch folde
 _internal_code: dict = {}  # code object -> is it dask_monarch's or torch's own
 
 
-__all__ = ["Capture", "MeshFuture", "Session"]
+__all__ = ["Capture", "MeshFuture", "Session"]  # MeshFuture: as before, from here too
