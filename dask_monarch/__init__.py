@@ -8,10 +8,26 @@ Names are imported on first use (PEP 562): ``import dask_monarch`` stays
 cheap for the processes that only need part of it (the ``dask`` command line
 loads every ``dask_cli`` entry point, schedulers unpickle task functions), and
 torch is imported with the first name that needs it.
+
+The user API's modules, one concept each: ``mesh`` (``DeviceMesh``,
+``device_mesh``); ``tensor`` (the mesh tensor and its dispatch), with
+``handles`` (what a mesh tensor and an ``OpaqueRef`` share), ``propagation``
+(outputs worked out on fake tensors), ``client_values`` (values the client
+knows) and ``implicit_fetch`` (values Python asks for); ``stream`` and
+``borrows``; ``collectives`` (``reduce``); ``transfer`` (``put``,
+``to_mesh``); ``fetch`` (``inspect``, ``fetch_shard``); ``remote_function``
+(``dm.remote``); ``opaque_ref``; ``actor_mesh`` (``mesh.spawn``); ``pipe``;
+``coalesce`` and ``compiled`` (``coalescing``, ``compile``); ``gradients``
+(``grad_generator``, ``ddp_hooks``); ``random``; ``spans``, ``tracing``,
+``dry`` and ``debug`` (``span``, ``trace``, ``dry_run``, ``breakpoint``).
+Beside them: ``config`` (settings), ``exceptions``, and the public paths
+``messages``, ``ndslice``, ``logs``, ``dashboard`` and ``preload`` of modules
+that live in the layers below (``protocol``, ``controller``, ``worker``,
+``deployment``, ``observability``; docs/architecture.md).
 """
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import config  # noqa: F401  (loads the defaults into dask.config)
 
@@ -62,6 +78,38 @@ _NAMES = {
 _MODULES = ("messages", "ndslice", "random", "debug")
 
 __all__ = sorted([*_NAMES, *_MODULES])
+
+if TYPE_CHECKING:  # what IDEs and type checkers see: the same names as _NAMES and _MODULES
+    from . import debug, messages, ndslice, random
+    from .borrows import Borrow
+    from .coalesce import coalescing
+    from .collectives import reduce, reduce_
+    from .compiled import compile
+    from .controller import Controller
+    from .controller.futures import MeshFuture
+    from .controller.gather import gather
+    from .debug import breakpoint
+    from .deployment.cluster import LocalMeshCluster
+    from .dry import dry_run
+    from .exceptions import (
+        CompileWarning,
+        DeviceException,
+        ImplicitFetchWarning,
+        LivenessWarning,
+        RemoteException,
+    )
+    from .fetch import fetch_shard, inspect
+    from .gradients import DDPHooks, ddp_hooks, grad_generator
+    from .mesh import DeviceMesh, RemoteProcessGroup, device_mesh
+    from .opaque_ref import OpaqueRef
+    from .pipe import Pipe, create_pipe
+    from .remote_function import Remote, remote
+    from .spans import span
+    from .stream import Stream, get_active_stream
+    from .tensor import Tensor, no_mesh
+    from .tracing import trace
+    from .transfer import MeshSliceTensor, put, slice_mesh, to_mesh
+    from .worker import MonarchWorkerPlugin
 
 
 def __getattr__(name: str) -> Any:

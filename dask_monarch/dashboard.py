@@ -1,7 +1,9 @@
-"""``dask_monarch.dashboard``: the public path of :mod:`dask_monarch.observability.dashboard`."""
+"""``dask_monarch.dashboard``: the scheduler preload of the ``/monarch/`` page.
 
-import sys
+``dask scheduler --preload dask_monarch.dashboard`` runs :func:`dask_setup`;
+the page itself is :mod:`dask_monarch.observability.dashboard`.
+"""
 
-from .observability import dashboard as _module
+from .observability.dashboard import dask_setup, install
 
-sys.modules[__name__] = _module
+__all__ = ["dask_setup", "install"]

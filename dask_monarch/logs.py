@@ -1,7 +1,8 @@
-"""``dask_monarch.logs``: the public path of :mod:`dask_monarch.observability.logs`."""
+"""``dask_monarch.logs``: worker log records in the notebook or script, at their public path.
 
-import sys
+The same objects as :mod:`dask_monarch.observability.logs`.
+"""
 
-from .observability import logs as _module
+from .observability.logs import LOGGER, forward_worker_logs, plugin_name, stop_worker_logs
 
-sys.modules[__name__] = _module
+__all__ = ["LOGGER", "forward_worker_logs", "plugin_name", "stop_worker_logs"]

@@ -1,7 +1,8 @@
-"""``dask_monarch.messages``: the public path of :mod:`dask_monarch.protocol.messages`."""
+"""``dask_monarch.messages``: the worker protocol's messages, at their public path.
 
-import sys
+The same objects as :mod:`dask_monarch.protocol.messages`, where they are
+defined next to the rest of the protocol (api.md §1).
+"""
 
-from .protocol import messages as _module
-
-sys.modules[__name__] = _module
+from .protocol.messages import *  # noqa: F403  (its __all__: every message and value type)
+from .protocol.messages import __all__  # noqa: F401

@@ -1,7 +1,8 @@
-"""``dask_monarch.ndslice``: the public path of :mod:`dask_monarch.protocol.ndslice`."""
+"""``dask_monarch.ndslice``: slices of global ranks, at their public path.
 
-import sys
+The same objects as :mod:`dask_monarch.protocol.ndslice`.
+"""
 
-from .protocol import ndslice as _module
+from .protocol.ndslice import Slice
 
-sys.modules[__name__] = _module
+__all__ = ["Slice"]

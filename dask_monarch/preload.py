@@ -1,7 +1,10 @@
-"""``dask_monarch.preload``: the public path of :mod:`dask_monarch.deployment.preload`."""
+"""``dask_monarch.preload``: the preload of ``dask worker``, ``dask scheduler`` and nannies.
 
-import sys
+``--preload dask_monarch.preload`` runs :func:`dask_setup` (options
+``--monarch-rank=``, ``--monarch-gpu=``, ``--monarch-torch-threads=``);
+:mod:`dask_monarch.deployment.preload` says what it does.
+"""
 
-from .deployment import preload as _module
+from .deployment.preload import dask_setup, dask_teardown
 
-sys.modules[__name__] = _module
+__all__ = ["dask_setup", "dask_teardown"]

@@ -16,8 +16,8 @@ mutation (every live alias of a mutated storage is poisoned together if the
 op fails) and borrows.
 
 The wrapper class, its checks, the active mesh and :func:`dispatch` stay in
-one module (a little over 400 lines): torch calls each of them from the
-others, and a split would only add an import cycle.
+one module: torch calls each of them from the others, and a split would only
+add an import cycle.
 """
 
 from __future__ import annotations

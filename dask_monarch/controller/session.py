@@ -10,8 +10,7 @@ concept: each concept module (``tensor``, ``collectives``, ``compiled``, ...)
 builds its own and sends it through :meth:`Session.send`. Reports arrive on
 the client's event loop thread (a controller listener); everything else runs
 on the user's thread; one lock keeps them apart.
-It is a little over 400 lines for that reason: what the lock protects stays in
-one class.
+What the lock protects stays in one class.
 """
 
 from __future__ import annotations

@@ -4,6 +4,21 @@ Other layers reach the worker only through the names below: the plugin, the
 functions a controller runs on its workers (through ``Client.run``: claims,
 rendezvous, actors, the debugger's sessions) and the tasks it submits.
 Importing this package does not import torch.
+
+Modules: ``plugin`` (the WorkerPlugin: per-controller rank state, segments,
+claims); ``rank`` (everything one controller holds on one rank); ``lane`` (a
+stream's thread, ref table and device stream); ``inline`` (quick segments on
+the event loop); ``dispatch`` (the handler table) and the handlers:
+``handlers`` (calls, fetches, refs, streams, meshes, status, exit), ``calls``
+(resolving functions and arguments, binding results), ``borrow``, ``comm``
+(collectives and sends), ``recording`` and ``plan`` (replays), ``pipe``,
+``actor``, ``resident`` (``dm.OpaqueRef``); what they rely on: ``mesh`` (the
+rank's view of a device mesh), ``groups`` (process groups without a default
+group), ``nccl_rules`` (NCCL's rules checked on CPU), ``nccl_watch`` (NCCL
+failures end the mesh, not the worker), ``device`` (streams, events and blocks
+kept alive), ``errors`` and ``failures`` (user errors as values),
+``restricted`` (plain-data unpickling), ``signals`` (Ctrl-C meant for others),
+``debugger`` (pdb on a lane) and ``tracing`` (``dm.trace``'s records).
 """
 
 from ..protocol.names import PLUGIN_NAME

@@ -52,7 +52,7 @@ fails fast when the peer's release closes its communicator. An NCCL operation
 only enqueues work on the device: :mod:`.nccl_watch` follows it to its end.
 
 Every handler here shares one :class:`Comms` per rank (its store, groups and
-hand-offs), which is why they live in one module of about 800 lines.
+hand-offs), which is why they live in one module.
 """
 
 from __future__ import annotations

@@ -88,3 +88,28 @@ def test_mesh_tensor_and_controller_methods():
         assert hasattr(dm.Controller, name), name
     assert hasattr(dm.Stream, "borrow") and hasattr(dm.Stream, "activate")
     assert hasattr(dm.remote(lambda x: x), "call_on_shard_and_fetch")
+
+
+def test_the_type_checking_block_names_exactly_the_lazy_names():
+    """What IDEs and type checkers see (``if TYPE_CHECKING:`` in dask_monarch/__init__.py) is
+    what ``dm.<name>`` gives at run time: the same names, from the same modules."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(dm.__file__).read_text())
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    seen = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        for alias in node.names:
+            module = node.module or ""
+            seen[alias.name] = alias.name if not module else module
+    assert set(seen) == set(dm.__all__)
+    for name, module in dm._NAMES.items():
+        assert seen[name] == module, (name, seen[name], module)
+    for name in dm._MODULES:
+        assert seen[name] == name
