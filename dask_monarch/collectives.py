@@ -159,7 +159,30 @@ def reduce(
     mesh: DeviceMesh | None = None,
     out: Any = None,
 ) -> Any:
-    """A collective over mesh ``dims`` of every mesh tensor in ``tensors`` (a pytree)."""
+    """A collective over mesh ``dims`` of every mesh tensor in ``tensors`` (a pytree).
+
+    Parameters
+    ----------
+    tensors
+        A mesh tensor, or a pytree of them (other leaves pass through).
+    dims
+        The mesh dimension(s) to reduce over; ``()`` for all of them.
+    reduction
+        ``"sum"``, ``"avg"``, ``"product"``/``"prod"``, ``"min"``, ``"max"``,
+        ``"band"``, ``"bor"``, ``"bxor"`` (an all-reduce), or ``"stack"`` (an
+        all-gather: a new leading dim of the reduced size).
+    scatter
+        Reduce-scatter (or, with ``"stack"``, all-to-all): dim 0 must equal
+        the size of ``dims``, each rank keeps its part.
+    mesh
+        Not supported (``NotImplementedError``): the tensors' own mesh is used.
+    out
+        Tensors (a pytree like ``tensors``) to write the results into.
+
+    Returns
+    -------
+    The results, in ``tensors``' structure. docs/protocol.md §1.7.
+    """
     if out is not None:
         return tree_map(
             lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False), tensors, out

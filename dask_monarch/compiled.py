@@ -291,7 +291,25 @@ class Compiled:
 def compile(
     fn: Callable | None = None, *, verify: bool = False
 ) -> Compiled | Callable[[Callable], Compiled]:
-    """Trace ``fn`` once per argument signature into a recording and replay it (a decorator)."""
+    """Trace ``fn`` once per argument signature into a recording and replay it (a decorator).
+
+    Parameters
+    ----------
+    fn
+        The function: mesh tensors (that do not require grad) and plain values
+        in, mesh tensors and plain values out. Usable as ``@dm.compile`` and
+        ``@dm.compile(verify=True)``.
+    verify
+        Trace again on the first reuse and compare message by message: a
+        function whose messages depend on something the signature does not
+        capture raises ``RuntimeError`` ("... diverges at ...").
+
+    Returns
+    -------
+    Compiled
+        Called like ``fn``; a call replays the recording, or traces again when
+        what the trace read changed (see the module's docstring).
+    """
     if fn is None:
         return lambda f: Compiled(f, verify)
     return Compiled(fn, verify)

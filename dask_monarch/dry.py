@@ -123,6 +123,18 @@ def dry_run(mesh: DeviceMesh) -> Iterator[DryRun]:
     disagree on (``DeviceException`` naming the rank, from the pre-dispatch
     check). See the module docs for fetches, ``mesh.exit`` and what is
     counted.
+
+    Parameters
+    ----------
+    mesh
+        The mesh (or a view of it) whose program to run dry; its views take
+        part too.
+
+    Yields
+    ------
+    DryRun
+        Per-rank figures once the block ends: ``run.ranks``, ``run.collectives``,
+        ``run.sends``, ``run.report()``.
     """
     session = mesh._session
     with session.lock:

@@ -50,8 +50,21 @@ def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
 def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) -> MeshFuture:
     """The value of ``obj`` (a mesh tensor or a pytree of them) on one rank, as a future.
 
-    ``shard`` (or keyword coordinates) names the rank: ``fetch_shard(t, host=1, gpu=0)``;
-    by default the rank at coordinate 0 of every dim.
+    Parameters
+    ----------
+    obj
+        A mesh tensor, or a pytree of them and plain values.
+    shard, **coords
+        The rank, by its coordinate along every dim of the mesh:
+        ``fetch_shard(t, host=1, gpu=0)`` or ``fetch_shard(t, {"host": 1, "gpu": 0})``;
+        by default coordinate 0 of every dim.
+
+    Returns
+    -------
+    MeshFuture
+        Resolves once every rank has passed the fetch, to the value with
+        tensors on the CPU; raises ``RemoteException`` if what it depends on
+        failed on any rank.
     """
     if shard is not None and coords:
         raise TypeError("give the shard as a dict or as keywords, not both")
@@ -65,7 +78,16 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
 def inspect(
     obj: Any, shard: dict[str, int] | None = None, *, timeout: float | None = None, **coords: int
 ) -> Any:
-    """``fetch_shard(obj, ...).result(timeout)``: the value on one rank, tensors on the CPU."""
+    """``fetch_shard(obj, ...).result(timeout)``: the value on one rank, tensors on the CPU.
+
+    Parameters
+    ----------
+    obj, shard, **coords
+        As :func:`fetch_shard`.
+    timeout
+        Seconds to wait at most (None: until it resolves); a ``TimeoutError``
+        names the lanes still running and what they wait on.
+    """
     return fetch_shard(obj, shard, **coords).result(timeout)
 
 

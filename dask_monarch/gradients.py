@@ -258,6 +258,25 @@ def ddp_hooks(
     Every backward reduces the accumulated ``.grad``; accumulate over several
     backward passes inside ``hooks.no_sync()``. Parameters must be mesh tensors
     that require grad.
+
+    Parameters
+    ----------
+    model
+        A module (its parameters that require grad) or the parameters themselves.
+    mesh_dim
+        The data-parallel mesh dimension(s) the gradients are reduced over.
+    stream
+        The communication stream (default: ``dm.Stream("ddp")``).
+    bucket_bytes
+        About how many bytes of parameters one collective carries.
+    reduction
+        ``"avg"`` (the default, as DDP) or any reduction of :func:`reduce`.
+
+    Returns
+    -------
+    DDPHooks
+        ``.remove()`` (or leaving ``with``) takes the hooks out; ``.no_sync()``
+        skips the reduction for the backward passes inside it.
     """
     params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
     params = [p for p in dict.fromkeys(params) if p.requires_grad]

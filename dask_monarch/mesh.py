@@ -325,11 +325,25 @@ def device_mesh(
 ) -> DeviceMesh:
     """A mesh over ``prod(dims)`` workers of ``client`` (GPU workers first), dims in order.
 
-    ``client=None`` uses Dask's default client (the one a script run by
-    ``dask-monarch run`` gets). ``workers``: the workers (addresses or worker
-    names) that become ranks 0..n-1 in that order. ``distinct_hosts=True``:
-    no two ranks on one host (a worker's host is the host of its address).
-    Neither name can be a dimension.
+    Parameters
+    ----------
+    client
+        The Dask client whose workers become ranks; None: Dask's default client
+        (the one a script run by ``dask-monarch run`` gets).
+    workers
+        The workers (addresses or worker names) that become ranks 0..n-1, in
+        that order; by default a stable choice (explicit rank resources first).
+    distinct_hosts
+        No two ranks on one host (a worker's host is the host of its address).
+    **dims
+        The mesh's dimensions and their sizes, in order (``host=2, gpu=4``);
+        neither ``workers`` nor ``distinct_hosts`` can be a dimension.
+
+    Returns
+    -------
+    DeviceMesh
+        A mesh with a controller of its own: two meshes on the same workers
+        are isolated from each other. ``mesh.exit()`` releases the ranks.
     """
     # imported here: the workers import this module (for _coordinate) and need none of these
     from .controller.session import Session

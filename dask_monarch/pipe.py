@@ -118,7 +118,26 @@ def create_pipe(
     propagate: Callable | None = None,
     **kwargs: Any,
 ) -> Pipe:
-    """Start ``fn(pipe, *args, **kwargs)`` for every rank of the active mesh."""
+    """Start ``fn(pipe, *args, **kwargs)`` for every rank of the active mesh.
+
+    Parameters
+    ----------
+    fn
+        The producer (a callable, or an import path): it runs once per rank, in
+        a process of its own, and sends values with ``pipe.send(...)``.
+    *args, **kwargs
+        Plain values for ``fn`` (mesh tensors go through ``Pipe.send``).
+    max_messages
+        How many values a producer may send ahead of the stream's ``recv``.
+    propagate
+        A function of fake tensors returning what one ``recv`` gives, when it
+        cannot be worked out from the first value.
+
+    Returns
+    -------
+    Pipe
+        ``pipe.recv()`` is a mesh tensor (or pytree) on the active stream.
+    """
     mesh = active_mesh()
     if mesh is None:
         raise RuntimeError("create_pipe needs an active mesh (with mesh.activate())")

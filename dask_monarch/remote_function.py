@@ -171,6 +171,27 @@ def remote(
     """Make ``fn`` (a callable or an import path) run on every rank of a mesh.
 
     Usable as ``@remote``, ``@remote(propagate=...)`` and ``remote("pkg.mod.fn", ...)``.
+
+    Parameters
+    ----------
+    fn
+        A function (sent by value: closures and notebook cells work) or the
+        import path of one (``"pkg.mod.fn"``; ``functions.allow`` may restrict
+        which). It receives each rank's values for mesh tensors, OpaqueRefs and
+        process groups among its arguments.
+    propagate
+        What it returns, worked out on the client: a function run on fake
+        tensors with the same arguments; ``"inspect"``: it returns no mesh tensor
+        (only a fetch gives its value); None: rank 0 runs it once on fake copies
+        of its inputs, and the answer is cached by their metadata.
+
+    Returns
+    -------
+    Remote
+        Calling it under ``mesh.activate()`` (or with mesh tensors) returns mesh
+        tensors in the structure ``propagate`` describes;
+        ``.call_on_shard_and_fetch(*args, shard=...)`` runs it on one rank and
+        returns its value. docs/protocol.md §1.4.
     """
     if fn is None:
         return lambda f: Remote(f, propagate)

@@ -35,12 +35,21 @@ from .tensor import Tensor, active_mesh, check_usable, contiguous, from_client
 
 
 def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = None) -> Any:
-    """The same value on every rank of ``mesh`` (the active mesh by default): each local
-    tensor in ``tensors`` (a tensor or a pytree of them) becomes a mesh tensor holding it.
+    """The same value on every rank of ``mesh``: each local tensor in ``tensors`` becomes a
+    mesh tensor holding it.
 
     Any size; the value travels once, inside the message that makes it. Under
     ``mesh.activate()``, ``torch.tensor(data)`` does the same for data, and a small local
     tensor used together with mesh tensors is placed by itself (docs/user_guide.md).
+
+    Parameters
+    ----------
+    tensors
+        A local tensor, or a pytree of them (other leaves pass through).
+    mesh
+        Where to place them (default: the active mesh).
+    stream
+        The stream they belong to (default: the active stream).
     """
     mesh = mesh or active_mesh()
     if mesh is None:

@@ -29,9 +29,15 @@ def gather(futures: Any, errors: str = "raise") -> Any:
     """The values of the MeshFutures and Dask futures in ``futures`` (a future, or lists,
     tuples, sets and dicts of them, nested), in their place.
 
-    ``errors="raise"`` raises the first failure (a ``RemoteException`` for a
-    MeshFuture); ``"skip"`` gives None for a failed future, as ``Client.gather``
-    does.
+    Parameters
+    ----------
+    futures
+        A ``MeshFuture`` or ``distributed.Future``, or containers of them mixed
+        with other values (which pass through).
+    errors
+        ``"raise"`` raises the first failure (a ``RemoteException`` for a
+        MeshFuture); ``"skip"`` gives None for a failed future, as
+        ``Client.gather`` does.
     """
     if errors not in ("raise", "skip"):
         raise ValueError(f"errors= is 'raise' or 'skip', got {errors!r}")
