@@ -509,7 +509,8 @@ def main() -> None:
 
     print(
         f"\ndata-parallel MLP {FEATURES}-H-1 (SGD, {WORLD} ranks) and GPT-2; {args.steps} "
-        "steps then one loss fetch; median of {args.repeat} rounds (torch {torch.__version__}); load average "
+        f"steps then one loss fetch; median of {args.repeat} rounds (torch {torch.__version__}); "
+        "load average "
         f"(1 min) over the rounds {min(loads[1:] or loads):.2f}-{max(loads):.2f}, "
         f"{os.cpu_count()} cores"
     )
