@@ -295,3 +295,37 @@ def describe(*args, **kwargs):
         return type(x).__name__
 
     return repr((shape(args), shape(kwargs)))
+
+
+# -- user code that is slow where the worker's event loop might run it (issue 35, item 1) -------
+
+
+def _slow_int(value, seconds):
+    time.sleep(seconds)
+    return SlowUnpickle(value, seconds)
+
+
+class SlowUnpickle(int):
+    """An int whose unpickling sleeps ``seconds`` (a user value sent as a plain argument)."""
+
+    def __new__(cls, value, seconds):
+        self = super().__new__(cls, value)
+        self.seconds = seconds
+        return self
+
+    def __reduce__(self):
+        return (_slow_int, (int(self), self.seconds))
+
+
+class SlowDel:
+    """A rank's object whose ``__del__`` sleeps ``seconds`` (freed by a dropped OpaqueRef)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __del__(self):
+        time.sleep(self.seconds)
+
+
+def plus(x, n):
+    return x + int(n)

@@ -144,8 +144,14 @@ def send_value(lane: Lane, msg: SendValue) -> None:
 
 
 def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
-    """Forget refs on this stream (fanned out to every stream; unknown ids are ignored)."""
+    """Forget refs on this stream (fanned out to every stream; unknown ids are ignored).
+
+    On the event loop (a quick segment) the values are dropped on the lane's thread: freeing
+    a user's object runs its ``__del__`` (:meth:`Lane.discard`)."""
     pop = lane.env.pop
+    if lane.rank.on_loop():
+        lane.discard([pop(int(ref), None) for ref in msg.refs])
+        return
     for ref_id in map(int, msg.refs):  # int(): a plain key, no Python-level Ref.id per ref
         pop(ref_id, None)
 

@@ -259,6 +259,16 @@ class Lane:
             "inlined": self.inlined,
         }
 
+    def discard(self, values: list) -> None:
+        """Drop ``values`` on this lane's thread, after what it was handed before: a step run
+        on the event loop removed them, and their ``__del__`` is user code, which must not
+        stall the loop (DESIGN decision 17). The next segment of the lane runs after it, as
+        if the lane had freed them itself."""
+        try:
+            self.executor.submit(values.clear)
+        except RuntimeError:  # the lane was retired: any thread but the loop's will do
+            self.rank.plugin.drain.submit(values.clear)
+
     def close(self) -> None:
         """Drop the stream's values (on release). The executor is the plugin's to retire:
         Dask may already have handed it work, which must still run (and return at once)."""

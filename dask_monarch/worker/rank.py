@@ -56,6 +56,7 @@ class RankState:
     ):
         self.plugin = plugin
         self.loop = plugin.worker.loop
+        self.loop_thread = getattr(plugin, "loop_thread", None)  # the event loop's thread id
         self.token = token
         self.rank = rank
         self.world_size = world_size
@@ -123,6 +124,10 @@ class RankState:
 
     def all_lanes(self) -> list[Lane]:
         return [*self.lanes.values(), self.control]
+
+    def on_loop(self) -> bool:
+        """Whether this thread is the worker's event loop (a quick segment: worker/inline.py)."""
+        return threading.get_ident() == self.loop_thread
 
     # -- running ------------------------------------------------------------------------------
 

@@ -154,3 +154,29 @@ def test_the_switch_keeps_every_segment_on_its_lane():
                 assert dm.inspect(x).item() == 3
             assert inlined_segments(client) == 0
             mesh.exit()
+
+
+# -- no user code on the loop (DESIGN decision 17) ---------------------------------------------
+
+
+def test_steps_holding_a_users_value_are_not_unpickled_on_the_loop():
+    import pickle
+
+    from remote_fns import SlowUnpickle
+
+    from dask_monarch.worker.inline import small_steps
+
+    plain = [call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1), PROBE]
+    assert small_steps((pickle.dumps(plain),)) == plain
+    # unpickling this would sleep: the steps are not judged, the lane's thread loads them
+    users = [call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), SlowUnpickle(1, 60)), PROBE]
+    assert small_steps((pickle.dumps(plain), pickle.dumps(users))) is None
+
+
+def test_an_op_on_a_tensor_subclass_keeps_its_thread():
+    class Logged(torch.Tensor):  # its __torch_function__ is Python, run on every op
+        pass
+
+    env = {1: torch.ones(4).as_subclass(Logged)}
+    assert not is_quick([call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1)], env)
+    assert is_quick([call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1)], SMALL)
