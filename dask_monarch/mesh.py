@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import distributed
 
 from .protocol import messages as m
+from .protocol.names import rank_function
 from .protocol.ndslice import Slice
 
 if TYPE_CHECKING:
@@ -376,6 +377,7 @@ def device_mesh(
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 
+@rank_function
 def _coordinate(mesh: RankMesh, names: Sequence[str]) -> torch.Tensor:
     """Worker side of ``mesh.rank``: this rank's coordinate along ``names``, row-major."""
     import torch

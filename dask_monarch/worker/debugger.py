@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..protocol.names import rank_function
+
 if TYPE_CHECKING:
     from types import FrameType, TracebackType
 
@@ -295,6 +297,7 @@ def suppressed() -> Iterator[None]:
         _local.suppressed = before
 
 
+@rank_function
 def remote_breakpoint(*values: Any, where: str = "") -> None:
     """What ``dm.breakpoint(*tensors)`` issued by the controller runs on each rank: a stop with
     the local shards of the tensors in ``values``."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch.multiprocessing as tmp
 
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
-from ..protocol.names import describe_output
+from ..protocol.names import describe_output, rank_function
 from . import calls
 from .errors import FatalError, format_exception
 from .failures import fail_call
@@ -224,6 +224,7 @@ class PipeFailed(Exception):
     """The producer raised, ended or died: a user error for the receiving seq."""
 
 
+@rank_function
 def peek(pipe: Pipe) -> tuple:
     """Read the next value ahead (kept for the next PipeRecv); return what its leaves look like.
 

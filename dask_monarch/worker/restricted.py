@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..protocol import messages as m
-from ..protocol import wire
+from ..protocol import ndslice, wire
 
 __all__ = ["RestrictedPickleError", "loads", "loads_ours", "allowed_globals"]
 
@@ -106,8 +106,9 @@ def allowed_globals(user: bool = True) -> dict[str, Any]:
         if isinstance(value, type):
             found[f"{m.__name__}.{name}"] = value
     found[f"{m.__name__}.memory_format"] = m.memory_format  # how batches name one
-    for name in ("StatusProbe", "ReadRef", "ActorCall"):
-        found[f"{wire.__name__}.{name}"] = getattr(wire, name)
+    for step in wire.STEPS:
+        found[f"{wire.__name__}.{step.__name__}"] = step
+    found[f"{ndslice.__name__}.Slice"] = ndslice.Slice
     return found
 
 
