@@ -344,3 +344,29 @@ def running_total(start):
 def add_to_total(obj, x):
     obj["total"] += float(x.sum())
     return torch.tensor(obj["total"])
+
+
+def mismatched_all_reduce(x, pg, rank, how):
+    """A user all-reduce whose ranks disagree (``how``: "size" or "dtype") on rank 1."""
+    import torch.distributed as dist
+
+    odd = int(rank) == 1
+    if how == "size":
+        t = torch.ones(x.numel() + (3 if odd else 0))
+    else:
+        t = torch.ones(x.numel(), dtype=torch.float64 if odd else torch.float32)
+    dist.all_reduce(t, group=pg)
+    return t.sum()
+
+
+def mismatched_send(x, pg, rank):
+    """Rank 0 sends 7 elements where rank 1 receives 4 (gloo aborts the receiver on it)."""
+    import torch.distributed as dist
+
+    if int(rank) == 0:
+        t = torch.ones(7)
+        dist.send(t, 1, group=pg)
+    else:
+        t = torch.ones(4)
+        dist.recv(t, 0, group=pg)
+    return t.sum()

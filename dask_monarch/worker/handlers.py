@@ -28,6 +28,7 @@ from .failures import call_failed, dependent_failure, fail_call
 from .lane import Lane
 from .mesh import DeviceMesh
 from .pipe import pipe_for
+from .user_groups import checked
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
@@ -42,7 +43,9 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
     seq, results, mutates, function, args_kwargs, _, group_refs = msg  # a named tuple
     calls.check_panic(function)
     lane.last_seq = seq
-    groups = process_groups_for(lane, group_refs) if group_refs else None
+    groups = (
+        checked(process_groups_for(lane, group_refs), lane.rank.user_groups) if group_refs else None
+    )
     try:
         fn = calls.resolve_function(function)
         args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
