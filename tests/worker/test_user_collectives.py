@@ -56,7 +56,12 @@ def test_user_collectives_that_agree_run_as_before(own_client):
         everything = dm.remote(
             "remote_fns.pg_collectives",
             propagate=lambda x, pg, mesh: (
-                x.clone(), torch.stack([x, x]), x.clone(), x.clone(), 0, 0
+                x.clone(),
+                torch.stack([x, x]),
+                x.clone(),
+                x.clone(),
+                0,
+                0,
             ),
         )
         with mesh.activate():
