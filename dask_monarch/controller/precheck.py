@@ -50,6 +50,8 @@ from collections.abc import Iterable
 from itertools import product
 from typing import Any
 
+import torch
+
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
 from ..protocol.rules import SYNC, Sync
@@ -60,6 +62,22 @@ from .routing import ProtocolError
 _SIGNAL, _WAIT, _MEET, _DRAIN = "signal", "wait", "meet", "drain"
 _NEVER = "never"  # what a wait needs when nothing can ever satisfy it
 DROPS_KEPT = 1024  # a rank's borrow drops are looked at again, to forget those that ran, past this
+
+
+_DEVICE_TYPES = ("cpu", "cuda")  # where a rank keeps its tensors
+
+
+def _makeable(rank: int, factory: m.Factory, what: str) -> None:
+    """Refuse a factory no rank can make a buffer from (a ``meta`` device, a sparse layout):
+    a collective or send would receive into it and fail, or wait, on every member."""
+    device = str(factory.device).split(":", 1)[0]
+    if factory.layout is not torch.strided or device not in _DEVICE_TYPES:
+        raise ProtocolError(
+            rank,
+            f"{what}: its factory (shape {tuple(factory.size)}, {factory.dtype}, "
+            f"{factory.layout}, device {factory.device}) cannot be made on a rank: a rank's "
+            f"tensors are dense (torch.strided) on {' or '.join(_DEVICE_TYPES)}",
+        )
 
 
 class _Lane:
@@ -269,6 +287,7 @@ class Precheck:
         generator for the commonest checked message)."""
         if msg is not self._msg:
             factory = msg.factory
+            _makeable(rank, factory, f"Reduce of r{msg.result.id}")
             self._facts = (
                 tuple(sorted(msg.dims)),
                 (
@@ -326,6 +345,7 @@ class Precheck:
             else:
                 self._queue(rank, label, _Event(_WAIT, key, (_copy, ref, src_stream)))
             return
+        _makeable(rank, msg.factory, f"SendTensor of r{msg.tensor.id}")
         if (src_stream, dst_stream) not in self.p2p[rank]:
             raise ProtocolError(
                 rank,
