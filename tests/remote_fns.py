@@ -370,3 +370,19 @@ def mismatched_send(x, pg, rank):
         t = torch.ones(4)
         dist.recv(t, 0, group=pg)
     return t.sum()
+
+
+def spin(x, path=None):
+    """Never returns: a loop in Python (``mesh.exit(cancel=True)`` interrupts it)."""
+    if path:
+        touch(path)
+    while True:
+        pass
+
+
+def sleep_in_c(x, seconds, path=None):
+    """Sleeps in C, where no asynchronous exception reaches it."""
+    if path:
+        touch(path)
+    time.sleep(seconds)
+    return x

@@ -56,7 +56,13 @@ from ..protocol.messages import (
 )
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
-from ..worker import construct_actor, register_actor, trace_collect, trace_start
+from ..worker import (
+    cancel_controller,
+    construct_actor,
+    register_actor,
+    trace_collect,
+    trace_start,
+)
 from . import bookkeeping, intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
@@ -742,6 +748,26 @@ class Controller:
             "state": "broken" if self._broken else "closed" if self._closed else "running",
             "paused": len(self._reports.debugging),  # lanes stopped in pdb
         }
+
+    # -- cancelling ---------------------------------------------------------------------------
+
+    def cancel_running(self, grace: float) -> list[dict]:
+        """Release every rank now and interrupt the calls still running there (where Python
+        code runs: ``worker/cancel.py``); what each busy lane was doing, per rank and lane,
+        with ``stopped`` False for a call still in C code after ``grace`` seconds."""
+        try:
+            replies = self._client.run(
+                cancel_controller, self.token, grace, workers=list(self.workers)
+            )
+        except Exception as e:  # a lost worker or scheduler: close() releases what is left
+            logger.info("controller %s could not cancel on its ranks: %r", self.token, e)
+            return []
+        lanes = [
+            {**lane, "worker": address}
+            for address in self.workers
+            for lane in replies.get(address, ())
+        ]
+        return sorted(lanes, key=lambda lane: (lane["rank"], lane["lane"]))
 
     # -- tracing ------------------------------------------------------------------------------
 

@@ -544,10 +544,15 @@ class Session:
 
     # -- shutdown -----------------------------------------------------------------------------
 
-    def exit(self, timeout: float = 600) -> None:
-        """Wait for everything sent, release the ranks, raise a failure nobody fetched."""
+    def exit(self, timeout: float = 600, cancel: bool = False) -> None:
+        """Wait for everything sent, release the ranks, raise a failure nobody fetched; with
+        ``cancel``, release them now, interrupting what runs (controller/cancel.py)."""
         if self.closed:
             return
+        if cancel:
+            from .cancel import cancel_session
+
+            return cancel_session(self)
         try:
             with self.lock:
                 self.request_status()

@@ -13,6 +13,7 @@ from .debugger import pause as debug_pause
 from .debugger import suppressed as breakpoints_suppressed
 from .plugin import (
     MonarchWorkerPlugin,
+    cancel_controller,
     claim_rank,
     construct_actor,
     create_lanes,
@@ -30,6 +31,7 @@ __all__ = [
     "PLUGIN_NAME",
     "breakpoints_suppressed",
     "MonarchWorkerPlugin",
+    "cancel_controller",
     "claim_rank",
     "construct_actor",
     "create_lanes",

@@ -200,20 +200,32 @@ class Lane:
                 return seq
         return None
 
-    def where(self) -> str:
-        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+    def thread_ident(self) -> int | None:
+        """The id of the lane's thread (None before its executor started one)."""
         prefix = f"{self.executor_name}_"  # ThreadPoolExecutor names its threads <prefix>_<i>
-        ident = next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
-        frame = sys._current_frames().get(ident) if ident is not None else None
+        return next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
+
+    def user_frame(self, frame: Any = None) -> Any:
+        """The innermost frame outside dask_monarch and torch of ``frame``'s stack (default: the
+        lane's thread's), or None when the thread runs no user code."""
+        if frame is None:
+            ident = self.thread_ident()
+            frame = sys._current_frames().get(ident) if ident is not None else None
         while frame is not None:
-            code = frame.f_code
-            name = code.co_filename
+            name = frame.f_code.co_filename
             if any(part in name for part in _OUTER):  # below the segment: no user code ran
-                break
+                return None
             if not name.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in name:
-                return f"in {code.co_name} ({name}:{frame.f_lineno})"
+                return frame
             frame = frame.f_back
-        return ""
+        return None
+
+    def where(self, frame: Any = None) -> str:
+        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+        user = self.user_frame(frame)
+        if user is None:
+            return ""
+        return f"in {user.f_code.co_name} ({user.f_code.co_filename}:{user.f_lineno})"
 
     def storages(self) -> dict[int, int]:
         """The tensors' storages this lane's table holds: data pointer -> bytes."""

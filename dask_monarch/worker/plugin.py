@@ -423,6 +423,20 @@ async def trace_start(token: str, limit: int, dask_worker: Worker | None = None)
     return start(_plugin(dask_worker).ranks[token], limit)
 
 
+async def cancel_controller(
+    token: str, grace: float, dask_worker: Worker | None = None
+) -> list[dict]:
+    """Release controller ``token``'s rank here and interrupt its running calls
+    (``mesh.exit(cancel=True)``: worker/cancel.py); what each busy lane was doing."""
+    from .cancel import cancel
+
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    state = None if plugin is None else plugin.ranks.get(token)
+    if state is None:
+        return []
+    return await asyncio.to_thread(cancel, state, grace)
+
+
 async def trace_collect(
     token: str, stop: bool = True, dask_worker: Worker | None = None
 ) -> dict | None:
