@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import distributed
 
+from . import config
 from .protocol import messages as m
 from .protocol.names import rank_function
 from .protocol.ndslice import Slice
@@ -249,6 +250,7 @@ class DeviceMesh:
         C code (``time.sleep``, a long kernel) is named with the worker to
         restart to free it (``client.restart_workers``).
         """
+        config.timeout(timeout, "mesh.exit")
         self._session.exit(timeout, cancel)
 
     # -- display ------------------------------------------------------------------------------

@@ -386,3 +386,10 @@ def sleep_in_c(x, seconds, path=None):
         touch(path)
     time.sleep(seconds)
     return x
+
+
+def sleep_on(x, rank, sleeper, seconds):
+    """``x``, after ``seconds`` of sleep on rank ``sleeper`` only (a late collective member)."""
+    if int(rank) == sleeper:
+        time.sleep(seconds)
+    return x.clone()

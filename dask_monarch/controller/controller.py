@@ -528,6 +528,7 @@ class Controller:
         wait forever (a collective some member was never sent) breaks the
         controller at once instead (DESIGN decision 14).
         """
+        config.timeout(timeout, "Controller.sync")
         self.drain(timeout)
         with self._progress:
             messages = self._reports.take_inbox()
@@ -536,6 +537,7 @@ class Controller:
     def drain(self, timeout: float = 60) -> None:
         """:meth:`sync` without taking the reports: they stay for the next ``sync``
         (``dm.trace`` waits this way for the work it traced)."""
+        config.timeout(timeout, "Controller.drain")
         self._flush(True)
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._flush_lock:
@@ -570,6 +572,7 @@ class Controller:
         (rank,) = self._ranks(rank)
         if type(ref) is not Ref or type(stream) is not StreamRef:
             raise TypeError("get_ref takes a rank, a Ref and a StreamRef")
+        config.timeout(timeout, "Controller.get_ref")
         self.flush()
         if stream.id not in self._compiler.routers[rank].streams:
             raise ValueError(f"rank {rank} has no stream {stream.id}")

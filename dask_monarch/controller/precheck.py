@@ -288,6 +288,14 @@ class Precheck:
         if msg is not self._msg:
             factory = msg.factory
             _makeable(rank, factory, f"Reduce of r{msg.result.id}")
+            if msg.reduction is m.ReduceOp.AVG and not (
+                factory.dtype.is_floating_point or factory.dtype.is_complex
+            ):
+                raise ProtocolError(
+                    rank,
+                    f"Reduce of r{msg.result.id}: avg of {factory.dtype} (an average of "
+                    "integers is not an integer: reduce a sum, or a floating dtype)",
+                )
             self._facts = (
                 tuple(sorted(msg.dims)),
                 (
@@ -303,6 +311,18 @@ class Precheck:
         dims, sig = self._facts
         group = self.splits[rank].get((msg.mesh.id, label, dims))
         if group is None:
+            mesh = self.meshes[rank].get(msg.mesh.id)
+            unknown = [d for d in dims if mesh is not None and d not in mesh[0]]
+            if mesh is None or unknown:
+                raise ProtocolError(
+                    rank,
+                    f"Reduce of r{msg.result.id}: "
+                    + (
+                        f"mesh r{msg.mesh.id} was never created on rank {rank}"
+                        if mesh is None
+                        else f"mesh r{msg.mesh.id} (dims {mesh[0]}) has no dims {unknown}"
+                    ),
+                )
             raise ProtocolError(
                 rank,
                 f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream "
@@ -403,6 +423,13 @@ class Precheck:
     # -- communicators and meshes -------------------------------------------------------------
 
     def _mesh(self, rank: int, msg: m.CreateDeviceMesh) -> None:
+        outside = [r for r in msg.ranks if r >= len(self.world)]
+        if outside:
+            raise ProtocolError(
+                rank,
+                f"CreateDeviceMesh r{msg.result.id}: {msg.ranks!r} holds ranks {outside}, but "
+                f"this controller has {len(self.world)} ranks (0 to {len(self.world) - 1})",
+            )
         if rank not in msg.ranks or len(msg.names) != msg.ranks.ndim:
             raise ProtocolError(
                 rank,
