@@ -116,6 +116,61 @@ def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
     assert gone(children, timeout=30) == []  # nothing of the embedded cluster is left
 
 
+FINALIZER_SCRIPT = """\
+import time
+import torch
+import distributed
+import dask_monarch as dm
+
+
+class Slow:
+    def __del__(self):  # where a Ctrl-C lands, most of the time
+        time.sleep(0.2)
+
+
+mesh = dm.device_mesh(distributed.default_client(), gpu=2)
+with mesh.activate():
+    x = torch.ones(4)
+    dm.inspect(x)
+    print("ready", flush=True)
+    while True:
+        x = x + 1
+        Slow()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_script(tmp_path):
+    """Python ignores an exception raised in ``__del__`` (it only prints it): a Ctrl-C that
+    arrives while a finalizer runs was lost, and ``dask-monarch run`` went on for good. It is
+    delivered again, once the finalizer returned."""
+    (tmp_path / "finalizer.py").write_text(FINALIZER_SCRIPT)
+    command = [
+        *(str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q"),
+        "finalizer.py",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_line(process, "ready", timeout=180)
+        time.sleep(1)
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("dask-monarch: interrupted (Ctrl-C)"), err
+
+
 # --------------------------------------------------------------- rank workers survive SIGINT
 
 
