@@ -393,3 +393,16 @@ def sleep_on(x, rank, sleeper, seconds):
     if int(rank) == sleeper:
         time.sleep(seconds)
     return x.clone()
+
+
+def until_lane_busy(stream_id, timeout=60.0):
+    """Block the calling lane until stream ``stream_id``'s lane on this rank runs a segment
+    (or waits in one): an event that makes two lanes' segments overlap in time."""
+    from dask_monarch.worker.lane import current_lane
+
+    other = current_lane().rank.lanes[stream_id]
+    deadline = time.monotonic() + timeout
+    while other.state == "idle":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream {stream_id}'s lane did not start within {timeout}s")
+        time.sleep(0.001)
