@@ -159,7 +159,7 @@ def dry_run(mesh: DeviceMesh) -> Iterator[DryRun]:
         session._streams, session._stream_objects, session._meshes = {}, {}, {}
         session._network, session._comms, session._dead_streams = False, set(), []
 
-        def exit_inside(timeout: float = 600) -> None:  # the mesh outlives its dry run
+        def exit_inside(timeout: float = 600, cancel: bool = False) -> None:  # outlives the run
             run.exited = True
 
         session.exit = exit_inside  # type: ignore[method-assign]

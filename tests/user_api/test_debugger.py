@@ -163,21 +163,26 @@ def test_a_blocking_fetch_attaches_an_interactive_user(dbg_client, monkeypatch, 
     assert "(Pdb rank 1) " in out
 
 
+def debug_command(client, commands: str) -> subprocess.CompletedProcess:
+    """``dask-monarch debug`` against ``client``'s scheduler, ``commands`` on its stdin."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "dask_monarch.deployment.cli", "debug"]
+        + ["--scheduler-address", client.scheduler.address],
+        input=commands,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
 def test_the_dask_monarch_debug_command(dbg_client):
     with mesh_of(dbg_client) as mesh:
         y = dm.remote(stop_and_double)(torch.ones(3) * 2)
         wait_paused(mesh, 2)
         commands = "list\nattach 0\np x\nn\ndetach\nlist\nattach 0\nc\ncontinue\nquit\n"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run(
-            [sys.executable, "-m", "dask_monarch.deployment.cli", "debug"]
-            + ["--scheduler-address", dbg_client.scheduler.address],
-            input=commands,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
+        done = debug_command(dbg_client, commands)
         assert done.returncode == 0, done.stderr
         out = done.stdout
         assert out.count("rank 0   stream 'main' (1)") == 2  # listed twice
@@ -241,16 +246,7 @@ def test_a_second_attach_shows_the_header_and_the_prompt_again(dbg_client):
         y = dm.remote(stop_and_double)(torch.ones(3) * 2)
         wait_paused(mesh, 2)
         commands = "attach 1\ndetach\nattach 1\np x\ndetach\nattach 1\nc\ncontinue\nquit\n"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run(
-            [sys.executable, "-m", "dask_monarch.deployment.cli", "debug"]
-            + ["--scheduler-address", dbg_client.scheduler.address],
-            input=commands,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
+        done = debug_command(dbg_client, commands)
         assert done.returncode == 0, done.stderr
         out = done.stdout
         assert out.count("rank 1, stream 'main' (1), seq") == 3, out  # the header, each attach
