@@ -77,6 +77,12 @@ def _reduce(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     op = REDUCTIONS[reduction]
+    if op is ReduceOp.AVG and not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(
+            f"reduce(..., 'avg') of a {t.dtype} tensor: the average of integers is no "
+            f"{str(t.dtype).removeprefix('torch.')}; reduce 'sum' and divide, or make the "
+            "tensor floating point first (t.float())"
+        )
     if op in NCCL_UNSUPPORTED and t.device.type == "cuda" and own._session.backend != "gloo":
         raise ValueError(
             f"reduction {reduction!r} is not supported by NCCL, the backend of "

@@ -52,6 +52,16 @@ def seconds(key: str) -> float | None:
         ) from None
 
 
+def timeout(value: Any, where: str) -> float:
+    """A ``timeout=`` argument: a number of seconds, zero or more (refused before anything
+    is sent or waited for)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: timeout must be a number of seconds, got {value!r}")
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{where}: timeout must be zero or more seconds, got {value!r}")
+    return float(value)
+
+
 _frozen = False
 _modules_frozen = 0  # len(sys.modules) when the GC was last frozen
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import distributed
 
+from . import config
 from .protocol import messages as m
+from .protocol.names import rank_function
 from .protocol.ndslice import Slice
 
 if TYPE_CHECKING:
@@ -236,13 +238,21 @@ class DeviceMesh:
 
         return ActorMesh(self, name, cls, *args, **kwargs)
 
-    def exit(self, timeout: float = 600) -> None:
+    def exit(self, timeout: float = 600, cancel: bool = False) -> None:
         """Wait for everything sent, release the ranks; raises a failure nobody fetched.
 
         A TimeoutError after ``timeout`` seconds names the lanes still running
         and what they wait on; the ranks are released either way.
+
+        ``cancel=True`` waits for nothing: the ranks are released at once, and
+        remote functions still running for this mesh are interrupted where
+        Python code runs (within ``dask_monarch.timeouts.cancel``, 5 s). A
+        ``RuntimeWarning`` says what each was running and where; a call stuck in
+        C code (``time.sleep``, a long kernel) is named with the worker to
+        restart to free it (``client.restart_workers``).
         """
-        self._session.exit(timeout)
+        config.timeout(timeout, "mesh.exit")
+        self._session.exit(timeout, cancel)
 
     # -- display ------------------------------------------------------------------------------
 
@@ -389,6 +399,7 @@ def device_mesh(
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 
+@rank_function
 def _coordinate(mesh: RankMesh, names: Sequence[str]) -> torch.Tensor:
     """Worker side of ``mesh.rank``: this rank's coordinate along ``names``, row-major."""
     import torch

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .opaque_ref import OpaqueRef
+from .protocol.names import rank_function
 from .remote_function import remote
 from .stream import Stream, get_active_stream
 from .tensor import Tensor, active_mesh
@@ -62,6 +63,7 @@ def _pack(cpu: torch.Tensor, cuda: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([cpu, flagged])
 
 
+@rank_function
 def _states(
     cpu: torch.Generator | None = None, cuda: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -72,6 +74,7 @@ def _states(
     return _pack(torch.get_rng_state(), torch.cuda.get_rng_state() if used else None)
 
 
+@rank_function
 def _set_states(
     states: torch.Tensor, cpu: torch.Generator | None = None, cuda: torch.Generator | None = None
 ) -> None:
@@ -88,6 +91,7 @@ def _set_states(
         torch.cuda.set_rng_state(cuda_state.clone())
 
 
+@rank_function
 def _seeded_states(seed: int) -> torch.Tensor:
     """The states ``manual_seed(seed)`` would give, without touching any generator."""
     cpu = torch.Generator().manual_seed(seed).get_state()
@@ -97,6 +101,7 @@ def _seeded_states(seed: int) -> torch.Tensor:
     return _pack(cpu, cuda)
 
 
+@rank_function
 def _seed(seed: int, cpu: torch.Generator | None = None, cuda: torch.Generator | None = None):
     if cpu is None:
         torch.manual_seed(seed)
@@ -110,6 +115,7 @@ def _cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@rank_function
 def _generator(device_type: str, seed: int) -> torch.Generator | None:
     """A stream's own generator on this rank (None for CUDA on a rank without CUDA)."""
     if device_type == "cuda":
@@ -119,6 +125,7 @@ def _generator(device_type: str, seed: int) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
+@rank_function
 def _deterministic(enabled: bool) -> None:
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled

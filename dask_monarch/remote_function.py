@@ -39,7 +39,7 @@ from .opaque_ref import OpaqueRef, place, split_handles
 from .propagation import TensorMeta, set_bits
 from .protocol import messages as m
 from .protocol.messages.values import resolvable
-from .protocol.names import describe_output, described_tensor
+from .protocol.names import describe_output, described_tensor, rank_function
 from .stream import Stream
 from .tensor import Tensor, mutated_refs
 
@@ -299,6 +299,7 @@ def _static_key(tree: Any) -> tuple:
     return (str(spec), tuple(parts))
 
 
+@rank_function
 def _propagate_on_rank(
     function: m.FunctionPath | m.Cloudpickle, args: tuple, kwargs: dict
 ) -> tuple[list[tuple], str]:

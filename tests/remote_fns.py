@@ -379,3 +379,114 @@ class CudaActor:
 
     def add(self, t):
         return (self.value + t).sum().item()
+
+
+# -- user code that is slow where the worker's event loop might run it (issue 35, item 1) -------
+
+
+def _slow_int(value, seconds):
+    time.sleep(seconds)
+    return SlowUnpickle(value, seconds)
+
+
+class SlowUnpickle(int):
+    """An int whose unpickling sleeps ``seconds`` (a user value sent as a plain argument)."""
+
+    def __new__(cls, value, seconds):
+        self = super().__new__(cls, value)
+        self.seconds = seconds
+        return self
+
+    def __reduce__(self):
+        return (_slow_int, (int(self), self.seconds))
+
+
+class SlowDel:
+    """A rank's object whose ``__del__`` sleeps ``seconds`` (freed by a dropped OpaqueRef)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __del__(self):
+        time.sleep(self.seconds)
+
+
+def plus(x, n):
+    return x + int(n)
+
+
+def scaled(x, by):
+    """``x * by`` (a remote function for the hardened-mode programs)."""
+    return x * by
+
+
+def running_total(start):
+    """A rank's object: its running total (an OpaqueRef factory by path)."""
+    return {"total": float(start)}
+
+
+def add_to_total(obj, x):
+    obj["total"] += float(x.sum())
+    return torch.tensor(obj["total"])
+
+
+def mismatched_all_reduce(x, pg, rank, how):
+    """A user all-reduce whose ranks disagree (``how``: "size" or "dtype") on rank 1."""
+    import torch.distributed as dist
+
+    odd = int(rank) == 1
+    if how == "size":
+        t = torch.ones(x.numel() + (3 if odd else 0))
+    else:
+        t = torch.ones(x.numel(), dtype=torch.float64 if odd else torch.float32)
+    dist.all_reduce(t, group=pg)
+    return t.sum()
+
+
+def mismatched_send(x, pg, rank):
+    """Rank 0 sends 7 elements where rank 1 receives 4 (gloo aborts the receiver on it)."""
+    import torch.distributed as dist
+
+    if int(rank) == 0:
+        t = torch.ones(7)
+        dist.send(t, 1, group=pg)
+    else:
+        t = torch.ones(4)
+        dist.recv(t, 0, group=pg)
+    return t.sum()
+
+
+def spin(x, path=None):
+    """Never returns: a loop in Python (``mesh.exit(cancel=True)`` interrupts it)."""
+    if path:
+        touch(path)
+    while True:
+        pass
+
+
+def sleep_in_c(x, seconds, path=None):
+    """Sleeps in C, where no asynchronous exception reaches it."""
+    if path:
+        touch(path)
+    time.sleep(seconds)
+    return x
+
+
+def sleep_on(x, rank, sleeper, seconds):
+    """``x``, after ``seconds`` of sleep on rank ``sleeper`` only (a late collective member)."""
+    if int(rank) == sleeper:
+        time.sleep(seconds)
+    return x.clone()
+
+
+def until_lane_busy(stream_id, timeout=60.0):
+    """Block the calling lane until stream ``stream_id``'s lane on this rank runs a segment
+    (or waits in one): an event that makes two lanes' segments overlap in time."""
+    from dask_monarch.worker.lane import current_lane
+
+    other = current_lane().rank.lanes[stream_id]
+    deadline = time.monotonic() + timeout
+    while other.state == "idle":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream {stream_id}'s lane did not start within {timeout}s")
+        time.sleep(0.001)

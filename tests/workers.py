@@ -21,12 +21,14 @@ def frozen(client: Client, address: str) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
-def _inlined(dask_worker=None) -> int:
-    plugin = dask_worker.plugins["dask_monarch"]
-    return sum(lane.inlined for state in plugin.ranks.values() for lane in state.all_lanes())
+def _inlined(token: str, dask_worker=None) -> int:
+    state = dask_worker.plugins["dask_monarch"].ranks.get(token)
+    return 0 if state is None else sum(lane.inlined for lane in state.all_lanes())
 
 
-def inlined_segments(client: Client, workers: list[str] | None = None) -> int:
-    """Segments run on the event loop so far (worker/inline.py), on every worker or on
-    ``workers``."""
-    return sum(client.run(_inlined, workers=workers).values())
+def inlined_segments(client: Client, mesh, workers: list[str] | None = None) -> int:
+    """Segments of ``mesh``'s controller run on the event loop so far (worker/inline.py), on
+    every worker or on ``workers``. Counted per controller: another controller's ranks leave
+    their workers at any moment (a fixture's ``mesh.exit()``), and their counts with them."""
+    token = mesh._session.controller.token
+    return sum(client.run(_inlined, token, workers=workers).values())

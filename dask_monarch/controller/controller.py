@@ -56,7 +56,13 @@ from ..protocol.messages import (
 )
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
-from ..worker import construct_actor, register_actor, trace_collect, trace_start
+from ..worker import (
+    cancel_controller,
+    construct_actor,
+    register_actor,
+    trace_collect,
+    trace_start,
+)
 from . import bookkeeping, intake
 from .compiler import Compiler, InternalStep, PayloadError
 from .liveness import Liveness
@@ -522,6 +528,7 @@ class Controller:
         wait forever (a collective some member was never sent) breaks the
         controller at once instead (DESIGN decision 14).
         """
+        config.timeout(timeout, "Controller.sync")
         self.drain(timeout)
         with self._progress:
             messages = self._reports.take_inbox()
@@ -530,6 +537,7 @@ class Controller:
     def drain(self, timeout: float = 60) -> None:
         """:meth:`sync` without taking the reports: they stay for the next ``sync``
         (``dm.trace`` waits this way for the work it traced)."""
+        config.timeout(timeout, "Controller.drain")
         self._flush(True)
         self._wait(self._reports.caught_up, timeout, self._liveness.pending)
         with self._flush_lock:
@@ -564,6 +572,7 @@ class Controller:
         (rank,) = self._ranks(rank)
         if type(ref) is not Ref or type(stream) is not StreamRef:
             raise TypeError("get_ref takes a rank, a Ref and a StreamRef")
+        config.timeout(timeout, "Controller.get_ref")
         self.flush()
         if stream.id not in self._compiler.routers[rank].streams:
             raise ValueError(f"rank {rank} has no stream {stream.id}")
@@ -743,6 +752,26 @@ class Controller:
             "state": "broken" if self._broken else "closed" if self._closed else "running",
             "paused": len(self._reports.debugging),  # lanes stopped in pdb
         }
+
+    # -- cancelling ---------------------------------------------------------------------------
+
+    def cancel_running(self, grace: float) -> list[dict]:
+        """Release every rank now and interrupt the calls still running there (where Python
+        code runs: ``worker/cancel.py``); what each busy lane was doing, per rank and lane,
+        with ``stopped`` False for a call still in C code after ``grace`` seconds."""
+        try:
+            replies = self._client.run(
+                cancel_controller, self.token, grace, workers=list(self.workers)
+            )
+        except Exception as e:  # a lost worker or scheduler: close() releases what is left
+            logger.info("controller %s could not cancel on its ranks: %r", self.token, e)
+            return []
+        lanes = [
+            {**lane, "worker": address}
+            for address in self.workers
+            for lane in replies.get(address, ())
+        ]
+        return sorted(lanes, key=lambda lane: (lane["rank"], lane["lane"]))
 
     # -- tracing ------------------------------------------------------------------------------
 

@@ -82,9 +82,18 @@ def wait_for(client: Any, token: str | None, rank: int | None, timeout: float | 
         time.sleep(0.1)
 
 
-def send(client: Any, target: Paused, line: str | None, timeout: float = EXCHANGE_S) -> Reply:
-    """Give ``line`` to ``target``'s pdb (None: nothing) and return what it printed."""
-    reply = client.run(debug_exchange, target.session, line, timeout, workers=[target.worker])
+def send(
+    client: Any,
+    target: Paused,
+    line: str | None,
+    timeout: float = EXCHANGE_S,
+    attach: bool = False,
+) -> Reply:
+    """Give ``line`` to ``target``'s pdb (None: nothing) and return what it printed
+    (``attach``: everything since its last command, its header and prompt included)."""
+    reply = client.run(
+        debug_exchange, target.session, line, timeout, attach, workers=[target.worker]
+    )
     answer = reply[target.worker]
     return Reply(answer["output"], answer["ended"], answer["waiting"])
 
@@ -109,7 +118,7 @@ def drive(
         if write is not None and text:
             write(text)
 
-    reply = _settle(client, target, send(client, target, None), show)
+    reply = _settle(client, target, send(client, target, None, attach=True), show)
     queue = iter(commands) if commands is not None else None
     while not reply.ended:
         if queue is not None:

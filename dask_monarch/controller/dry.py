@@ -240,6 +240,9 @@ class DryController:
     def collect_trace(self, stop: bool = True) -> list[dict]:
         return []
 
+    def cancel_running(self, grace: float) -> list[dict]:
+        return []  # nothing runs
+
     def close(self, timeout: float | None = None) -> None:
         self.closed = True
 

@@ -54,6 +54,8 @@ from collections.abc import Iterable
 from itertools import product
 from typing import Any
 
+import torch
+
 from ..protocol import messages as m
 from ..protocol.ndslice import Slice
 from ..protocol.rules import SYNC, Sync
@@ -64,6 +66,22 @@ from .routing import ProtocolError
 _SIGNAL, _WAIT, _MEET, _DRAIN = "signal", "wait", "meet", "drain"
 _NEVER = "never"  # what a wait needs when nothing can ever satisfy it
 DROPS_KEPT = 1024  # a rank's borrow drops are looked at again, to forget those that ran, past this
+
+
+_DEVICE_TYPES = ("cpu", "cuda")  # where a rank keeps its tensors
+
+
+def _makeable(rank: int, factory: m.Factory, what: str) -> None:
+    """Refuse a factory no rank can make a buffer from (a ``meta`` device, a sparse layout):
+    a collective or send would receive into it and fail, or wait, on every member."""
+    device = str(factory.device).split(":", 1)[0]
+    if factory.layout is not torch.strided or device not in _DEVICE_TYPES:
+        raise ProtocolError(
+            rank,
+            f"{what}: its factory (shape {tuple(factory.size)}, {factory.dtype}, "
+            f"{factory.layout}, device {factory.device}) cannot be made on a rank: a rank's "
+            f"tensors are dense (torch.strided) on {' or '.join(_DEVICE_TYPES)}",
+        )
 
 
 class _Lane:
@@ -276,6 +294,15 @@ class Precheck:
         generator for the commonest checked message)."""
         if msg is not self._msg:
             factory = msg.factory
+            _makeable(rank, factory, f"Reduce of r{msg.result.id}")
+            if msg.reduction is m.ReduceOp.AVG and not (
+                factory.dtype.is_floating_point or factory.dtype.is_complex
+            ):
+                raise ProtocolError(
+                    rank,
+                    f"Reduce of r{msg.result.id}: avg of {factory.dtype} (an average of "
+                    "integers is not an integer: reduce a sum, or a floating dtype)",
+                )
             self._facts = (
                 tuple(sorted(msg.dims)),
                 (
@@ -291,6 +318,18 @@ class Precheck:
         dims, sig = self._facts
         group = self.splits[rank].get((msg.mesh.id, label, dims))
         if group is None:
+            mesh = self.meshes[rank].get(msg.mesh.id)
+            unknown = [d for d in dims if mesh is not None and d not in mesh[0]]
+            if mesh is None or unknown:
+                raise ProtocolError(
+                    rank,
+                    f"Reduce of r{msg.result.id}: "
+                    + (
+                        f"mesh r{msg.mesh.id} was never created on rank {rank}"
+                        if mesh is None
+                        else f"mesh r{msg.mesh.id} (dims {mesh[0]}) has no dims {unknown}"
+                    ),
+                )
             raise ProtocolError(
                 rank,
                 f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: stream "
@@ -333,6 +372,7 @@ class Precheck:
             else:
                 self._queue(rank, label, _Event(_WAIT, key, (_copy, ref, src_stream)))
             return
+        _makeable(rank, msg.factory, f"SendTensor of r{msg.tensor.id}")
         if (src_stream, dst_stream) not in self.p2p[rank]:
             raise ProtocolError(
                 rank,
@@ -411,6 +451,13 @@ class Precheck:
     # -- communicators and meshes -------------------------------------------------------------
 
     def _mesh(self, rank: int, msg: m.CreateDeviceMesh) -> None:
+        outside = [r for r in msg.ranks if r >= len(self.world)]
+        if outside:
+            raise ProtocolError(
+                rank,
+                f"CreateDeviceMesh r{msg.result.id}: {msg.ranks!r} holds ranks {outside}, but "
+                f"this controller has {len(self.world)} ranks (0 to {len(self.world) - 1})",
+            )
         if rank not in msg.ranks or len(msg.names) != msg.ranks.ndim:
             raise ProtocolError(
                 rank,

@@ -28,7 +28,7 @@ from distributed.comm import Comm, connect
 from distributed.comm.core import CommClosedError
 
 from ..exceptions import DeviceException
-from ..protocol.liveness import lane_name
+from ..protocol.liveness import lane_name, missing_peers
 from ..protocol.messages import FetchResult, FunctionPath, RemoteFunctionFailed, Status
 from ..protocol.rules import RULES
 from ..protocol.wire import (
@@ -209,7 +209,8 @@ class Reports:
                     if item.probe > 0:
                         self.replies[item.probe] = item
                 elif t is Fatal:
-                    self.fail(DeviceException(item.cause + self.paused_note(), rank=item.rank))
+                    cause = item.cause + self.late_note(item.rank) + self.paused_note()
+                    self.fail(DeviceException(cause, rank=item.rank))
                 elif t is Exited:
                     self.exited.add(item.rank)
                     if item.error is not None:
@@ -242,6 +243,30 @@ class Reports:
         if debugger and self.on_debugger is not None:
             for item in debugger:
                 self.on_debugger(item)
+
+    def late_note(self, rank: int) -> str:
+        """Who ``rank``'s lanes were waiting for as it failed (a collective or send that timed
+        out names only the rank that waited): the peers not in the wait, and what each was
+        doing, from the latest heartbeats (``progress`` held)."""
+        beat = self.beats.get(rank)
+        if beat is None:
+            return ""
+
+        def lanes_of(r: int) -> dict | None:
+            theirs = self.beats.get(r)
+            return None if theirs is None else {p.lane: p for p in theirs.lanes}
+
+        def outstanding(r: int, lane: Any) -> int:
+            index = self.expected.get((r, lane))
+            return 0 if index is None else max(0, index - self.done.get((r, lane), -1))
+
+        late = [
+            peer
+            for p in beat.lanes
+            if p.state == "waiting" and p.peers
+            for peer in missing_peers(rank, p, lanes_of, outstanding)
+        ]
+        return f" (it was waiting for {'; '.join(late)})" if late else ""
 
     def paused_note(self) -> str:
         """Why a collective may have timed out: the ranks paused in pdb (``progress`` held)."""

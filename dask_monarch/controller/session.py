@@ -37,6 +37,7 @@ from ..protocol.ndslice import Slice
 from ..protocol.rules import streams_named
 from ..protocol.wire import ValueFailed
 from .controller import Controller
+from .cancel import cancel_session
 from .futures import MeshFuture, waiting_for
 from .history import History
 from .seam import ControllerSeam, Substitute
@@ -569,13 +570,16 @@ class Session:
 
     # -- shutdown -----------------------------------------------------------------------------
 
-    def exit(self, timeout: float = 600) -> None:
-        """Wait for everything sent, release the ranks, raise a failure nobody fetched."""
+    def exit(self, timeout: float = 600, cancel: bool = False) -> None:
+        """Wait for everything sent, release the ranks, raise a failure nobody fetched; with
+        ``cancel``, release them now, interrupting what runs (controller/cancel.py)."""
         if self._exit_instead is not None:  # a stand-in's session outlives it
             self._exit_instead()
             return
         if self.closed:
             return
+        if cancel:
+            return cancel_session(self)
         try:
             with self.lock:
                 self.request_status()

@@ -30,7 +30,13 @@ Every setting that matters for torch ranks is chosen here, not inherited:
   comm over ``tls://``: scheduler, workers, client and the controllers' report
   streams (docs/security.md);
 * a cluster that fails to start stops what it started (scheduler process,
-  workers) before raising.
+  workers) before raising;
+* a rank worker that dies (killed, aborted, out of memory) always comes
+  back: its nanny's restart is awaited however long it takes on a loaded
+  machine, and a nanny that gave up is made again from the rank's spec
+  (:meth:`LocalMeshCluster._await_rank`; Dask's ``SpecCluster`` closes a
+  nanny whose worker is not back within ``distributed.deploy.lost-worker-timeout``,
+  which left the cluster a rank short for good).
 """
 
 from __future__ import annotations
@@ -45,9 +51,12 @@ import sys
 import time
 from typing import Any
 
+import dask
 import psutil
+from dask.utils import parse_timedelta
 from distributed import Scheduler, Security, SpecCluster
 from distributed.core import Status
+from distributed.deploy.cluster import Cluster
 from distributed.deploy.spec import ProcessInterface
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.system import MEMORY_LIMIT
@@ -348,6 +357,41 @@ class LocalMeshCluster(SpecCluster):
         result = super().scale(n)
         self.n_ranks = n
         return result
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        """A rank worker that left is awaited until it is back (:meth:`_await_rank`), instead of
+        SpecCluster's closing its nanny after ``distributed.deploy.lost-worker-timeout``."""
+        if op == "remove":
+            name = self.scheduler_info["workers"][msg]["name"]
+            delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+            asyncio.get_running_loop().call_later(delay, self._await_rank, name, delay)
+        Cluster._update_worker_status(self, op, msg)  # the scheduler's view, not SpecCluster's
+
+    def _await_rank(self, name: str, delay: float) -> None:
+        """Rank ``name`` left the scheduler ``delay`` ago: wait on while its nanny restarts it,
+        or make it again from its spec if the nanny gave up (a failed or timed-out start).
+
+        A rank scaled away (no longer in the spec) or a closing cluster is left alone.
+        """
+        if self.status != Status.running or name not in self.worker_spec:
+            return
+        if any(w["name"] == name for w in self.scheduler_info["workers"].values()):
+            return  # back
+        nanny = self.workers.get(name)
+        process = getattr(nanny, "process", None)
+        restarting = (
+            nanny is not None
+            and nanny.status == Status.running
+            and not (process is not None and process.status == Status.failed)
+        )
+        if restarting:
+            asyncio.get_running_loop().call_later(delay, self._await_rank, name, delay)
+            return
+        logger.warning("the nanny of %s gave up restarting it: starting the rank again", name)
+        if nanny is not None:
+            del self.workers[name]
+            self._futures.add(asyncio.ensure_future(nanny.close()))
+        self._futures.add(self._correct_state())
 
     async def _close(self) -> None:
         """Close as Dask does; whatever that leaves running after a failed start is stopped.

@@ -324,7 +324,8 @@ def run_script(
                 code = compile(f.read(), path, "exec")
             sys.argv = [script, *args]
             sys.path.insert(0, os.path.dirname(path))
-        _exec_main(code, path)
+        with _interrupts_never_lost():
+            _exec_main(code, path)
     except SystemExit as e:
         return _exit_status(e.code, stderr)
     except KeyboardInterrupt as e:
@@ -339,6 +340,57 @@ def run_script(
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
+
+
+@contextlib.contextmanager
+def _interrupts_never_lost() -> Iterator[None]:
+    """A Ctrl-C that lands in a finalizer is raised again where the script goes on.
+
+    Python only prints an exception raised in ``__del__``, a weakref callback
+    or a GC callback (``sys.unraisablehook``): a KeyboardInterrupt raised there
+    was lost, and a script that frees an object per step (every mesh tensor
+    does) now and then ran on after Ctrl-C. Here nothing is printed for it; it
+    is raised again at the script's next line outside any ``__del__`` (a trace
+    function, set only until then, raises it: raising it from the hook would
+    land in the hook, and a timer might land in the next finalizer again).
+    """
+    previous = sys.unraisablehook
+    tracer = sys.gettrace()  # a debugger's or coverage's, given back once raised
+    armed = []
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+            return
+        caller = sys._getframe(1)  # what ran when the finalizer was called
+
+        def raise_outside_finalizers(frame: Any, event: str, arg: Any) -> Any:
+            if _in_finalizer(frame):
+                return raise_outside_finalizers
+            sys.settrace(tracer)
+            caller.f_trace = None
+            armed.clear()
+            raise KeyboardInterrupt
+
+        caller.f_trace, caller.f_trace_lines = raise_outside_finalizers, True
+        sys.settrace(raise_outside_finalizers)  # frames' f_trace run only while tracing
+        armed.append(True)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        if armed:
+            sys.settrace(tracer)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _script_frame(exc: BaseException, path: str) -> str:

@@ -114,3 +114,17 @@ def described_tensor(description: tuple) -> tuple | None:
 
     _, shape, stride, offset, dtype, device = description
     return (shape, stride, offset, dtype, torch.device(device))
+
+
+# -- functions dask_monarch calls on ranks by path ---------------------------------------------
+
+RANK_FUNCTION_MARK = "__dask_monarch_rank_function__"
+
+
+def rank_function(fn: Any) -> Any:
+    """Mark a function of dask_monarch that the user API calls on ranks by its import path
+    (``dask_monarch.mesh._coordinate``): ``dask_monarch.functions.allow`` admits it without
+    listing ``dask_monarch`` (docs/security.md); any function it calls for the user is
+    checked against the list itself."""
+    setattr(fn, RANK_FUNCTION_MARK, True)
+    return fn

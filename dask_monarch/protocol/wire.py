@@ -57,6 +57,11 @@ class DropLane(NamedTuple):
     communicators and its thread, after everything the stream ran before."""
 
 
+# Every step class above: plain data, which a worker that accepts no pickled code loads
+# (worker/restricted.py).
+STEPS = (StatusProbe, ReadRef, ActorCall, ExpectResults, DropLane)
+
+
 class Payload:
     """A segment's pickled steps, as a task argument that the worker running it empties.
 

@@ -28,6 +28,7 @@ from .debugger import pause as debug_pause
 from .debugger import suppressed as breakpoints_suppressed
 from .plugin import (
     MonarchWorkerPlugin,
+    cancel_controller,
     claim_rank,
     construct_actor,
     create_lanes,
@@ -45,6 +46,7 @@ __all__ = [
     "PLUGIN_NAME",
     "breakpoints_suppressed",
     "MonarchWorkerPlugin",
+    "cancel_controller",
     "claim_rank",
     "construct_actor",
     "create_lanes",

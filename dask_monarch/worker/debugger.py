@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..protocol.names import rank_function
+
 if TYPE_CHECKING:
     from types import FrameType, TracebackType
 
@@ -77,7 +79,8 @@ class DebugSession:
         self.since = time.time()
         self.cond = threading.Condition()
         self.inputs: deque[str] = deque()
-        self.output: list[str] = []
+        self.output: list[str] = []  # printed since a driver last took it
+        self.screen: list[str] = []  # printed since pdb last took a command (ends in its prompt)
         self.prompts = 0  # times pdb asked for a command
         self.waiting = False  # pdb waits for a command now
         self.ended = False
@@ -89,6 +92,7 @@ class DebugSession:
     def write(self, text: str) -> None:
         with self.cond:
             self.output.append(text)
+            self.screen.append(text)
 
     def readline(self) -> str:
         """The next command; a controller that failed or left makes it ``q``."""
@@ -103,6 +107,7 @@ class DebugSession:
                         return "q\n"
                     self.cond.wait(POLL_S)
                 line = self.inputs.popleft()
+                self.screen = []  # the command answers what was shown
             finally:
                 self.waiting = False
         return line if line.endswith("\n") else line + "\n"
@@ -165,6 +170,14 @@ class DebugSession:
         with self.cond:
             text, self.output = "".join(self.output), []
         return text
+
+    def take_screen(self) -> str:
+        """What a driver that attaches now sees: the pause's header, then everything printed
+        since pdb last took a command, up to its prompt (another driver may have taken it)."""
+        with self.cond:
+            self.output = []
+            shown = "".join(self.screen)
+        return shown if shown.startswith(self.header) else f"{self.header}\n{shown}"
 
 
 class _Channel(io.TextIOBase):
@@ -295,6 +308,7 @@ def suppressed() -> Iterator[None]:
         _local.suppressed = before
 
 
+@rank_function
 def remote_breakpoint(*values: Any, where: str = "") -> None:
     """What ``dm.breakpoint(*tensors)`` issued by the controller runs on each rank: a stop with
     the local shards of the tensors in ``values``."""
@@ -314,13 +328,20 @@ async def list_sessions(token: str | None = None, dask_worker: Any = None) -> li
 
 
 async def exchange(
-    session_id: str, line: str | None = None, timeout: float = 30.0, dask_worker: Any = None
+    session_id: str,
+    line: str | None = None,
+    timeout: float = 30.0,
+    attach: bool = False,
+    dask_worker: Any = None,
 ) -> dict:
     """Send ``line`` (None: nothing) to a session; return pdb's output once it asks again.
 
     ``ended`` says the session closed (``c`` or ``q``); ``waiting`` that pdb
     waits for the next command; neither: ``timeout`` passed while the lane ran
-    (a ``n`` over a long call), the output so far is returned.
+    (a ``n`` over a long call), the output so far is returned. ``attach``
+    (a driver's first exchange): the output starts with what pdb showed since
+    its last command, header and prompt included, even if another driver
+    took it already.
     """
     with _lock:
         session = SESSIONS.get(session_id)
@@ -340,8 +361,9 @@ async def exchange(
         if ready or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.01)
+    shown = session.take_screen() if attach and line is None else session.take_output()
     return {
-        "output": session.take_output(),
+        "output": shown,
         "ended": session.ended,
         "waiting": session.waiting,
         "found": True,

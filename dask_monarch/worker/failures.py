@@ -14,14 +14,20 @@ from collections.abc import Sequence
 
 from ..protocol.messages import Ref, RemoteFunctionFailed
 from .calls import poison
-from .errors import DependentError, SeqError
+from .cancel import Cancelled
+from .errors import DependentError, FatalError, SeqError
 from .lane import Lane
 
 
 def fail_call(
     lane: Lane, seq: int, results: Sequence[Ref | None], mutates: Sequence[Ref], exc: BaseException
 ) -> SeqError:
-    """A fresh failure: one SeqError, reported once, poisoning results and mutates."""
+    """A fresh failure: one SeqError, reported once, poisoning results and mutates.
+
+    A call that ``mesh.exit(cancel=True)`` interrupted is no failure of the user's: its
+    rank was released, and the segment ends here (worker/cancel.py)."""
+    if isinstance(exc, Cancelled):
+        raise FatalError(f"{lane.title}: the call of seq {seq} was cancelled") from None
     if lane.recording is not None:
         error = lane.recording.fresh_error(lane.rank, exc)
         poison(lane.env, results, mutates, error)

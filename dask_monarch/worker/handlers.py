@@ -29,6 +29,7 @@ from .lane import Lane
 from .mesh import DeviceMesh
 from .nccl_watch import check_device
 from .pipe import pipe_for
+from .user_groups import checked
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
@@ -43,7 +44,9 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
     seq, results, mutates, function, args_kwargs, _, group_refs = msg  # a named tuple
     calls.check_panic(function)
     lane.last_seq = seq
-    groups = process_groups_for(lane, group_refs) if group_refs else None
+    groups = (
+        checked(process_groups_for(lane, group_refs), lane.rank.user_groups) if group_refs else None
+    )
     try:
         fn = calls.resolve_function(function)
         args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
@@ -70,14 +73,17 @@ def expect_results(lane: Lane, step: ExpectResults) -> None:
 
 
 def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> None:
-    """Fail each result whose shape or dtype is not what the client was told.
+    """Fail each result that is not what the client was told: its shape and dtype, and a
+    dense (strided) tensor on the rank's device.
 
     The client and every later message use the declared metadata (a send, a
-    collective, a fetch): a value that is something else fails here, once,
-    naming the function, the rank and both metadata; what depends on it is
-    poisoned as for any failed call (docs/protocol.md §4.1).
+    collective, a fetch): a value that is something else (a ``meta`` or sparse
+    tensor where a dense one was declared, say) fails here, once, naming the
+    function, the rank and both metadata; what depends on it is poisoned as for
+    any failed call (docs/protocol.md §4.1).
     """
     env = lane.env
+    device = lane.rank.torch_device or _CPU
     bad, lines = [], []
     for i, (ref, declared) in enumerate(zip(msg.results, expected.results)):
         if ref is None or declared is None:
@@ -87,15 +93,16 @@ def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> Non
             return
         shape, dtype = declared
         if isinstance(value, torch.Tensor):
-            if value.dtype is dtype and tuple(value.shape) == shape:
+            where = _placed(value, device)
+            if value.dtype is dtype and tuple(value.shape) == shape and not where:
                 continue
-            actual = f"shape {tuple(value.shape)} dtype {value.dtype}"
+            actual = f"shape {tuple(value.shape)} dtype {value.dtype}{where}"
         else:
             actual = f"a {type(value).__name__}, not a tensor"
         bad.append(ref)
         lines.append(
-            f"result {i} (r{ref.id}) is {actual}, "
-            f"but its propagation said shape {shape} dtype {dtype}"
+            f"result {i} (r{ref.id}) is {actual}, but its propagation said shape {shape} "
+            f"dtype {dtype} (a dense tensor on {device})"
         )
     if bad:
         fail_call(
@@ -109,6 +116,20 @@ def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> Non
                 + ": fix its propagate, or what it returns"
             ),
         )
+
+
+_CPU = torch.device("cpu")
+
+
+def _placed(value: torch.Tensor, device: torch.device) -> str:
+    """What is wrong with where ``value`` lives for a rank on ``device`` ("" if nothing)."""
+    wrong = ""
+    if value.layout is not torch.strided:
+        wrong += f" layout {value.layout}"
+    here = value.device
+    if here.type != device.type or (device.index is not None and here.index != device.index):
+        wrong += f" on device {here}"
+    return wrong
 
 
 def send_value(lane: Lane, msg: SendValue) -> None:
@@ -147,8 +168,14 @@ def send_value(lane: Lane, msg: SendValue) -> None:
 
 
 def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
-    """Forget refs on this stream (fanned out to every stream; unknown ids are ignored)."""
+    """Forget refs on this stream (fanned out to every stream; unknown ids are ignored).
+
+    On the event loop (a quick segment) the values are dropped on the lane's thread: freeing
+    a user's object runs its ``__del__`` (:meth:`Lane.discard`)."""
     pop = lane.env.pop
+    if lane.rank.on_loop():
+        lane.discard([pop(int(ref), None) for ref in msg.refs])
+        return
     for ref_id in map(int, msg.refs):  # int(): a plain key, no Python-level Ref.id per ref
         pop(ref_id, None)
 

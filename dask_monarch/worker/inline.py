@@ -18,6 +18,14 @@ counts as the product of its inputs). Anything else keeps its lane's thread:
 user functions, collectives, sends, borrows, pipes, recordings, anything
 that could block, and every segment of a CUDA rank (a copy to the host waits
 for the stream). ``dask_monarch.worker.inline-segments: false`` turns it off.
+
+No user code runs on the loop (DESIGN decision 17): the steps are judged
+after a load that builds only our classes and torch's
+(:func:`~dask_monarch.worker.restricted.loads_ours`; a user value in them
+keeps the segment on its lane, whose thread unpickles it), the tensors a
+quick step touches are plain ``torch.Tensor`` (a subclass may run Python on
+every op), and what a delete frees goes to the lane's thread to be dropped
+(an object's ``__del__`` is user code: :meth:`~dask_monarch.worker.lane.Lane.discard`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from ..protocol.messages import CallFunction, DeleteRefs, Ref, SendValue
 from ..protocol.wire import Payload, StatusProbe
 from .errors import SeqError
 from .lane import _current
+from .restricted import loads_ours
 
 if TYPE_CHECKING:
     from .rank import RankState
@@ -54,17 +63,23 @@ QUICK_OPS = frozenset(
 )
 # Plain arguments a quick op may take (no str: a device may be named by one).
 _SCALARS = frozenset({type(None), bool, int, float, torch.dtype, torch.layout})
+# Tensors a quick op may touch: a subclass may run Python on every op (__torch_function__)
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def small_steps(state: RankState, payload: tuple[bytes, ...] | None) -> list | None:
-    """The steps of a payload small enough to unpickle on the event loop and judge, or None
-    (too big, or unloadable: the lane's thread raises the error, as for any segment)."""
+def small_steps(payload: tuple[bytes, ...] | None) -> list | None:
+    """The steps of a payload small enough to unpickle on the event loop and judge, or None:
+    too big, unloadable (the lane's thread raises the error, as for any segment), or holding
+    a value of the user's, whose unpickling is user code."""
     if not payload or sum(map(len, payload)) > QUICK_BYTES:
         return None
     try:
-        return state.load_steps(payload)
+        steps = loads_ours(payload[0])
+        for more in payload[1:]:
+            steps += loads_ours(more)
     except Exception:
         return None
+    return steps
 
 
 def is_quick(steps: list, env: dict) -> bool:
@@ -119,7 +134,7 @@ def _numel(args_kwargs: Any, env: dict, made: dict[int, int]) -> int | None:
             held = env.get(value.id)
             if type(held) is SeqError:  # the step only passes the failure on
                 continue
-            if not isinstance(held, torch.Tensor) or held.device.type != "cpu":
+            if type(held) not in _PLAIN_TENSORS or held.device.type != "cpu":
                 return None
             n = held.numel()
         product *= max(n, 1)

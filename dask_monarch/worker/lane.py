@@ -200,20 +200,32 @@ class Lane:
                 return seq
         return None
 
-    def where(self) -> str:
-        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+    def thread_ident(self) -> int | None:
+        """The id of the lane's thread (None before its executor started one)."""
         prefix = f"{self.executor_name}_"  # ThreadPoolExecutor names its threads <prefix>_<i>
-        ident = next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
-        frame = sys._current_frames().get(ident) if ident is not None else None
+        return next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
+
+    def user_frame(self, frame: Any = None) -> Any:
+        """The innermost frame outside dask_monarch and torch of ``frame``'s stack (default: the
+        lane's thread's), or None when the thread runs no user code."""
+        if frame is None:
+            ident = self.thread_ident()
+            frame = sys._current_frames().get(ident) if ident is not None else None
         while frame is not None:
-            code = frame.f_code
-            name = code.co_filename
+            name = frame.f_code.co_filename
             if any(part in name for part in _OUTER):  # below the segment: no user code ran
-                break
+                return None
             if not name.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in name:
-                return f"in {code.co_name} ({name}:{frame.f_lineno})"
+                return frame
             frame = frame.f_back
-        return ""
+        return None
+
+    def where(self, frame: Any = None) -> str:
+        """Where the lane's thread is: its innermost frame outside dask_monarch and torch."""
+        user = self.user_frame(frame)
+        if user is None:
+            return ""
+        return f"in {user.f_code.co_name} ({user.f_code.co_filename}:{user.f_lineno})"
 
     def storages(self) -> dict[int, int]:
         """The tensors' storages this lane's table holds: data pointer -> bytes."""
@@ -258,6 +270,16 @@ class Lane:
             "busy_seconds": round(self.busy_seconds, 3),
             "inlined": self.inlined,
         }
+
+    def discard(self, values: list) -> None:
+        """Drop ``values`` on this lane's thread, after what it was handed before: a step run
+        on the event loop removed them, and their ``__del__`` is user code, which must not
+        stall the loop (DESIGN decision 17). The next segment of the lane runs after it, as
+        if the lane had freed them itself."""
+        try:
+            self.executor.submit(values.clear)
+        except RuntimeError:  # the lane was retired: any thread but the loop's will do
+            self.rank.plugin.drain.submit(values.clear)
 
     def close(self) -> None:
         """Drop the stream's values (on release). The executor is the plugin's to retire:

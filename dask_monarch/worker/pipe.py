@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch.multiprocessing as tmp
 
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
-from ..protocol.names import describe_output
+from ..protocol.names import describe_output, rank_function
 from . import calls
 from .device import current_stream, enter_thread_modes
 from .errors import FatalError, format_exception
@@ -274,6 +274,7 @@ class PipeFailed(Exception):
     """The producer raised, ended or died: a user error for the receiving seq."""
 
 
+@rank_function
 def peek(pipe: Pipe) -> tuple:
     """Read the next value ahead (kept for the next PipeRecv); return what its leaves look like.
 

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         from .. import config
 
         self.worker = worker
+        self.loop_thread = threading.get_ident()  # setup runs on the event loop
         ignore_sigint(worker)
         install_breakpointhook()  # breakpoint() on a lane opens a remote pdb (worker/debugger.py)
         if self.batched_interval is not None:
@@ -101,7 +103,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
     async def teardown(self, worker: Worker) -> None:
         for state in list(self.ranks.values()):
-            state.release()
+            await asyncio.to_thread(state.release)  # frees user objects: never on the loop
         for handler in (REPORTS_HANDLER, STATE_HANDLER):
             worker.handlers.pop(handler, None)
         for name in METRICS:
@@ -270,7 +272,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             return
         from .inline import inline_task, is_quick, small_steps
 
-        steps = small_steps(state, payload.data)
+        steps = small_steps(payload.data)
         if steps is None:
             return
         payload.steps = steps  # unpickled once, wherever they run
@@ -419,6 +421,20 @@ async def trace_start(token: str, limit: int, dask_worker: Worker | None = None)
     from .tracing import start
 
     return start(_plugin(dask_worker).ranks[token], limit)
+
+
+async def cancel_controller(
+    token: str, grace: float, dask_worker: Worker | None = None
+) -> list[dict]:
+    """Release controller ``token``'s rank here and interrupt its running calls
+    (``mesh.exit(cancel=True)``: worker/cancel.py); what each busy lane was doing."""
+    from .cancel import cancel
+
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    state = None if plugin is None else plugin.ranks.get(token)
+    if state is None:
+        return []
+    return await asyncio.to_thread(cancel, state, grace)
 
 
 async def trace_collect(

@@ -29,6 +29,7 @@ from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
 from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
+from .user_groups import forget as forget_user_groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -56,6 +57,7 @@ class RankState:
     ):
         self.plugin = plugin
         self.loop = plugin.worker.loop
+        self.loop_thread = getattr(plugin, "loop_thread", None)  # the event loop's thread id
         self.token = token
         self.rank = rank
         self.world_size = world_size
@@ -83,6 +85,7 @@ class RankState:
         self._outbox_lock = threading.Lock()
         self._closers: list = []
         self.comms = None  # worker.comm.Comms, made on first use
+        self.user_groups: dict = {}  # the user's checked views of its groups (user_groups.py)
         self.handlers = HANDLERS  # message type -> handler (recordings replay through it too)
         # no pickled code accepted: batches load plain data only (docs/security.md)
         self.loads = (
@@ -123,6 +126,10 @@ class RankState:
 
     def all_lanes(self) -> list[Lane]:
         return [*self.lanes.values(), self.control]
+
+    def on_loop(self) -> bool:
+        """Whether this thread is the worker's event loop (a quick segment: worker/inline.py)."""
+        return threading.get_ident() == self.loop_thread
 
     # -- running ------------------------------------------------------------------------------
 
@@ -319,6 +326,7 @@ class RankState:
                 logger.debug(
                     "rank %d of %s: releasing %r failed: %r", self.rank, self.token, close, e
                 )
+        forget_user_groups(self.user_groups)
         self.meshes.clear()
         self.borrows.clear()
         self.actors.clear()

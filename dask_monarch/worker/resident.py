@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol.messages import Cloudpickle, FunctionPath
+from ..protocol.names import rank_function
 from .calls import resolve_function
 from .errors import FatalError
 from .lane import current_lane
@@ -19,6 +20,7 @@ from .lane import current_lane
 PATH = "dask_monarch.worker.resident.build"
 
 
+@rank_function
 def build(ref_id: int, factory: FunctionPath | Cloudpickle, *args: Any, **kwargs: Any) -> None:
     """Run ``factory`` (resolved like any remote function) and bind its result to ``ref_id``."""
     obj = resolve_function(factory)(*args, **kwargs)

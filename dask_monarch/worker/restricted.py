@@ -10,6 +10,10 @@ torch tensors, dtypes, devices and sizes (the globals torch's own
 ``torch.serialization.add_safe_globals``), and our message and value classes.
 Anything else is :class:`RestrictedPickleError`, naming the global.
 Security model: docs/security.md.
+
+:func:`loads_ours` is stricter still (no user-registered safe globals): what
+it loads runs only dask_monarch's and torch's code, so the worker's event
+loop may load with it (worker/inline.py; DESIGN decision 17).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any
 import torch
 
 from ..protocol import messages as m
-from ..protocol import wire
+from ..protocol import ndslice, wire
 
-__all__ = ["RestrictedPickleError", "loads", "allowed_globals"]
+__all__ = ["RestrictedPickleError", "loads", "loads_ours", "allowed_globals"]
 
 
 class RestrictedPickleError(pickle.UnpicklingError):
@@ -64,7 +68,7 @@ def _load_storage(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _torch_globals() -> dict[str, Any]:
+def _torch_globals(user: bool) -> dict[str, Any]:
     found: dict[str, Any] = {}
     try:  # what torch.load(weights_only=True) trusts
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -78,7 +82,7 @@ def _torch_globals() -> dict[str, Any]:
                 "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2,
             }
         )
-    for entry in torch.serialization.get_safe_globals():  # user-registered ones
+    for entry in torch.serialization.get_safe_globals() if user else ():  # user-registered
         obj = entry[0] if isinstance(entry, tuple) else entry
         name = entry[1] if isinstance(entry, tuple) else f"{obj.__module__}.{obj.__qualname__}"
         found[name] = obj
@@ -89,9 +93,10 @@ def _torch_globals() -> dict[str, Any]:
     return found
 
 
-def allowed_globals() -> dict[str, Any]:
-    """``"module.name"`` -> object, for every global a restricted load may name."""
-    found = _torch_globals()
+def allowed_globals(user: bool = True) -> dict[str, Any]:
+    """``"module.name"`` -> object, for every global a restricted load may name (``user``:
+    with those registered by ``torch.serialization.add_safe_globals``)."""
+    found = _torch_globals(user)
     found.update({f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS})
     found["builtins.getattr"] = _safe_getattr
     found["collections.OrderedDict"] = __import__("collections").OrderedDict
@@ -101,21 +106,24 @@ def allowed_globals() -> dict[str, Any]:
         if isinstance(value, type):
             found[f"{m.__name__}.{name}"] = value
     found[f"{m.__name__}.memory_format"] = m.memory_format  # how batches name one
-    for name in ("StatusProbe", "ReadRef", "ActorCall"):
-        found[f"{wire.__name__}.{name}"] = getattr(wire, name)
+    for step in wire.STEPS:
+        found[f"{wire.__name__}.{step.__name__}"] = step
+    found[f"{ndslice.__name__}.Slice"] = ndslice.Slice
     return found
 
 
-_allowed: dict[str, Any] | None = None
+_allowed: dict[bool, dict[str, Any]] = {}  # user globals or not -> allowed globals
 
 
 class _Unpickler(pickle.Unpickler):
+    user = True  # user-registered safe globals too
+
     def find_class(self, module: str, name: str) -> Any:
-        global _allowed
-        if _allowed is None:
-            _allowed = allowed_globals()
+        allowed = _allowed.get(self.user)
+        if allowed is None:
+            allowed = _allowed[self.user] = allowed_globals(self.user)
         try:
-            return _allowed[f"{module}.{name}"]
+            return allowed[f"{module}.{name}"]
         except KeyError:
             raise RestrictedPickleError(
                 f"{module}.{name} is not plain data, and this worker accepts no pickled code "
@@ -124,6 +132,15 @@ class _Unpickler(pickle.Unpickler):
             ) from None
 
 
+class _OursUnpickler(_Unpickler):
+    user = False
+
+
 def loads(data: bytes) -> Any:
     """``pickle.loads`` that builds plain data only (see the module docs)."""
     return _Unpickler(io.BytesIO(data)).load()
+
+
+def loads_ours(data: bytes) -> Any:
+    """:func:`loads` without user-registered globals: only our code and torch's runs."""
+    return _OursUnpickler(io.BytesIO(data)).load()

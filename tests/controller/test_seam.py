@@ -23,6 +23,7 @@ USERS = [
     *sorted(PACKAGE.glob("*.py")),
     PACKAGE / "controller" / "session.py",
     PACKAGE / "controller" / "futures.py",
+    PACKAGE / "controller" / "cancel.py",
 ]
 
 

@@ -80,11 +80,12 @@ with mesh.activate():
 """
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
-    (tmp_path / "long.py").write_text(LONG_SCRIPT)
-    command = [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q", "long.py"]
-    # its own process group, as a terminal's foreground job: the SIGINT reaches every process
+def interrupted_run(tmp_path: Path, name: str, script: str) -> tuple:
+    """Run ``script`` under ``dask-monarch run`` in a process group of its own (a terminal's
+    foreground job: the SIGINT reaches every process) and press Ctrl-C once it printed
+    ``ready``: its exit code, its stderr, the processes it had started, the seconds it took."""
+    (tmp_path / name).write_text(script)
+    command = [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q", name]
     process = subprocess.Popen(
         command,
         cwd=tmp_path,
@@ -99,7 +100,6 @@ def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
         wait_for_line(process, "ready", timeout=180)
         time.sleep(1)
         children = psutil.Process(process.pid).children(recursive=True)
-        assert len(children) >= 3  # the scheduler and the rank workers (at least)
         start = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
         _, err = process.communicate(timeout=60)
@@ -107,13 +107,54 @@ def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, err, children, took
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_dask_monarch_run_promptly_with_one_message(tmp_path):
+    code, err, children, took = interrupted_run(tmp_path, "long.py", LONG_SCRIPT)
     print(f"dask-monarch run stopped {took:.1f}s after Ctrl-C")
-    assert process.returncode == 130, err
+    assert len(children) >= 3  # the scheduler and the rank workers (at least)
+    assert code == 130, err
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("dask-monarch: interrupted (Ctrl-C) at long.py:"), err
     assert gone(children, timeout=30) == []  # nothing of the embedded cluster is left
+
+
+FINALIZER_SCRIPT = """\
+import time
+import torch
+import distributed
+import dask_monarch as dm
+
+
+class Slow:
+    def __del__(self):  # where a Ctrl-C lands, most of the time
+        time.sleep(0.2)
+
+
+mesh = dm.device_mesh(distributed.default_client(), gpu=2)
+with mesh.activate():
+    x = torch.ones(4)
+    dm.inspect(x)
+    print("ready", flush=True)
+    while True:
+        x = x + 1
+        Slow()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_script(tmp_path):
+    """Python ignores an exception raised in ``__del__`` (it only prints it): a Ctrl-C that
+    arrives while a finalizer runs was lost, and ``dask-monarch run`` went on for good. It is
+    delivered again, once the finalizer returned."""
+    code, err, children, _ = interrupted_run(tmp_path, "finalizer.py", FINALIZER_SCRIPT)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1].startswith("dask-monarch: interrupted (Ctrl-C)"), err
+    assert gone(children, timeout=30) == []
 
 
 # --------------------------------------------------------------- rank workers survive SIGINT

@@ -235,3 +235,12 @@ def test_cli_run_over_tls(tmp_path, certs):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "scheduler tls://" in done.stdout and "value [5.0, 5.0]" in done.stdout
+
+
+def test_only_dask_monarchs_marked_rank_functions_pass_the_allow_list_unlisted(tctrl):
+    create_streams(tctrl, BOTH, S0)
+    tctrl.send(0, call(0, Ref(1), "dask_monarch.random._seeded_states", 3))  # a rank function
+    tctrl.send(0, call(1, Ref(2), "dask_monarch.worker.calls.to_cpu", 1))  # an internal helper
+    errors = {f.seq: f.error for f in failures(tctrl.sync(timeout=120))}
+    assert 0 not in errors
+    assert "dask_monarch.worker.calls.to_cpu is not in the allow-list" in errors[1]

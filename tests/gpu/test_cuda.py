@@ -257,7 +257,7 @@ def test_cuda_ranks_run_every_segment_on_its_lane(gpu_client):
                 x = x + 1
                 dm.inspect(x)
             assert dm.inspect(x).item() == 3
-        assert inlined_segments(gpu_client) == 0
+        assert inlined_segments(gpu_client, mesh) == 0
     finally:
         mesh.exit()
 

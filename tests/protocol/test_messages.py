@@ -269,3 +269,37 @@ def test_cloudpickle_function_round_trip():
     fn = m.Cloudpickle.dumps(lambda x: x + 1)
     assert cloudpickle.loads(fn.bytes)(1) == 2
     assert pickle.loads(pickle.dumps(fn)) == fn
+
+
+def wire_steps() -> dict[type, object]:
+    """One instance of every step the compiler adds to segments besides worker messages."""
+    from dask_monarch.protocol import wire
+
+    out = [
+        wire.StatusProbe(5, 1, 2),
+        wire.ReadRef(3, m.GetRefUnitTestsOnly(Ref(20), S0)),
+        wire.ActorCall(("broker", 0), 7, "add", ArgsKwargs.from_python((Ref(1),))),
+        wire.ExpectResults(4, "remote_fns.pair", (((2, 3), torch.float32), None)),
+        wire.DropLane(),
+    ]
+    return {type(x): x for x in out}
+
+
+def test_every_step_has_an_example():
+    from dask_monarch.protocol import wire
+
+    assert set(wire_steps()) == set(wire.STEPS)
+
+
+@pytest.mark.parametrize(
+    "step", [*examples().values(), *wire_steps().values()], ids=lambda x: type(x).__name__
+)
+def test_every_message_and_step_is_plain_data_to_the_restricted_loader(step):
+    """A worker that accepts no pickled code (docs/security.md) loads whatever the project
+    itself sends; so does the event loop's stricter loader (worker/inline.py)."""
+    from dask_monarch.worker.restricted import loads, loads_ours
+
+    data = m.dumps([step])
+    for load in (loads, loads_ours):
+        (back,) = load(data)
+        assert type(back) is type(step) and back == step

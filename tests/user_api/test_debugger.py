@@ -163,21 +163,26 @@ def test_a_blocking_fetch_attaches_an_interactive_user(dbg_client, monkeypatch, 
     assert "(Pdb rank 1) " in out
 
 
+def debug_command(client, commands: str) -> subprocess.CompletedProcess:
+    """``dask-monarch debug`` against ``client``'s scheduler, ``commands`` on its stdin."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "dask_monarch.deployment.cli", "debug"]
+        + ["--scheduler-address", client.scheduler.address],
+        input=commands,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
 def test_the_dask_monarch_debug_command(dbg_client):
     with mesh_of(dbg_client) as mesh:
         y = dm.remote(stop_and_double)(torch.ones(3) * 2)
         wait_paused(mesh, 2)
         commands = "list\nattach 0\np x\nn\ndetach\nlist\nattach 0\nc\ncontinue\nquit\n"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run(
-            [sys.executable, "-m", "dask_monarch.deployment.cli", "debug"]
-            + ["--scheduler-address", dbg_client.scheduler.address],
-            input=commands,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
+        done = debug_command(dbg_client, commands)
         assert done.returncode == 0, done.stderr
         out = done.stdout
         assert out.count("rank 0   stream 'main' (1)") == 2  # listed twice
@@ -232,3 +237,29 @@ def test_the_progress_line_gives_the_terminal_to_a_paused_rank(dbg_client):
     assert while_paused == ""  # not drawn over the pdb prompt
     assert "dask-monarch:" in terminal.getvalue()  # drawn again once resumed
     assert "2 paused in the debugger" in log.getvalue()
+
+
+def test_a_second_attach_shows_the_header_and_the_prompt_again(dbg_client):
+    """The first driver took pdb's pending output; whoever attaches next sees the pause's
+    header and the last prompt again (a command typed blind still worked)."""
+    with mesh_of(dbg_client) as mesh:
+        y = dm.remote(stop_and_double)(torch.ones(3) * 2)
+        wait_paused(mesh, 2)
+        commands = "attach 1\ndetach\nattach 1\np x\ndetach\nattach 1\nc\ncontinue\nquit\n"
+        done = debug_command(dbg_client, commands)
+        assert done.returncode == 0, done.stderr
+        out = done.stdout
+        assert out.count("rank 1, stream 'main' (1), seq") == 3, out  # the header, each attach
+        assert out.count("(Pdb rank 1) ") >= 4, out  # and its prompt (one more after p x)
+        assert "tensor([2., 2., 2.])" in out  # p x
+        assert dm.inspect(y).tolist() == [5.0, 5.0, 5.0]
+
+        # the same after a scripted attach that ended without c or q
+        y = dm.remote(stop_and_double)(torch.ones(3))
+        wait_paused(mesh, 2)
+        first = dm.debug.attach(0, ["p x"], echo=False)
+        second = dm.debug.attach(0, ["c"], echo=False)
+        for text in (first, second):
+            assert "rank 0, stream 'main' (1), seq" in text and "(Pdb rank 0) " in text, text
+        dm.debug.attach(1, ["c"], echo=False)
+        assert dm.inspect(y).tolist() == [3.0, 3.0, 3.0]

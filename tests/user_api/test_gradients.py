@@ -119,24 +119,31 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
     """On the ranks' timeline (Dask's task stream: one task per (rank, lane) segment), a
     reduce segment of the comms lane runs while a segment of backward runs on main (in
     one flush or in two: the lanes are separate tasks either way; the last of backward's
-    ops may share a segment with the loss's fetch, and take its name)."""
+    ops may share a segment with the loss's fetch, and take its name). Main's segment is
+    held open until the comms lane started (an event): on a loaded machine the client's
+    flushes could otherwise fall so that main ran all its work before comms got any."""
     comms = dm.Stream("ddp_overlap")
-    big = 512  # backward takes the ranks long enough (~0.1 s) for Dask to start both lanes
+    big = 512
+    busy = dm.remote("remote_fns.until_lane_busy", propagate=lambda *a: None)
     with mesh2.activate():
         dm.random.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(big, big) for _ in range(6)])
         hooks = dm.ddp_hooks(model, "gpu", stream=comms, bucket_bytes=big * big * 4)
         session = mesh2._session
         main_lane = session.stream_ref(dm.get_active_stream()).id
+        comms_lane = session.stream_ref(comms).id  # the comms lane exists before the step
         x = torch.randn(256, big)
         dm.inspect(x.sum())  # everything before the step has run ...
         deadline = time.monotonic() + 60
         while not session.controller.ranks_idle() and time.monotonic() < deadline:
             time.sleep(0.01)  # ... and is reported: the first bucket's hook flushes at once
         with get_task_stream(client2) as ts:
+            # an event, not a timing: main's segment holding the step cannot end before the
+            # comms lane started a segment, and that one (a bucket's borrow and reduce) waits
+            # for main to lend the bucket: they overlap however the flushes fall
+            busy(comms_lane)
             loss = (model(x) ** 2).mean()
             loss.backward()
-            comms_lane = session.stream_ref(comms).id
             dm.inspect(loss)
             wait_until_recorded(client2, session.controller.token)
         hooks.remove()

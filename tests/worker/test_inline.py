@@ -81,20 +81,20 @@ def test_a_fetch_runs_on_the_event_loop_and_a_user_function_on_its_lane(client2,
     with mesh2.activate():
         x = torch.zeros(3)
         dm.inspect(x)
-        before = inlined_segments(client2)
+        before = inlined_segments(client2, mesh2)
         for i in range(5):
             x = x + 1
             assert dm.inspect(x).tolist() == [i + 1.0] * 3
-        quick = inlined_segments(client2)
+        quick = inlined_segments(client2, mesh2)
         assert quick >= before + 5 * 2  # both ranks' segment of each round trip
         rank0 = [mesh2._session.controller.workers[0]]
-        quick = inlined_segments(client2, rank0)
+        quick = inlined_segments(client2, mesh2, rank0)
         where = dm.remote("remote_fns.thread_name", propagate=lambda *a: "")
         assert where.call_on_shard_and_fetch(x).startswith("monarch-")  # the lane's thread
         big = torch.zeros(QUICK_NUMEL + 1)
         assert dm.inspect((big + 1).sum()).item() == QUICK_NUMEL + 1
         # neither the call nor the big op ran on the loop
-        assert inlined_segments(client2, rank0) == quick
+        assert inlined_segments(client2, mesh2, rank0) == quick
 
 
 @pytest.mark.timeout(120)
@@ -105,10 +105,14 @@ def test_a_failure_passed_on_by_the_loop_is_raised_like_any_other(client2, mesh2
         failed = boom(x)  # fails on the ranks, on the lane's thread
         with pytest.raises(dm.RemoteException, match="boom from a remote function"):
             dm.inspect(failed)
-        before = inlined_segments(client2)
+        controller = mesh2._session.controller
+        controller.drain(timeout=60)  # every segment sent so far ran (and was counted)
+        before = inlined_segments(client2, mesh2)
         with pytest.raises(dm.RemoteException, match="boom from a remote function"):
             dm.inspect(failed + 1)  # the op and its fetch only pass the failure on
-        assert inlined_segments(client2) > before
+        # the client knew the root failed and raised at once: wait for the ranks' segment
+        controller.drain(timeout=60)
+        assert inlined_segments(client2, mesh2) == before + 2  # each rank's, on the loop
         assert dm.inspect(x * 3).tolist() == [3.0, 3.0]  # the mesh carries on
 
 
@@ -122,13 +126,13 @@ def test_segments_run_on_the_loop_are_ordinary_tasks_in_the_task_stream(client2,
         x = torch.zeros(())
         dm.inspect(x)
         wait_until_recorded(client2, token)
-        before = inlined_segments(client2)
+        before = inlined_segments(client2, mesh2)
         with get_task_stream(client2) as stream:
             for _ in range(3):
                 x = x + 1
                 dm.inspect(x)
             wait_until_recorded(client2, token)
-        assert inlined_segments(client2) == before + 3 * 2
+        assert inlined_segments(client2, mesh2) == before + 3 * 2
         ours = [e for e in stream.data if isinstance(e["key"], tuple) and e["key"][1] == token]
         assert len(ours) == 3 * 2  # one task per rank per round trip, each recorded
         assert {e["key"][0] for e in ours} == {"monarch_ops"}  # named as on a thread
@@ -152,5 +156,31 @@ def test_the_switch_keeps_every_segment_on_its_lane():
                     x = x + 1
                     dm.inspect(x)
                 assert dm.inspect(x).item() == 3
-            assert inlined_segments(client) == 0
+            assert inlined_segments(client, mesh) == 0
             mesh.exit()
+
+
+# -- no user code on the loop (DESIGN decision 17) ---------------------------------------------
+
+
+def test_steps_holding_a_users_value_are_not_unpickled_on_the_loop():
+    import pickle
+
+    from remote_fns import SlowUnpickle
+
+    from dask_monarch.worker.inline import small_steps
+
+    plain = [call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1), PROBE]
+    assert small_steps((pickle.dumps(plain),)) == plain
+    # unpickling this would sleep: the steps are not judged, the lane's thread loads them
+    users = [call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), SlowUnpickle(1, 60)), PROBE]
+    assert small_steps((pickle.dumps(plain), pickle.dumps(users))) is None
+
+
+def test_an_op_on_a_tensor_subclass_keeps_its_thread():
+    class Logged(torch.Tensor):  # its __torch_function__ is Python, run on every op
+        pass
+
+    env = {1: torch.ones(4).as_subclass(Logged)}
+    assert not is_quick([call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1)], env)
+    assert is_quick([call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(1), 1)], SMALL)

@@ -305,3 +305,50 @@ def test_a_result_that_is_not_what_propagate_said_fails_where_it_is_bound(mesh):
         with pytest.raises(dm.RemoteException, match=r"torch\.int64"):
             dm.inspect(wrong_dtype(torch.zeros(1)), gpu=0)
         assert dm.inspect(torch.ones(2) + 1, gpu=1).tolist() == [2.0, 2.0]  # a good op works
+
+
+def _meta_result(x):
+    return torch.empty(3, device="meta")
+
+
+def _sparse_result(x):
+    return torch.ones(3).to_sparse()
+
+
+def _strided_view(x):
+    return torch.arange(6.0)[::2]  # a view with a stride of 2: dense and strided, fine
+
+
+@pytest.mark.parametrize(
+    "fn, actual",
+    [(_meta_result, "on device meta"), (_sparse_result, "layout torch.sparse_coo")],
+    ids=["meta", "sparse"],
+)
+def test_a_result_on_another_device_or_layout_fails_where_it_is_bound(mesh, fn, actual):
+    """Shape and dtype are not all a propagation says: the value is a dense tensor on the
+    rank's device. One that is not fails at once, instead of breaking a later send."""
+    lying = dm.remote(fn, propagate=lambda x: torch.empty(3))
+    with mesh.activate():
+        y = lying(torch.zeros(1))
+        moved = y.slice_mesh(gpu=0).to_mesh(mesh.slice(gpu=1))  # the sender's input failed
+    with mesh.slice(gpu=1).activate():
+        with pytest.raises(dm.RemoteException, match=actual):
+            dm.inspect(moved)
+    with mesh.activate():
+        assert dm.inspect(torch.ones(2) + 1, gpu=1).tolist() == [2.0, 2.0]
+        fine = dm.remote(_strided_view, propagate=lambda x: torch.empty(3))
+        assert dm.inspect(fine(torch.zeros(1)), gpu=1).tolist() == [0.0, 2.0, 4.0]
+
+
+@pytest.mark.exercises("SendTensor")
+@pytest.mark.parametrize("device, layout", [("meta", torch.strided), ("cpu", torch.sparse_coo)])
+def test_send_tensor_whose_factory_cannot_be_made_is_refused_before_it_runs(ctrl, device, layout):
+    _setup_p2p(ctrl)
+    ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 2))
+    factory = Factory((2,), torch.float32, layout, device)
+    with pytest.raises(dm.DeviceException, match="SendTensor of r1.*cannot be made"):
+        ctrl.send(
+            [0, 1],
+            m.SendTensor(Ref(2), Slice(0, [1], [1]), Slice(1, [1], [1]), Ref(1), factory, S0, S0),
+        )
+        ctrl.sync(timeout=30)

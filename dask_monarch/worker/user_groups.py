@@ -1,0 +1,404 @@
+"""The process groups user code gets (``mesh.process_group(...)``): checked before every op.
+
+A collective whose members pass different sizes or dtypes does not fail in
+gloo: it throws ``gloo::EnforceNotMet`` on gloo's own thread, which ends in
+``std::terminate``, and the worker process dies with every controller's rank
+on it (a receive smaller than what its peer sends does the same). The
+protocol's own ``Reduce`` and ``SendTensor`` are checked before dispatch and
+on the rank (worker/comm.py); a user function calling ``dist.all_reduce``
+cannot be. So the group a remote function receives is a :class:`CheckedGroup`:
+the same communicators, with every collective preceded by an exchange of a
+fixed-size description of it (the op, its root and reduce op, dtype, device,
+sizes) over the group's gloo backend. Members that disagree all raise
+:class:`CollectiveMismatch`, naming each rank's call, and none enters the
+collective: the user's function fails, the workers live on. A send carries its
+description ahead of its data; the receive checks it, takes a mismatched
+payload into a buffer of the sent size (so gloo reads what it was sent) and
+raises.
+
+The exchange costs one small collective (a point-to-point message for a send)
+per op: user-code collectives pay it, dask_monarch's own never do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = ["CollectiveMismatch", "CheckedGroup", "checked"]
+
+_CPU = torch.device("cpu")
+_KINDS = (
+    "barrier",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+)
+_DTYPES = tuple(v for v in (getattr(torch, n) for n in dir(torch)) if isinstance(v, torch.dtype))
+# header fields: kind, reduce op, root, dtype, device type, unit size, tensors, local problem
+_HEADER = 8
+_DEVICES = ("cpu", "cuda")
+
+
+class CollectiveMismatch(RuntimeError):
+    """Members of a user's process group called a collective that does not agree across them."""
+
+
+def _dtype_code(tensors: list[torch.Tensor]) -> tuple[int, bool]:
+    dtypes = {t.dtype for t in tensors}
+    if not dtypes:
+        return -1, True
+    dtype = next(iter(dtypes))
+    return _DTYPES.index(dtype), len(dtypes) == 1
+
+
+def _device_code(tensors: list[torch.Tensor]) -> tuple[int, bool]:
+    kinds = {t.device.type for t in tensors}
+    if not kinds:
+        return -1, True
+    kind = next(iter(kinds))
+    return (_DEVICES.index(kind) if kind in _DEVICES else len(_DEVICES)), len(kinds) == 1
+
+
+def _op_code(opts: Any) -> int:
+    op = getattr(opts, "reduceOp", None)
+    return -1 if op is None else int(op.op)  # RedOpType: SUM 0, AVG 1, ...
+
+
+def _text(row: list[int], size: int) -> str:
+    kind, op, root, dtype, device, unit, count, problem = row[:_HEADER]
+    parts = [_KINDS[kind] if 0 <= kind < len(_KINDS) else f"op {kind}"]
+    if dtype >= 0:
+        parts.append(str(_DTYPES[dtype]).removeprefix("torch."))
+    if device >= 0:
+        parts.append("on " + (_DEVICES[device] if device < len(_DEVICES) else "another device"))
+    if unit >= 0:
+        parts.append(f"of {unit} elements")
+    if root >= 0:
+        parts.append(f"root {root}")
+    if op >= 0:
+        parts.append(f"reduce op {dist.ReduceOp.RedOpType(op).name}")
+    if count > 1:
+        parts.append(f"{count} tensors")
+    if problem:
+        parts.append("(its own tensors disagree: sizes, dtypes or devices)")
+    if any(row[_HEADER:]):
+        parts.append(f"sending {row[_HEADER : _HEADER + size]}")
+        parts.append(f"receiving {row[_HEADER + size :]}")
+    return " ".join(parts)
+
+
+class CheckedGroup(dist.ProcessGroup):
+    """``pg``'s communicators, each collective checked across the members first."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        super().__init__(pg.rank(), pg.size())
+        self.original = pg
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        for device in (_CPU, torch.device("cuda")):
+            try:
+                backend = pg._get_backend(device)
+            except RuntimeError:  # no backend for this device (CUDA on a CPU rank)
+                continue
+            kind = (
+                dist.ProcessGroup.BackendType.NCCL
+                if backend.name() == "nccl"
+                else dist.ProcessGroup.BackendType.GLOO
+            )
+            self._register_backend(device, kind, backend)
+        self._gloo = pg._get_backend(_CPU)
+        self._sending: list[dist.Work] = []  # descriptions of sends still on their way
+        c10d._world.pg_group_ranks[self] = dict(c10d._world.pg_group_ranks.get(pg, {}))
+
+    # -- the check ----------------------------------------------------------------------------
+
+    def _agree(
+        self,
+        kind: str,
+        tensors: list[torch.Tensor],
+        unit: int = -1,
+        opts: Any = None,
+        root: int = -1,
+        problem: bool = False,
+        counts: tuple[list[int], list[int]] | None = None,
+    ) -> None:
+        """Exchange this member's description of the call; raise on every member if any
+        differs (``counts``: elements sent to and received from each member, all-to-all)."""
+        size = self.size()
+        dtype, one_dtype = _dtype_code(tensors)
+        device, one_device = _device_code(tensors)
+        problem = problem or not (one_dtype and one_device)
+        header = [_KINDS.index(kind), _op_code(opts), root, dtype, device, unit, len(tensors)]
+        sent, received = counts if counts is not None else ([0] * size, [0] * size)
+        mine = torch.tensor([*header, int(problem), *sent, *received], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(size)]
+        self._gloo.allgather([every], [mine]).wait()
+        rows = [row.tolist() for row in every]
+        if _agreeing(rows, size):
+            return
+        calls = "; ".join(f"group rank {i}: {_text(row, size)}" for i, row in enumerate(rows))
+        raise CollectiveMismatch(
+            f"the members of process group {dist.get_process_group_ranks(self)} called "
+            f"{kind} with arguments that disagree ({calls}); gloo would abort the process on "
+            "it, so no member ran it"
+        )
+
+    # -- collectives (what torch.distributed's functions call on a group) ---------------------
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        self._agree("barrier", [])
+        return self.original.barrier(*_given(opts))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        self._agree("all_reduce", tensors, _numel(tensors), opts)
+        return self.original.allreduce(tensors, *_given(opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        self._agree("all_reduce_coalesced", tensors, _numel(tensors), opts)
+        return self.original.allreduce_coalesced(tensors, *_given(opts))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        root = getattr(opts, "rootRank", 0)
+        self._agree("broadcast", tensors, _numel(tensors), root=root)
+        return self.original.broadcast(tensors, *_given(opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        root = getattr(opts, "rootRank", 0)
+        self._agree("reduce", tensors, _numel(tensors), opts, root)
+        return self.original.reduce(tensors, *_given(opts))
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        unit = _numel(inputs)
+        flat = [t for ts in outputs for t in ts]
+        bad = any(len(ts) != self.size() for ts in outputs) or any(t.numel() != unit for t in flat)
+        self._agree("all_gather", [*inputs, *flat], unit, problem=bad)
+        return self.original.allgather(outputs, inputs, *_given(opts))
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        bad = output.numel() != input.numel() * self.size()
+        self._agree("all_gather_into_tensor", [output, input], input.numel(), problem=bad)
+        return self.original._allgather_base(output, input, *_given(opts))
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        unit = _numel(outputs)
+        flat = [t for ts in inputs for t in ts]
+        bad = any(len(ts) != self.size() for ts in inputs) or any(t.numel() != unit for t in flat)
+        self._agree("reduce_scatter", [*outputs, *flat], unit, opts, problem=bad)
+        return self.original.reduce_scatter(outputs, inputs, *_given(opts))
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        bad = input.numel() != output.numel() * self.size()
+        self._agree("reduce_scatter_tensor", [output, input], output.numel(), opts, problem=bad)
+        return self.original._reduce_scatter_base(output, input, *_given(opts))
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        root = getattr(opts, "rootRank", 0)
+        unit = _numel(inputs)
+        flat = [t for ts in outputs for t in ts]
+        bad = self.rank() == root and (
+            any(len(ts) != self.size() for ts in outputs) or any(t.numel() != unit for t in flat)
+        )
+        self._agree("gather", [*inputs, *flat], unit, root=root, problem=bad)
+        return self.original.gather(outputs, inputs, *_given(opts))
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        root = getattr(opts, "rootRank", 0)
+        unit = _numel(outputs)
+        flat = [t for ts in inputs for t in ts]
+        bad = self.rank() == root and (
+            any(len(ts) != self.size() for ts in inputs) or any(t.numel() != unit for t in flat)
+        )
+        self._agree("scatter", [*outputs, *flat], unit, root=root, problem=bad)
+        return self.original.scatter(outputs, inputs, *_given(opts))
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        counts = ([t.numel() for t in inputs], [t.numel() for t in outputs])
+        bad = len(inputs) != self.size() or len(outputs) != self.size()
+        if bad:
+            counts = ([0] * self.size(), [0] * self.size())
+        self._agree("all_to_all", [*inputs, *outputs], problem=bad, counts=counts)
+        return self.original.alltoall(outputs, inputs, *_given(opts))
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        size = self.size()
+        sent, bad_in = _split_counts(input, input_split_sizes, size)
+        received, bad_out = _split_counts(output, output_split_sizes, size)
+        self._agree(
+            "all_to_all_single",
+            [input, output],
+            problem=bad_in or bad_out,
+            counts=(sent, received),
+        )
+        return self.original.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, *_given(opts)
+        )
+
+    # -- point to point -----------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        """The description goes ahead of the data, on the same pair and tag (its work is kept
+        until it completes: a dropped gloo work may take its buffer with it)."""
+        self._sending = [w for w in self._sending if not w.is_completed()]
+        self._sending.append(self.original.send([_describe_send(tensors)], dst, tag))
+        return self.original.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return _CheckedRecv(self, tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return _CheckedRecv(self, tensors, None, tag)
+
+
+def _given(opts: Any) -> tuple:
+    return () if opts is None else (opts,)
+
+
+def _numel(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def _split_counts(t: torch.Tensor, splits: list[int], size: int) -> tuple[list[int], bool]:
+    """Elements ``t`` sends to (or receives from) each member of an all-to-all; whether the
+    splits do not fit ``t``."""
+    row = t[0].numel() if t.dim() > 0 and t.shape[0] else 0
+    if not splits:
+        rows = t.shape[0] if t.dim() > 0 else 0
+        if rows % size:
+            return [0] * size, True
+        return [rows // size * row] * size, False
+    if len(splits) != size or sum(splits) != (t.shape[0] if t.dim() > 0 else 0):
+        return [0] * size, True
+    return [s * row for s in splits], False
+
+
+_SEND_FIELDS = 3  # dtype, bytes, elements
+
+
+def _describe_send(tensors: list[torch.Tensor]) -> torch.Tensor:
+    dtype, _ = _dtype_code(tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return torch.tensor([dtype, nbytes, _numel(tensors)], dtype=torch.int64)
+
+
+class _CheckedRecv(dist.Work):
+    """A receive that checks the sender's description before it takes the data.
+
+    The description's receive is posted at once and the data's when the work is
+    waited for, so that a receive posted before its own rank's send (``irecv``
+    then ``isend`` on both ranks) cannot wait on a peer that waits on it.
+    """
+
+    def __init__(
+        self, group: CheckedGroup, tensors: list[torch.Tensor], src: int | None, tag: int
+    ) -> None:
+        super().__init__()
+        self.group, self.tensors, self.tag = group, tensors, tag
+        self.described = torch.zeros(_SEND_FIELDS, dtype=torch.int64)
+        pg = group.original
+        if src is None:
+            self.head = pg.recv_anysource([self.described], tag)
+        else:
+            self.head = pg.recv([self.described], src, tag)
+        self.src = src
+        self.done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.done:
+            return True
+        self.head.wait()
+        if self.src is None:
+            self.src = self.head._source_rank()
+        dtype, nbytes, numel = self.described.tolist()
+        mine = _describe_send(self.tensors).tolist()
+        pg = self.group.original
+        if [dtype, nbytes, numel] == mine:
+            pg.recv(self.tensors, self.src, self.tag).wait()
+            self.done = True
+            return True
+        sink = torch.empty(nbytes, dtype=torch.uint8)  # gloo reads exactly what was sent
+        pg.recv([sink], self.src, self.tag).wait()
+        self.done = True
+        sent = f"{numel} elements of {_DTYPES[dtype] if dtype >= 0 else '?'}"
+        raise CollectiveMismatch(
+            f"a receive from group rank {self.src} of process group "
+            f"{dist.get_process_group_ranks(self.group)} expected "
+            f"{mine[2]} elements of {self.tensors[0].dtype if self.tensors else '?'}, but the "
+            f"send carried {sent}: the data was dropped"
+        )
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def _source_rank(self) -> int:
+        return -1 if self.src is None else self.src
+
+
+def _agreeing(rows: list[list[int]], size: int) -> bool:
+    """Whether the members' descriptions of one call agree (see :meth:`CheckedGroup._agree`)."""
+    if any(row[_HEADER - 1] for row in rows):  # a member's own tensors disagree
+        return False
+    first = rows[0]
+    kind = _KINDS[first[0]] if 0 <= first[0] < len(_KINDS) else ""
+    fields = range(_HEADER - 1)
+    if kind in ("all_to_all", "all_to_all_single"):
+        fields = range(5)  # kind, op, root, dtype, device: the sizes are per pair
+    if any(row[i] != first[i] for row in rows for i in fields):
+        return False
+    if kind in ("all_to_all", "all_to_all_single"):
+        sent = [row[_HEADER : _HEADER + size] for row in rows]
+        received = [row[_HEADER + size :] for row in rows]
+        return all(sent[i][j] == received[j][i] for i in range(size) for j in range(size))
+    return True
+
+
+def checked(groups: dict[int, dist.ProcessGroup], cache: dict) -> dict[int, CheckedGroup]:
+    """The user's views of ``groups`` (ref id -> group), made once per group and kept in
+    ``cache`` (the rank's: released with it)."""
+    out = {}
+    for ref_id, pg in groups.items():
+        view = cache.get(id(pg))
+        if view is None or view.original is not pg:
+            view = cache[id(pg)] = CheckedGroup(pg)
+        out[ref_id] = view
+    return out
+
+
+def forget(cache: dict) -> None:
+    """Drop the user's views (the rank is released; their groups are shut down)."""
+    for view in cache.values():
+        c10d._world.pg_group_ranks.pop(view, None)
+    cache.clear()

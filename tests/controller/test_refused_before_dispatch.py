@@ -1,0 +1,98 @@
+"""Smaller mistakes get a clear error before anything runs (issue 35 item 7)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import dask
+import pytest
+import torch
+from raw import S0, create_streams
+
+import dask_monarch as dm
+from dask_monarch import messages as m
+from dask_monarch.messages import Factory, Ref
+from dask_monarch.ndslice import Slice
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_an_average_of_integers_is_refused_on_the_client(mesh2, dtype):
+    with mesh2.activate():
+        x = torch.ones(4, dtype=dtype)
+        with pytest.raises(TypeError, match=f"avg.*{str(dtype).removeprefix('torch.')}"):
+            x.reduce("gpu", "avg")
+        with pytest.raises(TypeError, match="avg"):
+            x.reduce_("gpu", "avg")
+        assert dm.inspect(torch.ones(2).reduce("gpu", "avg")).tolist() == [1.0, 1.0]
+
+
+def test_a_raw_integer_average_is_refused_before_dispatch(ctrl):
+    create_streams(ctrl, [0, 1], S0)
+    ctrl.send([0, 1], m.CreateDeviceMesh(Ref(1), ["gpu"], Slice.row_major([2])))
+    ctrl.send([0, 1], m.BackendNetworkInit())
+    ctrl.send([0, 1], m.SplitComm(["gpu"], Ref(1), S0))
+    factory = Factory((2,), torch.int64, torch.strided, "cpu")
+    with pytest.raises(dm.DeviceException, match="Reduce of r3: avg of torch.int64"):
+        ctrl.send(
+            [0, 1],
+            m.Reduce(
+                Ref(3), Ref(2), factory, Ref(1), S0, ["gpu"], m.ReduceOp.AVG, False, False, None
+            ),
+        )
+        ctrl.sync(timeout=60)
+
+
+def test_a_mesh_over_ranks_the_controller_does_not_have_is_refused(ctrl):
+    create_streams(ctrl, [0, 1], S0)
+    with pytest.raises(dm.DeviceException, match=r"CreateDeviceMesh r1: .*ranks \[2, 3\]"):
+        ctrl.send([0, 1], m.CreateDeviceMesh(Ref(1), ["gpu"], Slice.row_major([4])))
+        ctrl.sync(timeout=60)
+
+
+def test_a_reduce_over_a_dim_the_mesh_lacks_says_so(ctrl):
+    create_streams(ctrl, [0, 1], S0)
+    ctrl.send([0, 1], m.CreateDeviceMesh(Ref(1), ["gpu"], Slice.row_major([2])))
+    ctrl.send([0, 1], m.BackendNetworkInit())
+    factory = Factory((2,), torch.float32, torch.strided, "cpu")
+    with pytest.raises(
+        dm.DeviceException, match=r"mesh r1 \(dims \['gpu'\]\) has no dims \['host'\]"
+    ):
+        ctrl.send(
+            [0, 1],
+            m.Reduce(
+                Ref(3), Ref(2), factory, Ref(1), S0, ["host"], m.ReduceOp.SUM, False, False, None
+            ),
+        )
+        ctrl.sync(timeout=60)
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "1"])
+def test_a_wait_with_a_timeout_that_is_no_duration_is_refused(ctrl, mesh2, timeout):
+    with pytest.raises((ValueError, TypeError), match="timeout"):
+        ctrl.sync(timeout=timeout)
+    with pytest.raises((ValueError, TypeError), match="timeout"):
+        ctrl.drain(timeout=timeout)
+    with pytest.raises((ValueError, TypeError), match="timeout"):
+        ctrl.get_ref(0, Ref(1), S0, timeout=timeout)
+    with pytest.raises((ValueError, TypeError), match="timeout"):
+        mesh2.exit(timeout=timeout)
+    assert ctrl.sync(timeout=60) == []
+
+
+def test_a_collective_that_times_out_names_the_member_it_waited_for(client2):
+    with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
+        mesh = dm.device_mesh(client2, gpu=2)
+    late = dm.remote("remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
+    try:
+        with mesh.activate():
+            x = late(torch.ones(2), mesh.rank("gpu"), 1, 12.0)
+            with pytest.raises(dm.DeviceException) as info:
+                dm.inspect(x.reduce("gpu", "sum"))
+        text = str(info.value)
+        assert info.value.rank == 0, text  # the rank whose collective timed out
+        assert "rank 1 stream" in text and "in sleep_on (" in text, text  # and the late one
+    finally:
+        with contextlib.suppress(dm.DeviceException, dm.RemoteException):
+            mesh.exit()
