@@ -36,8 +36,8 @@ from ..protocol import messages as m
 from ..protocol.ndslice import Slice
 from ..protocol.rules import streams_named
 from ..protocol.wire import ValueFailed
-from .controller import Controller
 from .cancel import cancel_session
+from .controller import Controller
 from .futures import MeshFuture, waiting_for
 from .history import History
 from .seam import ControllerSeam, Substitute
