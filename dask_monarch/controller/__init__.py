@@ -16,6 +16,7 @@ Modules, in the order a message meets them:
 * ``reports``: what the ranks report, on one stream each; ``liveness``: the
   heartbeat and stuck lanes; ``watch``: a client that lost its scheduler or its
   futures fails the controller; ``debugging``: ranks paused in pdb;
+  ``cancel``: ``mesh.exit(cancel=True)``, and what it stopped;
 * ``dry``: the controller that runs nothing (``dm.dry_run``).
 """
 

@@ -15,7 +15,9 @@ the event loop); ``dispatch`` (the handler table) and the handlers:
 ``actor``, ``resident`` (``dm.OpaqueRef``); what they rely on: ``mesh`` (the
 rank's view of a device mesh), ``groups`` (process groups without a default
 group), ``nccl_rules`` (NCCL's rules checked on CPU), ``nccl_watch`` (NCCL
-failures end the mesh, not the worker), ``device`` (streams, events and blocks
+failures end the mesh, not the worker), ``user_groups`` (the checked process
+groups user functions get), ``cancel`` (interrupting running calls),
+``device`` (streams, events and blocks
 kept alive), ``errors`` and ``failures`` (user errors as values),
 ``restricted`` (plain-data unpickling), ``signals`` (Ctrl-C meant for others),
 ``debugger`` (pdb on a lane) and ``tracing`` (``dm.trace``'s records).
