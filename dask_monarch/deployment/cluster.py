@@ -394,11 +394,18 @@ class LocalMeshCluster(SpecCluster):
         self._futures.add(self._correct_state())
 
     async def _close(self) -> None:
-        """Close as Dask does; whatever that leaves running after a failed start is stopped.
+        """Close as SpecCluster does, and stop whatever that leaves running.
 
-        A start that failed half-way (e.g. a comm refused) makes Dask's close
-        raise before it reaches the scheduler: its process would outlive us.
+        With its scheduler process gone (killed, crashed), the workers are
+        closed without asking it (which would wait 30 s per request to
+        connect). A start that failed half-way (e.g. a comm refused) makes
+        Dask's close raise before it reaches the scheduler: its process, and
+        the workers', would outlive us.
         """
+        scheduler = self.scheduler
+        lost = isinstance(scheduler, SchedulerProcess) and scheduler.lost
+        if lost:
+            self.shutdown_scheduler = False
         try:
             await super()._close()
         finally:
@@ -406,20 +413,8 @@ class LocalMeshCluster(SpecCluster):
                 if getattr(worker, "process", None) is not None:
                     with contextlib.suppress(Exception):
                         await worker.close(timeout=5)
-            scheduler = self.scheduler
             if isinstance(scheduler, SchedulerProcess) and scheduler.process is not None:
                 await scheduler.close()
-
-    async def _close(self) -> None:
-        """Close as SpecCluster does; with its scheduler process gone (killed, crashed), close
-        the workers without asking it (which would wait 30 s per request to connect)."""
-        scheduler = self.scheduler
-        lost = isinstance(scheduler, SchedulerProcess) and scheduler.lost
-        if lost:
-            self.shutdown_scheduler = False
-        await super()._close()
-        if lost:
-            await scheduler.close()
 
     def __repr__(self) -> str:
         return (

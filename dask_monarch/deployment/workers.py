@@ -16,9 +16,11 @@ own GPU, as dask-cuda does. :func:`rank_worker_options` is that recipe;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import dask
@@ -93,8 +95,30 @@ class RankNanny(Nanny):
                 env["MALLOC_TRIM_THRESHOLD_"] = MALLOC_TRIM_THRESHOLD
 
     async def instantiate(self) -> Status:
-        with dask.config.set({"distributed.worker.daemon": False}):
+        with _not_daemonic():
             return await super().instantiate()
+
+
+_starting = 0  # RankNanny starts in progress (all on one event loop)
+_daemon_before: Any = None
+
+
+@contextlib.contextmanager
+def _not_daemonic() -> Iterator[None]:
+    """``distributed.worker.daemon: false`` while any RankNanny starts its worker, and what
+    it was before once the last start ends. Nested ``dask.config.set`` blocks of concurrent
+    starts would end out of order and leave the setting false in the user's process."""
+    global _starting, _daemon_before
+    if _starting == 0:
+        _daemon_before = dask.config.get("distributed.worker.daemon", True)
+        dask.config.set({"distributed.worker.daemon": False})
+    _starting += 1
+    try:
+        yield
+    finally:
+        _starting -= 1
+        if _starting == 0:
+            dask.config.set({"distributed.worker.daemon": _daemon_before})
 
 
 def visible_gpus() -> list[str]:

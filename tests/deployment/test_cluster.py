@@ -63,6 +63,19 @@ def test_closing_the_cluster_removes_its_scheduler_file():
     assert not os.path.exists(scheduler_file)
 
 
+def test_starting_ranks_leaves_the_daemon_setting_of_the_users_process_as_it_was():
+    """Each rank's nanny starts its worker non-daemonic (pipes start processes); ranks start
+    concurrently, and the user's own setting is what it was once they have."""
+    import dask
+
+    import dask_monarch as dm
+
+    with dask.config.set({"distributed.worker.daemon": True}):
+        with dm.LocalMeshCluster(n_ranks=3, device="cpu"):
+            assert dask.config.get("distributed.worker.daemon") is True
+        assert dask.config.get("distributed.worker.daemon") is True
+
+
 def test_rank_workers_see_their_own_gpu_first():
     from dask_monarch.deployment.workers import parse_gpus, rotated
 
