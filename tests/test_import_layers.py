@@ -29,6 +29,7 @@ WORKER_MODULES_SHARED = {
 # Top-level modules below the user API: shared by every layer, or one-line aliases of a layer's
 # module kept as public import paths.
 SHARED = {"config", "exceptions", "messages", "ndslice", "preload", "dashboard", "logs"}
+SHARED |= {"dask_internals"}  # distributed's private parts, behind one module
 LOWER_LAYERS = ("protocol", "controller", "worker", "deployment")
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from .. import dask_internals as internals
 from ..protocol.wire import Payload
 from .intake import OP as INTAKE_OP
 
@@ -41,8 +42,6 @@ PLUGIN_NAME = "dask_monarch-segment-groups"
 SPAN_NAME = "dask_monarch"  # the span of a controller's segments outside any dask_monarch.span
 GROUP_PREFIX = "monarch_"  # every segment's task group (protocol.names.task_name)
 SENT = "dask_monarch: dropped from the log once sent"  # stands for a graph in the client's log
-# The TaskGroup fields a fold adds up (distributed 2026.8's TaskCollection and TaskGroup).
-_FIELDS = ("states", "_size", "nbytes_total", "_duration_us", "_all_durations_us", "_types")
 
 
 def controller_span(token: str) -> dict:
@@ -67,12 +66,11 @@ class SegmentGroups(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.enabled = _foldable()
+        self.enabled = internals.groups_foldable()
         if not self.enabled:
             logger.warning(
-                "this distributed's TaskGroup lacks fields dask_monarch adds up (%s): the "
-                "scheduler keeps a task group per flush of a live controller",
-                ", ".join(_FIELDS),
+                "this distributed's TaskGroup lacks fields dask_monarch adds up: the "
+                "scheduler keeps a task group per flush of a live controller"
             )
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
@@ -89,7 +87,8 @@ class SegmentGroups(SchedulerPlugin):
         # emptied only once it ran: a task released while it waited may be sent again, and a
         # forgotten one's compute-task may still wait in the batched send to its worker
         if ran:
-            for arg in getattr(ts.run_spec, "args", ()):  # run_segment(..., payload, *after)
+            spec = internals.task_spec(ts)
+            for arg in getattr(spec, "args", ()):  # run_segment(..., payload, *after)
                 if type(arg) is Payload:
                     arg.data = None
             return
@@ -106,8 +105,7 @@ class SegmentGroups(SchedulerPlugin):
     def _fold(self, tg: Any) -> None:
         tg.dependencies.clear()  # the groups it followed: dead ones would live on through it
         tg.last_worker = None
-        spans = self.scheduler.extensions.get("spans")
-        span = spans.spans.get(tg.span_id) if spans is not None and tg.span_id else None
+        span = internals.span_of(self.scheduler, tg)
         if span is None:
             return
         where = (span.id, tg.name)
@@ -115,32 +113,9 @@ class SegmentGroups(SchedulerPlugin):
         if kept is None or kept not in span.groups:
             self.kept[where] = tg  # stays in the span, and stands for every later group
             return
-        _add(kept, tg)
+        internals.fold_group(kept, tg)
         span.groups.discard(tg)
         self.folded += 1
-
-
-def _add(kept: Any, tg: Any) -> None:
-    """Add ``tg``'s figures to ``kept`` (both dead: no prefix counts them any more)."""
-    for state, count in tg.states.items():
-        kept.states[state] = kept.states.get(state, 0) + count
-    kept._size += tg._size
-    kept.nbytes_total += tg.nbytes_total
-    kept._duration_us += tg._duration_us
-    for action, us in tg._all_durations_us.items():
-        kept._all_durations_us[action] += us
-    for typename, count in tg._types.items():
-        kept._types[typename] += count
-    if tg.start and (not kept.start or tg.start < kept.start):
-        kept.start = tg.start
-    kept.stop = max(kept.stop, tg.stop)
-
-
-def _foldable() -> bool:
-    from distributed.scheduler import TaskGroup, TaskPrefix
-
-    probe = TaskGroup("probe", TaskPrefix("probe"))
-    return all(hasattr(probe, field) for field in (*_FIELDS, "start", "stop", "span_id"))
 
 
 def install(client: Any) -> None:
@@ -161,10 +136,7 @@ def drop_sent_graphs(comm: Any, token: str) -> None:
     client's ``scheduler_comm``): the intake's messages and ``update-graph``'s graphs. The
     log is for debugging only, and a message in it was sent already. Reads the log from its
     newest batch back to the newest flush dropped before (any thread: reads a copy)."""
-    log = getattr(comm, "recent_message_log", None)
-    if not log:
-        return
-    for batch in reversed(list(log)):
+    for batch in reversed(internals.sent_log(comm)):
         if type(batch) is not list:  # "large-message"
             continue
         for msg in batch:

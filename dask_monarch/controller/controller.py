@@ -43,6 +43,7 @@ import dask
 from distributed import Client, wait
 
 from .. import config
+from .. import dask_internals as internals
 from ..exceptions import DeviceException, RemoteException
 from ..protocol.messages import (
     WORKER_MESSAGES,
@@ -192,6 +193,7 @@ class Controller:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        internals.require()  # distributed's internals without a fallback, named if missing
         self._client = client
         self.world_size = world_size
         self.token = uuid.uuid4().hex[:12]

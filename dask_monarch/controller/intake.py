@@ -38,16 +38,15 @@ expects: :func:`missing_on`) leaves the controller on ``Client.get``; so does
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dask._task_spec import Task, TaskRef
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.serialize import ToPickle
-from distributed.spans import SpanMetadata
 
+from .. import dask_internals as internals
+from ..dask_internals import SpanMetadata, Task, TaskRef
 from ..protocol.wire import Payload
 from ..worker import run_segment
 
@@ -138,10 +137,11 @@ class FlushIntake(SchedulerPlugin):
         if span is not None:  # dask_monarch.span: as dask.annotate(span=...) would set it
             annotations["span"] = dict.fromkeys(keys, span)
         try:
-            if scheduler._find_lost_dependencies(dsk, keys):
+            if internals.lost_dependencies(scheduler, dsk, keys):
                 self._failed(token, keys, "a segment it follows was lost")
                 return
-            scheduler._create_taskstate_from_graph(
+            internals.create_tasks(
+                scheduler,
                 start=start,
                 dsk=dsk,
                 keys=keys,
@@ -227,44 +227,12 @@ class FlushIntake(SchedulerPlugin):
         self.scheduler.loop.add_callback(self.scheduler.log_event, failures_topic(token), event)
 
 
-# What the intake calls on the scheduler: private to distributed (2026.8), so checked first.
-_CREATE_PARAMETERS = frozenset(
-    {
-        "start",
-        "dsk",
-        "keys",
-        "ordered",
-        "client",
-        "annotations_by_type",
-        "global_annotations",
-        "stimulus_id",
-        "submitting_task",
-        "span_metadata",
-        "fifo_timeout",
-    }
-)
-
-
 def missing_on(scheduler: Any) -> list[str]:
-    """What of the scheduler's internals the intake uses that ``scheduler`` lacks."""
-    missing = [
-        name
-        for name in (
-            "_find_lost_dependencies",
-            "client_releases_keys",
-            "remove_client",
-            "log_event",
-        )
-        if not callable(getattr(scheduler, name, None))
-    ]
-    create = getattr(scheduler, "_create_taskstate_from_graph", None)
-    if not callable(create):
-        return [*missing, "_create_taskstate_from_graph"]
-    parameters = set(inspect.signature(create).parameters)
-    missing.extend(
-        f"_create_taskstate_from_graph({name}=)" for name in sorted(_CREATE_PARAMETERS - parameters)
-    )
-    return missing
+    """What of the scheduler's methods the intake calls ``scheduler`` lacks (its private
+    ones: dask_internals.scheduler_gaps)."""
+    public = ("client_releases_keys", "remove_client", "log_event")
+    gaps = [name for name in public if not callable(getattr(scheduler, name, None))]
+    return gaps + internals.scheduler_gaps(scheduler)
 
 
 def install(client: Client) -> bool:
@@ -287,11 +255,11 @@ def send(client: Client, token: str, segments: list[SegmentTask], span: dict | N
     """Hand one flush of controller ``token`` to the scheduler's intake (from any thread: it
     is sent from the client's event loop, in the order of everything queued there)."""
     message = {"op": OP, "token": token, "segments": ToPickle(segments), "span": span}
-    client.loop.add_callback(client._send_to_scheduler_safe, message)
+    client.loop.add_callback(internals.send_to_scheduler, client, message)
 
 
 def release(client: Client, token: str, keys: list | None) -> list:
     """Let go of controller ``token``'s tails ``keys`` (None: of everything it holds) on the
     client's event loop; returns what :class:`~.release.DeferredRelease` keeps: nothing."""
-    client._send_to_scheduler_safe({"op": RELEASE_OP, "token": token, "keys": keys})
+    internals.send_to_scheduler(client, {"op": RELEASE_OP, "token": token, "keys": keys})
     return []

@@ -22,6 +22,7 @@ from distributed import Client
 from distributed.comm.addressing import get_address_host
 
 from .. import config
+from .. import dask_internals as internals
 from ..protocol.names import RESOURCE_PREFIX
 from ..worker import (
     claim_rank,
@@ -193,7 +194,8 @@ def describe_workers(
         loop = asyncio.get_running_loop()
         start = loop.time()
         tasks = {
-            a: asyncio.ensure_future(client._run(describe_worker, workers=[a])) for a in addresses
+            a: asyncio.ensure_future(internals.run_on(client, describe_worker, [a]))
+            for a in addresses
         }
 
         def answers() -> dict[str, dict]:
@@ -341,8 +343,8 @@ def lower_client_gap(client: Client) -> Callable[[], None]:
     with _gaps_lock:
         entry = _client_gaps.get(id(comm))
         if entry is None:
-            entry = _client_gaps[id(comm)] = [comm.interval, 0]
-            comm.interval = min(comm.interval, interval)
+            entry = _client_gaps[id(comm)] = [internals.gap(comm), 0]
+            internals.lower_gap(comm, interval)
         entry[1] += 1
     returned = False
 
@@ -355,7 +357,7 @@ def lower_client_gap(client: Client) -> Callable[[], None]:
             entry[1] -= 1
             if entry[1] == 0 and _client_gaps.get(id(comm)) is entry:
                 del _client_gaps[id(comm)]
-                comm.interval = entry[0]
+                internals.set_gap(comm, entry[0])
 
     return restore
 

@@ -23,6 +23,8 @@ import click
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..dask_internals import lower_scheduler_gaps
+
 if TYPE_CHECKING:
     from distributed import Scheduler
 
@@ -41,19 +43,14 @@ class LowerGaps(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        for comm in [*scheduler.stream_comms.values(), *scheduler.client_comms.values()]:
-            self._lower(comm)
+        lower_scheduler_gaps(scheduler, self.interval)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        self._lower(scheduler.stream_comms.get(worker))
+        lower_scheduler_gaps(scheduler, self.interval, worker)
 
     def add_client(self, scheduler: Scheduler, client: str) -> None:
         # called before the scheduler makes the client's stream: lower it right after
-        scheduler.loop.add_callback(lambda: self._lower(scheduler.client_comms.get(client)))
-
-    def _lower(self, comm: object) -> None:
-        if comm is not None:
-            comm.interval = min(comm.interval, self.interval)
+        scheduler.loop.add_callback(lower_scheduler_gaps, scheduler, self.interval, client)
 
 
 @click.command(name="dask_setup")

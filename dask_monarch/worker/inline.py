@@ -34,8 +34,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from dask._task_spec import Task
 
+from ..dask_internals import Task
 from ..protocol.messages import CallFunction, DeleteRefs, Ref, SendValue
 from ..protocol.wire import Payload, StatusProbe
 from .errors import SeqError

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from distributed.batched import BatchedSend
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import ToPickle
 
+from .. import dask_internals as internals
 from ..protocol.names import (
     HEARTBEAT_OP,
     PLUGIN_NAME,
@@ -85,8 +86,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         ignore_sigint(worker)
         install_breakpointhook()  # breakpoint() on a lane opens a remote pdb (worker/debugger.py)
         if self.batched_interval is not None:
-            stream = worker.batched_stream
-            stream.interval = min(stream.interval, self.batched_interval)
+            internals.lower_gap(worker.batched_stream, self.batched_interval)
         if self.report_interval is None:  # read here: the worker's config, not the client's
             self.report_interval = config.get("comm.report-interval", "0.5ms")
         self.inline = bool(config.get("worker.inline-segments", True))
@@ -176,7 +176,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         """Give the lane an executor and a thread of the worker's budget (on the loop)."""
         self.worker.executors[lane.executor_name] = lane.executor
         self.extra_threads += 1
-        self.worker.state.nthreads += 1
+        internals.add_execution_slot(self.worker)
 
     def remove_lane(self, state: RankState, lane: Lane) -> None:
         """A dropped stream's lane ran its last step: forget it, give its thread back (on the
@@ -188,7 +188,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 k: v for k, v in self.worker.executors.items() if k != lane.executor_name
             }
             self.extra_threads -= 1
-            self.worker.state.nthreads -= 1
+            internals.add_execution_slot(self.worker, -1)
 
     def forget(self, state: RankState) -> None:
         """Drop a released rank state; each lane's thread goes back once its work returned.
@@ -231,7 +231,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
     def _give_back(self) -> None:
         self.extra_threads -= 1
-        self.worker.state.nthreads -= 1
+        internals.add_execution_slot(self.worker, -1)
 
     def release(self, token: str) -> bool:
         state = self.ranks.get(token)
@@ -259,8 +259,8 @@ class MonarchWorkerPlugin(WorkerPlugin):
         Dask runs on the event loop instead of the lane's thread (worker/inline.py)."""
         if finish != "executing" or not self.inline or not self.ranks:
             return
-        ts = self.worker.state.tasks.get(key)
-        spec = getattr(ts, "run_spec", None)
+        ts = internals.worker_task(self.worker, key)
+        spec = internals.task_spec(ts)
         if getattr(spec, "func", None) is not run_segment:
             return
         token, rank, label, _, payload = spec.args[:5]
@@ -277,7 +277,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             return
         payload.steps = steps  # unpickled once, wherever they run
         if is_quick(steps, lane.env):
-            ts.run_spec = inline_task(spec, state)
+            internals.set_task_spec(ts, inline_task(spec, state))
             lane.inlined += 1
 
     # -- comm handlers ------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         stream = BatchedSend(interval=self.report_interval)
         # Its log of recent batches would keep the last 1000 (each under 1 MB), fetched values
         # included, long after they reached the controller (docs/dask.md §13): keep none.
-        stream.recent_message_log = deque(maxlen=0)
+        internals.keep_no_log(stream)
         stream.start(comm)
         state.attach(stream)
         try:

@@ -174,10 +174,10 @@ def test_the_intake_checks_the_scheduler_internals_it_calls(client2):
     missing = missing_on(OtherScheduler())
     assert "_create_taskstate_from_graph(annotations_by_type=)" in missing, missing
     assert missing_on(object()) == [
-        "_find_lost_dependencies",
         "client_releases_keys",
         "remove_client",
         "log_event",
+        "_find_lost_dependencies",
         "_create_taskstate_from_graph",
     ]
 
