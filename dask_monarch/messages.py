@@ -5,4 +5,7 @@ defined next to the rest of the protocol (api.md §1).
 """
 
 from .protocol.messages import *  # noqa: F403  (its __all__: every message and value type)
-from .protocol.messages import __all__  # noqa: F401
+from .protocol.messages import (
+    __all__,  # noqa: F401
+    memory_format,  # noqa: F401  (how batches name a memory format)
+)

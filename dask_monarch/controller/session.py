@@ -82,7 +82,7 @@ class Capture:
                 self.captured[ref] = handle
                 if handle._known is not None and ref not in self.known:
                     self.known[ref] = (handle, handle._known.clone())
-        self.created.extend(outputs)
+        self.created.extend(o for o in outputs if hasattr(o, "_owns_ref"))  # handles only
 
     def roots(self, handle: Any) -> frozenset:
         """The outside values (ref ids) and arguments (``("formal", index)``) the value the

@@ -109,5 +109,10 @@ def test_a_rank_whose_nanny_gave_up_is_started_again_from_its_spec():
             "rank0",
             "rank1",
         ]
+        # the cluster records its new nanny once the nanny's start returns, which may be just
+        # after its worker registered with the scheduler
+        deadline = time.monotonic() + 60
+        while cluster.workers.get("rank1") in (None, nanny) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert cluster.workers["rank1"] is not nanny
         _works(client, 2)
