@@ -55,7 +55,7 @@ _NAMES = {
     "ddp_hooks": "gradients",
     "DDPHooks": "gradients",
 }
-_MODULES = ("messages", "ndslice", "random", "debug")
+_MODULES = ("messages", "ndslice", "random", "debug", "checkpoint")
 
 __all__ = sorted([*_NAMES, *_MODULES])
 
