@@ -53,6 +53,7 @@ _NAMES = {
     "OpaqueRef": "opaque_ref",
     "grad_generator": "gradients",
     "ddp_hooks": "gradients",
+    "elastic": "recovery",
     "DDPHooks": "gradients",
 }
 _MODULES = ("messages", "ndslice", "random", "debug", "checkpoint")

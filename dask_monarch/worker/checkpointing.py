@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .. import config
 from ..protocol.names import rank_function
+from .errors import FatalError
 
 RECORD = "_dask_monarch"  # the DCP key of the record: the state's layout, ranks, per-rank keys
 LATEST = "latest"
@@ -78,22 +79,35 @@ def exchange(group: dist.ProcessGroup, value: Any) -> list[Any]:
     """Every rank's ``value`` (picklable), in group-rank order, on every rank.
 
     Two all-gathers on the group's CPU backend (gloo): the sizes, then the
-    padded bytes; DCP's plans and results are small.
+    padded bytes; DCP's plans and results are small. An all-gather that fails
+    means a peer was lost or stopped answering: the mesh is broken
+    (:class:`FatalError`, a ``DeviceException`` on the client, which
+    ``--max-restarts`` restarts), not the user's code.
     """
     data = pickle.dumps(value)
     n = group.size()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    group.allgather([sizes], [size]).wait()
+    _all_gather(group, sizes, size)
     longest = max(int(s.item()) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
-    group.allgather([everyone], [mine]).wait()
+    _all_gather(group, everyone, mine)
     return [
         pickle.loads(t[: int(s.item())].numpy().tobytes())  # peers of our own mesh
         for t, s in zip(everyone, sizes)
     ]
+
+
+def _all_gather(group: dist.ProcessGroup, out: list[torch.Tensor], mine: torch.Tensor) -> None:
+    try:
+        group.allgather([out], [mine]).wait()
+    except RuntimeError as e:
+        raise FatalError(
+            f"an exchange over the mesh's process group failed (a rank was lost or stopped "
+            f"answering): {e}"
+        ) from e
 
 
 def _agree(group: dist.ProcessGroup, what: str, fn: Callable[[], Any]) -> list[Any]:

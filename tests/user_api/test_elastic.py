@@ -1,0 +1,68 @@
+"""dm.elastic: a function whose mesh broke runs again once the ranks are back (issue 39 item 2).
+
+Kill-a-worker tests: a throw-away cluster of their own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import long_job
+import pytest
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with (
+        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2)
+        yield client
+
+
+def test_a_lost_rank_runs_the_function_again(client, capsys):
+    runs = []
+
+    @dm.elastic(max_restarts=2, client=client)
+    def job(scale):
+        runs.append(os.environ["DASK_MONARCH_RESTART"])
+        mesh = dm.device_mesh(client, dp=2)
+        with mesh.activate():
+            x = torch.ones(2) * scale
+            if len(runs) == 1:
+                long_job.kill_rank_1(mesh)  # SIGKILL: its nanny starts it again
+            total = dm.inspect(x.reduce("dp", "sum"))
+        mesh.exit()
+        return total
+
+    assert job(3).tolist() == [6.0, 6.0]
+    assert runs == ["0", "1"]
+    err = capsys.readouterr().err
+    assert "dask_monarch.elastic: the mesh broke (rank " in err and "restart 1 of 2" in err
+
+
+def test_the_functions_own_failure_is_raised_at_once(client):
+    runs = []
+
+    def job():
+        runs.append(1)
+        mesh = dm.device_mesh(client, dp=2)
+        try:
+            with mesh.activate():
+                y = dm.remote(lambda: 1 / 0, propagate=lambda: torch.empty(1))()
+                dm.inspect(y)
+        finally:
+            mesh.exit(cancel=True)
+
+    with pytest.raises(dm.RemoteException, match="ZeroDivisionError"):
+        dm.elastic(job, max_restarts=3, client=client)()
+    assert runs == [1]
+    with pytest.raises(ValueError, match="max_restarts"):
+        dm.elastic(job, max_restarts=-1)
