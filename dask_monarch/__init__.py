@@ -54,6 +54,8 @@ _NAMES = {
     "grad_generator": "gradients",
     "ddp_hooks": "gradients",
     "elastic": "recovery",
+    "run_steps": "replicas",
+    "StepRun": "replicas",
     "DDPHooks": "gradients",
 }
 _MODULES = ("messages", "ndslice", "random", "debug", "checkpoint")

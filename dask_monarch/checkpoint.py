@@ -170,6 +170,26 @@ def load(state: Any, path: str | os.PathLike) -> Any:
         ).result()
     if info is None:
         raise FileNotFoundError(f"no checkpoint at {root!r} (nothing complete there)")
+    state, targets = fill(state, info, mesh)
+    if targets:
+        keys = [state_tree.key(p) for p, _ in targets]
+        per_rank = [k in info["record"]["per_rank"] for k in keys]
+        with mesh.activate():
+            _load([t for _, t in targets], keys, per_rank, info["directory"], _group(mesh))
+    return state
+
+
+def fill(state: Any, info: dict, mesh: DeviceMesh) -> tuple[Any, list[tuple[tuple, Tensor]]]:
+    """Make ``state`` ready to receive the saved state ``info`` describes: plain values put
+    back, entries it lacks made (mesh tensors on ``mesh``, under the active stream); returns
+    the state and the (path, mesh tensor) pairs to fill, in the saved order.
+
+    ``info``: ``record`` (``entries``: (path, key, is a mesh tensor) in order,
+    ``per_rank`` keys and the ``ranks`` that saved them), ``tensors`` (key ->
+    saved shape and dtype), ``values`` (key -> plain value) and ``directory``
+    (its name in errors). Raises one ValueError listing every disagreement,
+    before anything changes.
+    """
     plan = _plan_load(state, info, mesh)
     current = dict(state_tree.entries(state))
     for path_, value in plan["values"]:
@@ -178,19 +198,14 @@ def load(state: Any, path: str | os.PathLike) -> Any:
             here.copy_(value)  # a local tensor of the state, filled in place
         else:
             state = state_tree.put(state, path_, value)
+    targets = []
     with mesh.activate():
-        made = [(p, torch.empty(shape, dtype=dtype)) for p, (shape, dtype) in plan["missing"]]
-    for path_, t in made:
-        state = state_tree.put(state, path_, t)
-    targets = [t for _, t in plan["tensors"]] + [t for _, t in made]
-    if targets:
-        keys = [state_tree.key(p) for p, _ in plan["tensors"]] + [
-            state_tree.key(p) for p, _ in made
-        ]
-        per_rank = [k in plan["per_rank"] for k in keys]
-        with mesh.activate():
-            _load(targets, keys, per_rank, info["directory"], _group(mesh))
-    return state
+        for path_, t, shape, dtype in plan["tensors"]:
+            if t is None:
+                t = torch.empty(shape, dtype=dtype)
+                state = state_tree.put(state, path_, t)
+            targets.append((path_, t))
+    return state, targets
 
 
 def _same_local_tensor(a: Any, b: Any) -> bool:
@@ -210,7 +225,7 @@ def _plan_load(state: Any, info: dict, mesh: DeviceMesh) -> dict:
     per_rank = set(record["per_rank"])
     ranks = record["ranks"]
     have = {state_tree.key(p): (p, v) for p, v in state_tree.entries(state)}
-    problems, tensors, missing, values, left_out = [], [], [], [], []
+    problems, tensors, values, left_out = [], [], [], []
     wanted = set()
     for path, name, is_tensor in record["entries"]:
         wanted.add(name)
@@ -233,7 +248,7 @@ def _plan_load(state: Any, info: dict, mesh: DeviceMesh) -> dict:
             continue
         shape, dtype = saved[name]
         if found is None:
-            missing.append((path, (shape, dtype)))
+            tensors.append((path, None, shape, dtype))
             continue
         current = found[1]
         if not isinstance(current, Tensor):
@@ -244,7 +259,7 @@ def _plan_load(state: Any, info: dict, mesh: DeviceMesh) -> dict:
                 f"{list(current.shape)} {current.dtype}"
             )
         else:
-            tensors.append((path, current))
+            tensors.append((path, current, shape, dtype))
     extra = sorted(set(have) - wanted)
     if extra:
         problems.append(f"the state has entries the checkpoint lacks: {extra}")
@@ -259,4 +274,4 @@ def _plan_load(state: Any, info: dict, mesh: DeviceMesh) -> dict:
             RuntimeWarning,
             stacklevel=3,
         )
-    return {"tensors": tensors, "missing": missing, "values": values, "per_rank": per_rank}
+    return {"tensors": tensors, "values": values}

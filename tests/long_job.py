@@ -163,7 +163,10 @@ def with_recovery(args: argparse.Namespace) -> tuple[dict, dict]:
         range(args.steps),
         mesh=lambda: dm.device_mesh(dp=2),
         setup=build,
-        state=lambda job: state_of(job, 0) | {"model": job["model"].state_dict()},
+        state=lambda job: {
+            "model": job["model"].state_dict(),
+            "optim": job["optimizer"].state_dict(),
+        },
         load=lambda job, state: job["optimizer"].load_state_dict(state["optim"]),
     )
     return run.job, losses | {"recoveries": len(run.recoveries)}

@@ -148,7 +148,7 @@ def digest(t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _digests(tensors: list[torch.Tensor]) -> list[bytes]:
+def digests(tensors: list[torch.Tensor]) -> list[bytes]:
     """Digests of ``tensors``, computed in threads (hashing releases the GIL)."""
     if len(tensors) < 2:
         return [digest(t) for t in tensors]
@@ -267,7 +267,7 @@ def save(
     coordinator = rank == 0
 
     def prepare() -> tuple[list[bytes] | None, tuple[int, str] | None]:
-        sums = _digests(list(tensors)) if size > 1 else None
+        sums = digests(list(tensors)) if size > 1 else None
         return sums, _begin(root) if coordinator else None
 
     prepared = _agree(group, "preparing the checkpoint", prepare)

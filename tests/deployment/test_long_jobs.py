@@ -145,3 +145,17 @@ def test_a_remote_exception_is_not_restarted(tmp_path):
     assert done.returncode == 3, done.stderr
     assert done.stderr.count("run 0") == 1 and "run 1" not in done.stderr
     assert "restart" not in done.stderr and "ZeroDivisionError" in done.stderr
+
+
+def test_a_rank_killed_mid_step_is_replaced_within_the_job(tmp_path, reference):
+    step = kill_step()
+    result, stderr = run_job(
+        tmp_path, "--ranks", "2", "--device", "cpu", "--", "--recover", "--kill-at", str(step)
+    )
+    assert result["run"] == 0, stderr  # one run: the job's process carried on
+    losses = result["losses"]
+    assert losses.pop("recoveries") == 1
+    assert f"run_steps: the mesh broke in step {step} (rank " in stderr, stderr
+    assert f"runs again from step {step}" in stderr  # the failed step, and only it
+    same_weights(result, reference)
+    assert losses == reference["losses"]

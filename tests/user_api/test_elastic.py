@@ -66,3 +66,44 @@ def test_the_functions_own_failure_is_raised_at_once(client):
     assert runs == [1]
     with pytest.raises(ValueError, match="max_restarts"):
         dm.elastic(job, max_restarts=-1)
+
+
+def _job(mesh):
+    with mesh.activate():
+        dm.random.manual_seed(0)
+        w = torch.randn(4)
+        mine = mesh.rank("dp").float().reshape(1)  # differs across the ranks
+    return {"mesh": mesh, "w": w, "mine": mine}
+
+
+def _step(job, i):
+    with job["mesh"].activate():
+        job["w"].add_(torch.ones(4) * i)
+
+
+def test_run_steps_without_faults_drops_its_snapshots(client):
+    from dask_monarch.worker import snapshots
+
+    run = dm.run_steps(
+        _step,
+        4,
+        mesh=lambda: dm.device_mesh(client, dp=2),
+        setup=_job,
+        state=lambda job: {"w": job["w"]},
+    )
+    assert run.recoveries == []
+    expected = dm.inspect(_job(run.mesh)["w"]) + 6
+    assert torch.equal(dm.inspect(run.job["w"]), expected)
+    assert all(not held for held in client.run(snapshots.held).values())
+    run.mesh.exit()
+
+
+def test_run_steps_refuses_state_that_is_not_replicated_before_it_is_needed(client):
+    with pytest.raises(dm.RemoteException, match=r"the state is not replicated: \['state.mine'\]"):
+        dm.run_steps(
+            _step,
+            4,
+            mesh=lambda: dm.device_mesh(client, dp=2),
+            setup=_job,
+            state=lambda job: {"w": job["w"], "mine": job["mine"]},
+        )
