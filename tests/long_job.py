@@ -10,8 +10,9 @@ result whenever it runs. ``--kill-at K`` SIGKILLs rank 1's worker in the
 first run: in the middle of step K (after its forward and backward, before
 the gradients are averaged), or with ``--kill-in checkpoint`` in the middle
 of the save after step K (it waits for the save's temporary directory).
-``--cut-at K`` instead writes ``cut`` into the file ``--signal`` and waits for
-the test to cut a host off the network.
+``--cut-at K`` instead writes ``cut <rank 1's worker>`` into the file
+``--signal`` at the start of step K and waits (60 s at most) for the test to cut
+that worker's host off the network and write ``done``.
 
 Under ``--max-restarts`` the job saves a checkpoint every ``--save-every``
 steps and resumes from the latest one; with ``--recover`` it runs its steps
@@ -102,9 +103,10 @@ def kill_rank_1_in_the_next_save(mesh: dm.DeviceMesh, root: str) -> None:
         dm.remote(_die_in_save, propagate="inspect")(root)
 
 
-def wait_for_the_cut(signal_file: str) -> None:
+def wait_for_the_cut(signal_file: str, mesh: dm.DeviceMesh) -> None:
+    """Ask the test to cut rank 1's host off the network (naming its worker); wait for it."""
     with open(signal_file, "w") as f:
-        f.write("cut")
+        f.write(f"cut {mesh._session.controller.workers[1]}")
     deadline = time.monotonic() + 60
     while open(signal_file).read() != "done" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -133,7 +135,7 @@ def with_restarts(args: argparse.Namespace) -> tuple[dict, dict]:
             kill_rank_1_in_the_next_save(job["mesh"], args.checkpoint_dir)
             kill = False
         if first_run and step == args.cut_at:
-            wait_for_the_cut(args.signal)
+            wait_for_the_cut(args.signal, job["mesh"])
         loss = train_step(job, step, kill=kill and args.kill_in == "step")
         losses[step] = dm.inspect(loss).item()
         if step % args.save_every == args.save_every - 1:
@@ -153,7 +155,7 @@ def with_recovery(args: argparse.Namespace) -> tuple[dict, dict]:
         kill = i == args.kill_at and not step.killed
         if i == args.cut_at and not step.killed:
             step.killed = True
-            wait_for_the_cut(args.signal)
+            wait_for_the_cut(args.signal, job["mesh"])
         step.killed = step.killed or kill
         losses[i] = dm.inspect(train_step(job, i, kill=kill)).item()
 
