@@ -181,3 +181,23 @@ def test_a_checkpoint_of_four_ranks_loads_onto_two(mesh, mesh2, tmp_path):
     for gpu in (0, 1):
         got = dm.inspect([p.detach() for p in small.parameters()], gpu=gpu)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_the_training_example_resumes_from_its_checkpoint(mesh, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+    import train_mlp
+
+    train_mlp.train_on_mesh(mesh, steps=4, checkpoint_dir=str(tmp_path), save_every=2)
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-000002"
+    losses, weights = train_mlp.train_on_mesh(
+        mesh, steps=7, fetch_every=1, checkpoint_dir=str(tmp_path), resume=True
+    )
+    assert [s for s, _ in losses] == [4, 5, 6]  # resumed after step 3
+    local_losses, local_weights = train_mlp.train_locally(steps=7, fetch_every=1)
+    for (_, a), (_, b) in zip(losses, local_losses[4:]):
+        assert abs(a - b) < 1e-5
+    for a, b in zip(weights, local_weights):
+        assert torch.allclose(a, b, atol=1e-5)
