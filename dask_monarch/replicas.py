@@ -39,7 +39,7 @@ __all__ = ["run_steps", "StepRun", "Recovery"]
 
 _RANKS = "dask_monarch.worker.snapshots."
 STREAM = Stream("snapshot")
-CHECK_EVERY = 100  # snapshots -1, 0 and every this many are checked to be equal on every rank
+CHECK_EVERY = 100  # the state before the first step, snapshot 0 and every this many are checked
 _int = lambda *a, **k: torch.empty((), dtype=torch.int64)  # noqa: E731
 
 
@@ -49,6 +49,9 @@ def _fill(key: str, number: int, tensors: list[torch.Tensor], group: Any) -> Non
 
 
 _take = remote(_RANKS + "take", propagate=_int)
+_differing = remote(
+    _RANKS + "differing", propagate=lambda tensors, group: torch.empty(len(tensors), dtype=bool)
+)
 _newest = remote(_RANKS + "newest", propagate=_int)
 _restore = remote(_RANKS + "restore", propagate=_fill)
 
@@ -92,6 +95,7 @@ class _Job:
         self.mesh: DeviceMesh | None = None
         self.job: Any = None
         self.sessions: list[Session] = []
+        self.with_generators = True  # False once they differ across the ranks (check_replicated)
 
     def start(self) -> None:
         before = set(live_sessions())
@@ -105,7 +109,34 @@ class _Job:
 
     def tree(self) -> dict:
         with self.mesh.activate():
-            return {"state": self.state(self.job), "rng": random.get_state()}
+            tree = {"state": self.state(self.job)}
+            if self.with_generators:
+                tree["rng"] = random.get_state()
+            return tree
+
+    def check_replicated(self) -> None:
+        """Before the first step: every entry of the state must be equal on every rank. The
+        generators may differ (never seeded alike): they are left out then, with a warning."""
+        items = [(p, v) for p, v in state_tree.entries(self.tree()) if isinstance(v, Tensor)]
+        with self.mesh.activate():
+            mask = _differing([t for _, t in items], self.group)
+        differ = [state_tree.key(p) for (p, _), d in zip(items, fetch_shard(mask).result()) if d]
+        if "rng" in differ:
+            differ.remove("rng")
+            self.with_generators = False
+            warnings.warn(
+                "run_steps: the ranks' random generators differ (they were not seeded alike, "
+                "e.g. with dm.random.manual_seed): a replacement rank cannot get its own back, "
+                "so a replayed step that draws random numbers will draw others",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if differ:
+            raise ValueError(
+                f"run_steps: the state is not replicated: {differ} differ across the ranks of "
+                f"{self.mesh!r}; a lost rank's state is copied from a peer, so every rank must "
+                "hold the same state (docs/recovery.md)"
+            )
 
     def take(self, number: int) -> None:
         """Snapshot ``number``: the state after the step at that position (-1: before any)."""
@@ -126,7 +157,7 @@ class _Job:
         }
         lent = [STREAM.borrow(t) for _, t in tensors]  # immutably: the next step reads them
         check = {}
-        if number < 1 or number % CHECK_EVERY == 0:  # the ranks compare their copies
+        if number == 0 or number % CHECK_EVERY == 0:  # the ranks compare their copies
             check = {"group": self.group, "names": [state_tree.key(p) for p, _ in tensors]}
         with self.mesh.activate(), STREAM.activate():
             done = _take(self.key, number, [b for b, _ in lent], **check)
@@ -164,7 +195,8 @@ class _Job:
         try:
             with self.mesh.activate():
                 _restore(self.key, number, [t for _, t in targets], self.group)
-                random.set_state(tree["rng"])
+                if self.with_generators:
+                    random.set_state(tree["rng"])
             if self.load is not None:
                 self.load(self.job, tree["state"])
             self.take(number)  # the new ranks hold it too from now on
@@ -232,6 +264,7 @@ def run_steps(
     recoveries: list[Recovery] = []
     try:
         position = 0
+        run.check_replicated()
         run.take(-1)
         while position < len(numbers):
             try:

@@ -57,12 +57,14 @@ def set_run(restart: int) -> None:
 
 
 def close_sessions(sessions: list[Session]) -> None:
-    """Close meshes a failed run left open: released at once, their failures already told."""
+    """Close meshes a failed run left open, their failures already told: a broken one as it
+    is (its controller released its ranks when it broke; asking them to cancel would wait
+    on the lost one), one still working released at once (``exit(cancel=True)``)."""
     for session in sessions:
         if session.closed:
             continue
         with contextlib.suppress(Exception):
-            session.exit(cancel=True)
+            session.exit(cancel=session.controller.broken is None)
 
 
 def wait_for_ranks(client: Client, n: int, say: Callable[[str], None]) -> None:

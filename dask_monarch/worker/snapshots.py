@@ -57,6 +57,13 @@ def take(
     return torch.tensor(number, dtype=torch.int64)
 
 
+@rank_function
+def differing(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Which of ``tensors`` differ across the ranks of ``group`` (digests compared)."""
+    everyone = exchange(group, digests([t.detach() for t in tensors]))
+    return torch.tensor([len({d[i] for d in everyone}) > 1 for i in range(len(tensors))])
+
+
 def _mine(key: str) -> tuple[int, list[torch.Tensor]]:
     with _lock:
         return _held.get(key, (NONE, []))

@@ -99,7 +99,7 @@ def test_run_steps_without_faults_drops_its_snapshots(client):
 
 
 def test_run_steps_refuses_state_that_is_not_replicated_before_it_is_needed(client):
-    with pytest.raises(dm.RemoteException, match=r"the state is not replicated: \['state.mine'\]"):
+    with pytest.raises(ValueError, match=r"the state is not replicated: \['state.mine'\]"):
         dm.run_steps(
             _step,
             4,
@@ -107,3 +107,21 @@ def test_run_steps_refuses_state_that_is_not_replicated_before_it_is_needed(clie
             setup=_job,
             state=lambda job: {"w": job["w"], "mine": job["mine"]},
         )
+
+
+def test_run_steps_leaves_out_generators_that_differ_with_a_warning(client):
+    def setup(mesh):
+        with mesh.activate():  # each rank seeds its generator with its own number
+            dm.remote(lambda r: torch.manual_seed(int(r)), propagate="inspect")(mesh.rank("dp"))
+            return {"mesh": mesh, "w": torch.zeros(4)}
+
+    with pytest.warns(RuntimeWarning, match="random generators differ"):
+        run = dm.run_steps(
+            _step,
+            2,
+            mesh=lambda: dm.device_mesh(client, dp=2),
+            setup=setup,
+            state=lambda job: {"w": job["w"]},
+        )
+    assert dm.inspect(run.job["w"]).tolist() == [1.0] * 4
+    run.mesh.exit()
