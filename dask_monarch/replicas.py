@@ -248,8 +248,9 @@ def run_steps(
 
     ``mesh()`` makes the mesh and ``setup(mesh)`` the job on it (again after a
     loss); ``state(job)`` is its replicated state (a pytree as
-    ``dm.checkpoint`` takes it), snapshotted after every step with the ranks'
-    random generators; ``load(job, state)`` finishes a restore (an optimizer's
+    ``dm.checkpoint`` takes it, equal on every rank: checked), snapshotted after
+    every step with the ranks' random generators (when they are seeded alike;
+    else without, and a warning); ``load(job, state)`` finishes a restore (an optimizer's
     ``load_state_dict``). A step must depend only on the state and ``i``: after a
     lost rank the job is rebuilt on a new mesh, restored from a survivor's
     snapshot and the steps since run again, with a ``RuntimeWarning``.
