@@ -73,9 +73,12 @@ _NAMES = {
     "OpaqueRef": "opaque_ref",
     "grad_generator": "gradients",
     "ddp_hooks": "gradients",
+    "elastic": "recovery",
+    "run_steps": "replicas",
+    "StepRun": "replicas",
     "DDPHooks": "gradients",
 }
-_MODULES = ("messages", "ndslice", "random", "debug")
+_MODULES = ("messages", "ndslice", "random", "debug", "checkpoint")
 
 __all__ = sorted([*_NAMES, *_MODULES])
 

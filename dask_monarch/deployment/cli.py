@@ -6,6 +6,7 @@
     dask-monarch run --ranks 4 --device cpu train.py
     dask-monarch run --scheduler-file sched.json train.py    # an existing Dask cluster
     dask-monarch run --tls-temporary train.py                # everything over tls://
+    dask-monarch run --max-restarts 3 train.py               # again after a lost rank
     dask-monarch info --scheduler-file sched.json            # its ranks: workers, resources, GPUs
     dask-monarch debug --scheduler-file sched.json           # ranks paused in breakpoint(): attach
     dask-monarch worker tcp://sched:8786 --first-rank 0      # a rank worker per GPU of this node
@@ -40,6 +41,11 @@ SCRIPT runs as __main__ with sys.argv = [SCRIPT, *ARGS] (or as a module with
 -m). Exit status: the script's own; 1 if it raised; 3 if it raised
 dask_monarch.RemoteException (the remote traceback is printed); 4 for
 dask_monarch.DeviceException.
+
+With --max-restarts N, a run that ends with DeviceException (a lost rank)
+runs again once the cluster has its ranks back, up to N times: the script
+resumes from its own checkpoint (dask_monarch.checkpoint) and reads the
+restart count from DASK_MONARCH_RESTART (0 first).
 """
 
 
@@ -105,6 +111,14 @@ def cli() -> None:
     help="Level of the dask_monarch loggers in this process (workers: the dask "
     "config 'logging', or dask_monarch.logs.forward_worker_logs).",
 )
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Run SCRIPT again, up to this many times, when its mesh breaks (DeviceException); "
+    "it resumes from its own checkpoint. DASK_MONARCH_RESTART holds the count (0 first).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No information lines on stderr.")
 @click.option(
     "--tls-ca-file",
@@ -142,6 +156,7 @@ def run(
     progress: bool | None,
     as_module: bool,
     log_level: str | None,
+    max_restarts: int,
     quiet: bool,
     tls_ca_file: str | None,
     tls_cert: str | None,
@@ -193,6 +208,7 @@ def run(
             progress=progress,
             say=say,
             security=security,
+            max_restarts=max_restarts,
         )
     except runner.SetupError as e:
         raise click.ClickException(str(e)) from None

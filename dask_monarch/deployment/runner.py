@@ -11,6 +11,11 @@ a module with ``-m``. Processes spawned while it runs (a restarted rank of
 the embedded cluster, for one) do not re-import it, so a script needs no
 ``if __name__ == "__main__":`` guard for dask_monarch's sake.
 
+With ``max_restarts`` (``--max-restarts N``), a run whose mesh broke (status
+4) runs again, up to N times, once the cluster has its ranks again
+(:mod:`.restarts`): the script resumes from its own checkpoint, and reads
+which run it is from ``DASK_MONARCH_RESTART`` (0 first; set for every run).
+
 Exit status: the script's own (``sys.exit``); 0 when it returns; 1 when it
 raises; 3 for a :class:`dask_monarch.RemoteException` (a remote function
 failed: its remote traceback is printed) and 4 for a
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import itertools
 import logging
 import os
 import sys
@@ -65,6 +71,7 @@ def run(
     progress: bool = False,
     say: Callable[[str], None] = lambda text: None,
     security: Security | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``script`` on an existing cluster, or on an embedded one; return its exit status.
 
@@ -72,9 +79,14 @@ def run(
     for ``ranks`` workers); otherwise a LocalMeshCluster of ``ranks``
     ``device`` ranks starts here and closes at the end. ``say`` receives the
     information lines (where the cluster and its dashboard are). ``security``
-    (:func:`security_for`): every comm is ``tls://``.
+    (:func:`security_for`): every comm is ``tls://``. ``max_restarts``: a run
+    that ends with a broken mesh (exit status 4) runs again, up to this many
+    times, once the cluster has as many workers as at the start
+    (:mod:`.restarts`; the script reads ``DASK_MONARCH_RESTART``).
     """
+    from ..controller.session import live_sessions
     from ..observability.progress import ProgressLine
+    from . import restarts
     from .cluster_info import dashboard_note
 
     with contextlib.ExitStack() as stack:
@@ -95,18 +107,39 @@ def run(
                 f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
                 f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link)
             )
-        line = ProgressLine(sys.stderr) if progress else None
-        if line is not None:
-            line.start()
-        try:
-            code = run_script(script, args, as_module=as_module)
-        finally:
+        embedded = client.cluster is not None and hasattr(client.cluster, "n_ranks")
+        n = client.cluster.n_ranks if embedded else ranks or len(client.scheduler_info()["workers"])
+        for restart in itertools.count():
+            restarts.set_run(restart)
+            line = ProgressLine(sys.stderr) if progress else None
             if line is not None:
-                line.stop()
-        if code != EXIT_INTERRUPTED:
+                line.start()
+            caught: list[BaseException] = []
+            try:
+                code = run_script(script, args, as_module=as_module, caught=caught)
+            finally:
+                if line is not None:
+                    line.stop()
+            if code == EXIT_INTERRUPTED:
+                break
+            cause = restarts.restart_cause(caught[0]) if caught and code == EXIT_DEVICE else None
+            if cause is not None:  # told already: close its meshes quietly
+                restarts.close_sessions([s for s in live_sessions() if s.controller.broken])
             code = _exit_meshes(code, sys.stderr)
             _close_controllers()
-            return code
+            if cause is None or restart >= max_restarts:
+                if restart:
+                    say(f"the script ran {restart + 1} times ({restart} restarts)")
+                return code
+            say(
+                f"the mesh broke ({restarts.describe(cause)}): restart {restart + 1} of "
+                f"{max_restarts}; waiting for {n} ranks"
+            )
+            try:
+                restarts.wait_for_ranks(client, n, say)
+            except TimeoutError as e:
+                say(f"not restarting: {e}")
+                return code
         with _second_interrupt_exits():  # the cluster closes now, quietly and promptly
             _quiet_dask(client, embedded=client.cluster is not None)
             _close_controllers(drain=False)
@@ -301,13 +334,19 @@ def _second_interrupt_exits() -> Iterator[None]:
 
 
 def run_script(
-    script: str, args: Sequence[str], *, as_module: bool = False, stderr: TextIO | None = None
+    script: str,
+    args: Sequence[str],
+    *,
+    as_module: bool = False,
+    stderr: TextIO | None = None,
+    caught: list[BaseException] | None = None,
 ) -> int:
     """Run ``script`` like ``python script args`` (or ``python -m``); return an exit status.
 
     Exceptions are printed like Python prints them (without this module's
     frames); a RemoteException also gets its remote traceback, and the
     status says which kind of failure it was (see the module docstring).
+    ``caught`` receives the exception the script ended with, if any.
     """
     stderr = stderr or sys.stderr
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -336,6 +375,8 @@ def run_script(
         stderr.flush()
         return EXIT_INTERRUPTED
     except BaseException as e:
+        if caught is not None:
+            caught.append(e)
         return report_exception(e, stderr)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path

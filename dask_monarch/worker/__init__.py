@@ -44,8 +44,18 @@ from .plugin import (
     trace_start,
 )
 
+
+def drop_snapshots(key: str) -> None:
+    """``Client.run`` target: forget the snapshot of ``dm.run_steps`` job ``key`` on this
+    worker (worker/snapshots.py; imported here only when called: it needs torch)."""
+    from .snapshots import drop
+
+    drop(key)
+
+
 __all__ = [
     "PLUGIN_NAME",
+    "drop_snapshots",
     "breakpoints_suppressed",
     "MonarchWorkerPlugin",
     "cancel_controller",

@@ -456,3 +456,23 @@ def test_a_ddp_hooks_training_step_equals_the_local_one(gpu_client):
             assert torch.equal(g0, g1) and torch.allclose(g0, e, atol=1e-5)
     finally:
         mesh.exit()
+
+
+def test_checkpoints_of_cuda_tensors_staged_on_their_own_stream(gpu_client, tmp_path):
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            x = torch.rand(1 << 20, device="cuda")
+            first = dm.inspect(x[:4])
+        future = dm.checkpoint.save({"x": x}, tmp_path, asynchronous=True)
+        with mesh.activate():
+            x.mul_(2)  # after the copy to host memory, while it is written
+        future.result()
+        with mesh.activate():
+            y = torch.zeros(1 << 20, device="cuda")
+        dm.checkpoint.load({"x": y}, tmp_path)
+        with mesh.activate():
+            assert y.device.type == "cuda" and torch.equal(dm.inspect(y[:4]), first)
+            assert torch.equal(dm.inspect(x[:4]), first * 2)
+    finally:
+        mesh.exit()

@@ -37,6 +37,7 @@ API_NAMES = [
     "ddp_hooks",
     "span",
     "MeshFuture",
+    "checkpoint",
 ]
 
 
@@ -51,6 +52,7 @@ def test_every_public_name_survives_importing_every_submodule():
     assert callable(dm.device_mesh) and callable(dm.compile) and callable(dm.remote)
     for name in ("manual_seed", "get_state", "set_state", "new_state", "seed_stream"):
         assert callable(getattr(dm.random, name))
+    assert callable(dm.checkpoint.save) and callable(dm.checkpoint.load)
 
 
 def test_mesh_tensor_and_controller_methods():

@@ -152,3 +152,35 @@ def test_a_training_step_with_ddp_hooks_and_the_debugger(hmesh):
         for rank in hmesh.ranks:
             dm.debug.attach(rank, ["p values[0].shape", "c"], echo=False)
         assert dm.inspect(x.sum(), gpu=1).item() == 64.0
+
+
+def test_checkpoints_and_run_steps(hmesh, hardened_client, tmp_path):
+    with hmesh.activate():
+        x = torch.arange(4.0)
+        mine = hmesh.rank("gpu").float().reshape(1)
+    dm.checkpoint.save({"x": x, "mine": mine, "n": 3}, tmp_path)
+    future = dm.checkpoint.save({"x": x, "mine": mine, "n": 4}, tmp_path, asynchronous=True)
+    future.result()
+    with hmesh.activate():
+        back = {"x": torch.zeros(4), "mine": torch.zeros(1), "n": 0}
+    dm.checkpoint.load(back, tmp_path)
+    assert back["n"] == 4 and dm.inspect(back["mine"], gpu=1).tolist() == [1.0]
+
+    def setup(mesh):
+        with mesh.activate():
+            dm.random.manual_seed(0)  # generators alike: they are part of the snapshots
+            return {"mesh": mesh, "w": torch.zeros(2)}
+
+    def step(job, i):
+        with job["mesh"].activate():
+            job["w"].add_(i)
+
+    run = dm.run_steps(
+        step,
+        3,
+        mesh=lambda: dm.device_mesh(hardened_client, gpu=2),
+        setup=setup,
+        state=lambda job: {"w": job["w"]},
+    )
+    assert dm.inspect(run.job["w"]).tolist() == [3.0, 3.0]
+    run.mesh.exit()

@@ -1,0 +1,88 @@
+"""Running a job again after its mesh broke: ``dask-monarch run --max-restarts`` and ``dm.elastic``.
+
+As under torchrun, a job that keeps checkpoints survives a lost rank by
+running again from the start: it makes a new mesh and resumes from its
+latest checkpoint. Between two runs the meshes the failed run left open are
+closed, and the cluster gets time to bring the rank back (a nanny restarts a
+killed worker; a supervisor a host's; or a spare worker is there already).
+``DASK_MONARCH_RESTART`` tells the job which run it is (0 first).
+
+Only a broken mesh (:class:`~dask_monarch.DeviceException`: a lost worker, a
+rank that stopped answering) is a reason to run again; a failure of the
+user's own code (:class:`~dask_monarch.RemoteException`, any other
+exception) would fail again the same way, and ends the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import config
+from ..exceptions import DeviceException, RemoteException
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from ..controller.session import Session
+
+ENV = "DASK_MONARCH_RESTART"
+logger = logging.getLogger("dask_monarch.restarts")
+
+
+def restart_cause(exc: BaseException) -> DeviceException | None:
+    """The broken mesh that ``exc`` comes from, or None when it is the user's own failure.
+
+    Follows ``__cause__``/``__context__``: a RemoteException met first (the
+    user's code failed, perhaps while a mesh was breaking) is not a reason.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RemoteException):
+            return None
+        if isinstance(exc, DeviceException):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def set_run(restart: int) -> None:
+    """Tell the job which run this is (``DASK_MONARCH_RESTART``, 0 first)."""
+    os.environ[ENV] = str(restart)
+
+
+def close_sessions(sessions: list[Session]) -> None:
+    """Close meshes a failed run left open, their failures already told: a broken one as it
+    is (its controller released its ranks when it broke; asking them to cancel would wait
+    on the lost one), one still working released at once (``exit(cancel=True)``)."""
+    for session in sessions:
+        if session.closed:
+            continue
+        with contextlib.suppress(Exception):
+            session.exit(cancel=session.controller.broken is None)
+
+
+def wait_for_ranks(client: Client, n: int, say: Callable[[str], None]) -> None:
+    """Wait until ``n`` workers are registered (``elastic.wait-for-ranks``); raise
+    TimeoutError saying how many came back otherwise."""
+    timeout = config.seconds("elastic.wait-for-ranks") or 300
+    start = time.monotonic()
+    try:
+        client.wait_for_workers(n, timeout=timeout)
+    except TimeoutError:
+        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        raise TimeoutError(
+            f"waited {timeout:g}s for {n} ranks to run again, {have} came back "
+            "(dask_monarch.elastic.wait-for-ranks)"
+        ) from None
+    say(f"{n} ranks are up after {time.monotonic() - start:.1f}s; running again")
+
+
+def describe(cause: DeviceException) -> str:
+    """One line of a broken mesh's cause (its first line)."""
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
