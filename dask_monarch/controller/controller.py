@@ -44,6 +44,7 @@ from distributed import Client, wait
 
 from .. import config
 from ..exceptions import DeviceException, RemoteException
+from ..protocol import source
 from ..protocol.messages import (
     WORKER_MESSAGES,
     ArgsKwargs,
@@ -601,7 +602,7 @@ class Controller:
         ranks = self._ranks(ranks)
         broker = (name, next(self._actor_ids))
         # the class travels by value: only the workers need to import it
-        payload = cloudpickle.dumps((cls, args, kwargs))
+        payload = source.dumps((cls, args, kwargs))  # tracebacks show its lines
         futures = {
             rank: self._client.submit(
                 construct_actor,
