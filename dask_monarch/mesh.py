@@ -281,9 +281,9 @@ class DeviceMesh:
         return f"DeviceMesh({dims})"
 
     def _label(self) -> str:
-        """The repr and the id of the mesh's controller: tells two ``DeviceMesh(gpu=2)`` apart
-        (the id is the one the dashboard and the logs show)."""
-        return f"{self!r} (mesh {self._session.controller.token})"
+        """The repr and the mesh's id: tells two ``DeviceMesh(gpu=2)`` apart (the id that
+        errors, logs, ``dask-monarch debug`` and the dashboard show: ``names.mesh_id``)."""
+        return f"{self!r} (mesh {self._session.controller.mesh_id})"
 
     def __eq__(self, other: object) -> bool:
         return (

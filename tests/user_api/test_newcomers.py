@@ -42,11 +42,34 @@ def test_wrong_mesh_names_both_meshes_with_ids_and_the_shape(client2, mesh2):
         with mesh2.activate(), pytest.raises(TypeError, match="WRONG_MESH") as info:
             x + y
         text = str(info.value)
-        ours, theirs = mesh2._session.controller.token, other._session.controller.token
+        ours, theirs = mesh2._session.controller.mesh_id, other._session.controller.mesh_id
         assert ours in text and theirs in text, text  # two DeviceMesh(gpu=2) told apart
         assert "shape [3, 4]" in text and "to_mesh" in text, text
     finally:
         other.exit()
+
+
+def test_one_id_names_a_mesh_in_reprs_the_cli_and_the_dashboard(client2, mesh2):
+    """(Errors: test_wrong_mesh_names_both_meshes_with_ids_and_the_shape; logs:
+    tests/observability/test_logs.py; the debugger: tests/user_api/test_debugger.py.)"""
+    import json
+    import urllib.request
+
+    from dask_monarch.deployment.cluster_info import describe_cluster
+
+    controller = mesh2._session.controller
+    mesh_id = controller.mesh_id
+    assert mesh_id != controller.token  # the token names tasks; it is not what users read
+    with mesh2.activate():
+        x = torch.ones(2)
+    assert f"(mesh {mesh_id})" in mesh2._label() and mesh_id in repr(controller)
+    assert mesh_id in x._repr_html_()
+    report = describe_cluster(client2.scheduler.address, None)  # dask-monarch info
+    assert all(f"{mesh_id} (rank {i})" in w["meshes"] for i, w in enumerate(report["workers"]))
+    base = client2.dashboard_link.rsplit("/", 1)[0]
+    with urllib.request.urlopen(f"{base}/monarch/state.json", timeout=30) as response:
+        page = json.loads(response.read())
+    assert mesh_id in [c["mesh"] for c in page["controllers"]]
 
 
 @pytest.mark.parametrize(
@@ -268,7 +291,7 @@ def test_html_reprs_of_tensor_and_future(mesh2):
         x = torch.ones(3, 4)
     html = x._repr_html_()
     assert "dask_monarch.Tensor" in html and "[3, 4]" in html
-    assert mesh2._session.controller.token in html and "inspect" in html
+    assert mesh2._session.controller.mesh_id in html and "inspect" in html
     future = dm.fetch_shard(x)
     future.result()
     html = future._repr_html_()
