@@ -289,3 +289,22 @@ def test_cuda_ranks_run_every_segment_on_its_lane(gpu_client):
         assert inlined_segments(gpu_client) == 0
     finally:
         mesh.exit()
+
+
+def test_cuda_on_a_mesh_of_cpu_ranks_names_them():
+    """A client with a GPU, ranks without: refused on the client, naming the ranks."""
+    options = {"env": {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}}
+    with (
+        dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster,
+        Client(cluster) as client,
+    ):
+        mesh = dm.device_mesh(client, gpu=2)
+        try:
+            with mesh.activate():
+                for make in (lambda: torch.ones(2, device="cuda"), lambda: torch.ones(2).cuda()):
+                    with pytest.raises(RuntimeError, match="ranks 0, 1 have no GPU") as info:
+                        make()
+                    assert "device='cpu'" in str(info.value)
+                assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]
+        finally:
+            mesh.exit()

@@ -73,6 +73,28 @@ def test_one_id_names_a_mesh_in_reprs_the_cli_and_the_dashboard(client2, mesh2):
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(2, device="cuda"),
+        lambda: torch.ones(2).cuda(),
+        lambda: torch.ones(2).to("cuda"),
+    ],
+    ids=["device=cuda", ".cuda()", ".to(cuda)"],
+)
+def test_cuda_on_a_mesh_of_cpu_ranks_names_them_and_says_what_to_do(mesh2, make):
+    from dask_monarch.tensor import cpu_ranks
+
+    assert cpu_ranks(mesh2) == [0, 1]  # the shared cluster's ranks are CPU ranks
+    with mesh2.activate(), pytest.raises(RuntimeError) as info:
+        make()
+    text = str(info.value)
+    assert "ranks 0, 1 have no GPU" in text and mesh2._session.controller.mesh_id in text, text
+    assert "device='cpu'" in text and "LocalMeshCluster(device='cuda')" in text, text
+    with mesh2.activate():
+        assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]  # the mesh is fine
+
+
+@pytest.mark.parametrize(
     "convert", [np.asarray, lambda t: t.numpy(), lambda t: t.tolist(), np.array]
 )
 def test_local_conversions_fetch_visibly_or_point_to_inspect(mesh2, convert, monkeypatch):

@@ -1,0 +1,54 @@
+"""``dask-monarch run`` as a newcomer first meets it: on a CPU host, from a terminal.
+
+The embedded cluster's size follows the hardware (never ``CUDA_VISIBLE_DEVICES``
+alone), and the command says what it is doing while the cluster starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dask_monarch.deployment.workers import visible_gpus
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def dask_monarch(args: list[str], cwd: Path, timeout: float = 240, **env: str):
+    return subprocess.run(
+        [str(BIN / "dask-monarch"), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_visible_gpus_are_what_the_hardware_has_not_what_the_environment_says(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    found = visible_gpus()
+    assert len(found) == min(2, torch.cuda.device_count()), found
+    assert found == ["0", "1"][: len(found)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a host without a GPU")
+def test_run_on_a_cpu_host_with_cuda_visible_devices_starts_cpu_ranks(tmp_path):
+    (tmp_path / "hello.py").write_text(
+        "import torch\nimport dask_monarch as dm\n"
+        "mesh = dm.device_mesh(gpu=2)\n"
+        "with mesh.activate():\n"
+        "    print('value', dm.inspect(torch.ones(2) * 3).tolist())\n"
+        "mesh.exit()\n"
+    )
+    done = dask_monarch(["run", "hello.py"], tmp_path, CUDA_VISIBLE_DEVICES="0")
+    assert done.returncode == 0, done.stderr
+    assert "2 cpu ranks on an embedded cluster" in done.stderr, done.stderr
+    assert "value [3.0, 3.0]" in done.stdout
