@@ -52,3 +52,22 @@ def test_run_on_a_cpu_host_with_cuda_visible_devices_starts_cpu_ranks(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "2 cpu ranks on an embedded cluster" in done.stderr, done.stderr
     assert "value [3.0, 3.0]" in done.stdout
+
+
+def test_a_script_without_the_main_guard_says_where_it_goes(tmp_path):
+    (tmp_path / "unguarded.py").write_text(
+        "from distributed import Client\nimport dask_monarch as dm\n"
+        "cluster = dm.LocalMeshCluster(n_ranks=2, device='cpu')\n"
+        "client = Client(cluster)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "unguarded.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=200,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode != 0
+    assert 'put the code that makes the cluster under `if __name__ == "__main__":`' in done.stderr
+    assert "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
