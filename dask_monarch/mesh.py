@@ -335,6 +335,7 @@ def device_mesh(
     from .controller.session import Session
     from .propagation import Propagator, warm_up
     from .tensor import Tensor
+    from .torch_collectives import install as answer_torch_collectives
 
     if workers is not None and (
         isinstance(workers, (str, int)) or not hasattr(workers, "__iter__")
@@ -373,6 +374,7 @@ def device_mesh(
         distinct_hosts=distinct_hosts,
     )
     serve_gather(client)  # client.gather(mesh_future) gives the value: controller/gather.py
+    answer_torch_collectives()  # torch.distributed.all_reduce(t) points to t.reduce
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

@@ -184,6 +184,12 @@ class Controller:
                 "async code, await the fetches (await dask_monarch.fetch_shard(t)) or run "
                 "the mesh code with asyncio.to_thread"
             )
+        if client.status in ("closing", "closed"):
+            raise ValueError(
+                "this distributed.Client is closed, so no mesh can run on it: make a new "
+                "Client (Client(cluster), Client(address)) and the mesh on it; close a client "
+                "only after mesh.exit()"
+            )
         if type(world_size) is not int or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -231,7 +237,8 @@ class Controller:
         self._watch = ClientWatch(client, self._client_problem, self._tail_futures, self._break)
 
         # settings first: a bad value fails here, before any worker is claimed
-        self._flush_size = int(config.get("flush.size"))
+        self._flush_size = config.integer("flush.size", minimum=1)
+        config.integer("limits.lanes", minimum=1)  # read by the compiler, made after the claim
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
         self._max_age = config.seconds("flush.max-age")
@@ -756,7 +763,7 @@ class Controller:
         """
         self._check_usable()
         if limit is None:
-            limit = int(config.get("trace.max-events", 1_000_000))
+            limit = config.integer("trace.max-events", minimum=0)
         sent = time.time()
         clocks = self._client.run(trace_start, self.token, limit, workers=list(self.workers))
         back = time.time()

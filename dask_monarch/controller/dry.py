@@ -102,7 +102,7 @@ class DryController:
         self.first_id = first_id  # ref and stream ids below it existed before the dry run
         self._futures = futures  # the session's fetch futures: failed at once
         self._compiler = Compiler(self.token, [f"dry-{r}" for r in range(self.world_size)], {})
-        self._flush_size = int(config.get("flush.size"))
+        self._flush_size = config.integer("flush.size", minimum=1)
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._broken: DeviceException | None = None
         self.closed = False

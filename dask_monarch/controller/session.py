@@ -205,6 +205,20 @@ class Capture:
     def tracing(self) -> bool:
         return self.kind == "recording"
 
+    def no_fetch(self, what: str = "dm.inspect") -> RuntimeError:
+        """Why ``what`` (a fetch) cannot run while messages are held back: nothing has run."""
+        if self.tracing:
+            return RuntimeError(
+                f"{what} inside a dm.compile function: a recording replays on the ranks "
+                "without the client, so it cannot hand values back; return the tensor and "
+                "fetch it after the call (y = step(x); dask_monarch.inspect(y))"
+            )
+        return RuntimeError(
+            f"{what} inside a coalescing() block: the block sends its messages when it ends, "
+            "so nothing of it has run yet; fetch after the block (keep the handle: y = ... "
+            "inside, dask_monarch.inspect(y) after it)"
+        )
+
     def add(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         self.messages.append((ranks, message))
 
@@ -525,7 +539,7 @@ class Session:
         once when the ref ids ``uses`` depend on a known failure. The caller holds the lock
         and has sent what must run first (a borrow's first use)."""
         if self.capture is not None:
-            raise NotImplementedError("NYI: fetching results during a coalescing block")
+            raise self.capture.no_fetch()
         seq, future = self.expect_result(uses, len(ranks))
         self.send(ranks, m.SendValue(seq, None, [], function, args_kwargs, stream))
         self.request_status()

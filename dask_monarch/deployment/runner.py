@@ -202,7 +202,7 @@ def _embedded_client(
     if ranks is None and (device == "cpu" or not visible_gpus()):
         if device == "cuda":
             raise SetupError("--device cuda but no GPU is visible")
-        ranks = int(config.get("cli.cpu-ranks", 2))
+        ranks = config.integer("cli.cpu-ranks", minimum=1)
         device = "cpu" if device == "auto" else device
     try:
         cluster = LocalMeshCluster(

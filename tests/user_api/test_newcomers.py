@@ -95,6 +95,59 @@ def test_cuda_on_a_mesh_of_cpu_ranks_names_them_and_says_what_to_do(mesh2, make)
 
 
 @pytest.mark.parametrize(
+    "call, instead",
+    [
+        (lambda dist, t: dist.all_reduce(t), "t.reduce_"),
+        (lambda dist, t: dist.all_reduce(t, op=dist.ReduceOp.SUM), "t.reduce_"),
+        (lambda dist, t: dist.all_gather([t, t], t), '"stack"'),
+        (lambda dist, t: dist.broadcast(t, src=0), "slice_mesh"),
+        (lambda dist, t: dist.reduce_scatter_tensor(t, t), "scatter=True"),
+    ],
+    ids=["all_reduce", "all_reduce-op", "all_gather", "broadcast", "reduce_scatter_tensor"],
+)
+def test_torch_distributed_on_a_mesh_tensor_points_to_the_mesh_way(mesh2, call, instead):
+    import torch.distributed as dist
+
+    with mesh2.activate():
+        t = torch.ones(2)
+        with pytest.raises(TypeError, match="torch.distributed") as info:
+            call(dist, t)
+    text = str(info.value)
+    assert instead in text and "shape [2]" in text and "process group" in text, text
+    with pytest.raises(ValueError, match="Default process group"):  # local tensors: torch's own
+        dist.all_reduce(torch.ones(2))
+
+
+def test_a_bad_integer_setting_names_the_key_before_any_worker_is_claimed(client2):
+    with dask.config.set({"dask_monarch.flush.size": "lots"}):
+        with pytest.raises(ValueError) as info:
+            dm.device_mesh(client2, gpu=2)
+    text = str(info.value)
+    assert "dask_monarch.flush.size" in text and "DASK_MONARCH__FLUSH__SIZE" in text, text
+    assert "'lots'" in text and "whole number" in text and "int()" not in text, text
+    mesh = dm.device_mesh(client2, gpu=2)  # the workers were not left claimed
+    mesh.exit()
+
+
+def test_inspect_inside_coalescing_says_to_fetch_after_the_block(mesh2):
+    with mesh2.activate():
+        x = torch.ones(2)
+        with pytest.raises(RuntimeError, match=r"inside a coalescing\(\) block") as info:
+            with dm.coalescing():
+                dm.inspect(x + 1)
+        assert "after the block" in str(info.value) and "NYI" not in str(info.value)
+        assert dm.inspect(x).tolist() == [1.0, 1.0]
+
+
+def test_device_mesh_on_a_closed_client_says_make_a_new_one(cluster2):
+    client = Client(cluster2, set_as_default=False)
+    client.close()
+    with pytest.raises(ValueError, match="Client is closed") as info:
+        dm.device_mesh(client, gpu=2)
+    assert "make a new Client" in str(info.value)
+
+
+@pytest.mark.parametrize(
     "convert", [np.asarray, lambda t: t.numpy(), lambda t: t.tolist(), np.array]
 )
 def test_local_conversions_fetch_visibly_or_point_to_inspect(mesh2, convert, monkeypatch):
