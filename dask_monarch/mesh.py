@@ -270,13 +270,14 @@ class DeviceMesh:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
         return (
             f"<div><strong>DeviceMesh</strong>({html.escape(dims)}) on "
-            f"{len(self._ranks)} ranks<table><tr>{head}</tr>{body}</table></div>"
+            f"{len(self._ranks)} ranks, mesh {self._session.controller.mesh_id}"
+            f"<table><tr>{head}</tr>{body}</table></div>"
         )
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
         ranks = self._ranks
-        if ranks != tuple(range(len(ranks))):  # a sub-mesh: say which ranks it holds
+        if ranks != self._session.world:  # a sub-mesh (one rank too): say which ranks it holds
             dims += f", ranks={list(ranks)}" if dims else f"ranks={list(ranks)}"
         return f"DeviceMesh({dims})"
 

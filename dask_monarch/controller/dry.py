@@ -99,6 +99,8 @@ class DryController:
         self.workers = real.workers  # the mesh's display (to_table) still names them
         self.backend = real.backend
         self.token = f"{real.token}-dry"
+        self.mesh_id = real.mesh_id  # errors in a dry run name the mesh as the real run would
+        self.devices = real.devices  # what a CUDA op is checked against (tensor.cpu_ranks)
         self.first_id = first_id  # ref and stream ids below it existed before the dry run
         self._futures = futures  # the session's fetch futures: failed at once
         self._compiler = Compiler(self.token, [f"dry-{r}" for r in range(self.world_size)], {})

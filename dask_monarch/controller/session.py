@@ -16,6 +16,7 @@ one class.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import functools
 import gc
@@ -266,6 +267,32 @@ _live: weakref.WeakSet = weakref.WeakSet()  # its controller's listener keeps a 
 def live_sessions() -> list[Session]:
     """The user-API meshes of this process not exited yet (``dask-monarch run`` exits them)."""
     return [s for s in list(_live) if not s.closed]
+
+
+@atexit.register
+def _exit_at_interpreter_exit() -> None:
+    """A program that ends without ``mesh.exit()`` (``python train.py``): its meshes are
+    exited here, their work drained for up to ``timeouts.close``, and a failure nobody
+    fetched is written on stderr instead of lost. Registered after the controllers' own exit
+    hook, so it runs before it (and before distributed's: the client still works). Under
+    ``dask-monarch run`` the meshes were exited already, and the exit status says so."""
+    timeout = config.seconds("timeouts.close") or 0.0
+    for session in live_sessions():
+        try:
+            session.exit(timeout=timeout)
+            continue
+        except RemoteException as e:
+            failure: RemoteException | None = e
+        except Exception:  # broken or closed: a failure that arrived before still counts
+            failure = next(iter(session._unobserved.values()), None)
+        if failure is not None:
+            sys.stderr.write(
+                f"dask_monarch: the program ended with a failure nobody fetched, on mesh "
+                f"{session.controller.mesh_id}, which no mesh.exit() ended:\n{failure}\n"
+                "(fetch results with dask_monarch.inspect, or call mesh.exit() at the end, to "
+                "see failures where they happen)\n"
+            )
+            sys.stderr.flush()
 
 
 class Session:

@@ -71,3 +71,67 @@ def test_a_script_without_the_main_guard_says_where_it_goes(tmp_path):
     assert done.returncode != 0
     assert 'put the code that makes the cluster under `if __name__ == "__main__":`' in done.stderr
     assert "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
+
+
+def test_run_on_a_terminal_says_what_starts_and_shows_the_ranks_coming_up(tmp_path):
+    """The embedded cluster takes seconds to start (every rank imports torch): a line says
+    what starts, and on a terminal a progress line counts the worker processes and ranks."""
+    import pty
+    import select
+
+    (tmp_path / "hello.py").write_text("print('hello from the script')\n")
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "hello.py"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([leader], [], [], 1)
+        if ready:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the terminal closed with the process
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif process.poll() is not None:
+            break
+    os.close(leader)
+    assert process.wait(timeout=60) == 0
+    raw = b"".join(chunks).decode(errors="replace")
+    first = raw.index("dask-monarch: starting an embedded cluster of 2 cpu ranks")
+    assert first < raw.index("2 cpu ranks on an embedded cluster at"), raw
+    frames = [f for f in raw.split("\r") if f.startswith("dask-monarch: starting 2 cpu ranks:")]
+    assert frames and any("worker processes starting" in f for f in frames), raw[:3000]
+    assert "hello from the script" in raw
+
+
+def test_a_python_script_without_mesh_exit_reports_the_failure_nobody_fetched(tmp_path):
+    (tmp_path / "forgot_exit.py").write_text(
+        "import torch\nfrom distributed import Client\nimport dask_monarch as dm\n\n\n"
+        "def normalise(x):\n    raise ValueError('a batch of zeros')\n\n\n"
+        'if __name__ == "__main__":\n'
+        "    client = Client(dm.LocalMeshCluster(n_ranks=2, device='cpu'))\n"
+        "    mesh = dm.device_mesh(client, gpu=2)\n"
+        "    with mesh.activate():\n"
+        "        dm.remote(normalise, propagate=lambda x: x)(torch.ones(2))\n"
+        "    print('script done')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "forgot_exit.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=200,
+        stdin=subprocess.DEVNULL,
+    )
+    assert "script done" in done.stdout, done.stderr
+    assert "failure nobody fetched" in done.stderr, done.stderr
+    assert "raise ValueError('a batch of zeros')" in done.stderr  # the remote traceback
+    assert "mesh.exit()" in done.stderr

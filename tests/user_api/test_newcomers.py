@@ -147,6 +147,15 @@ def test_device_mesh_on_a_closed_client_says_make_a_new_one(cluster2):
     assert "make a new Client" in str(info.value)
 
 
+def test_slices_print_their_ranks(mesh):
+    assert repr(mesh) == "DeviceMesh(host=2, gpu=2)"
+    assert repr(mesh.slice(host=0)) == "DeviceMesh(gpu=2, ranks=[0, 1])"
+    assert repr(mesh.slice(host=1)) == "DeviceMesh(gpu=2, ranks=[2, 3])"
+    assert repr(mesh.slice(host=0, gpu=0)) == "DeviceMesh(ranks=[0])"
+    assert repr(mesh.rename(host="dp")) == "DeviceMesh(dp=2, gpu=2)"  # the whole mesh
+    assert mesh._session.controller.mesh_id in mesh.slice(host=0)._repr_html_()
+
+
 @pytest.mark.parametrize(
     "convert", [np.asarray, lambda t: t.numpy(), lambda t: t.tolist(), np.array]
 )
