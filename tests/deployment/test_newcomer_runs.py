@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from terminal import run_on_a_terminal
 
 from dask_monarch.deployment.workers import visible_gpus
 
@@ -28,6 +29,18 @@ def dask_monarch(args: list[str], cwd: Path, timeout: float = 240, **env: str):
         cwd=cwd,
         env={**os.environ, **env},
         timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def python(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python SCRIPT`` as a user runs it, in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, script],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=200,
         stdin=subprocess.DEVNULL,
     )
 
@@ -60,14 +73,7 @@ def test_a_script_without_the_main_guard_says_where_it_goes(tmp_path):
         "cluster = dm.LocalMeshCluster(n_ranks=2, device='cpu')\n"
         "client = Client(cluster)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "unguarded.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=200,
-        stdin=subprocess.DEVNULL,
-    )
+    done = python("unguarded.py", tmp_path)
     assert done.returncode != 0
     assert 'put the code that makes the cluster under `if __name__ == "__main__":`' in done.stderr
     assert "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
@@ -76,35 +82,11 @@ def test_a_script_without_the_main_guard_says_where_it_goes(tmp_path):
 def test_run_on_a_terminal_says_what_starts_and_shows_the_ranks_coming_up(tmp_path):
     """The embedded cluster takes seconds to start (every rank imports torch): a line says
     what starts, and on a terminal a progress line counts the worker processes and ranks."""
-    import pty
-    import select
-
     (tmp_path / "hello.py").write_text("print('hello from the script')\n")
-    leader, follower = pty.openpty()
-    process = subprocess.Popen(
-        [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "hello.py"],
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        stdout=follower,
-        stderr=follower,
+    code, raw = run_on_a_terminal(
+        [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "hello.py"], tmp_path
     )
-    os.close(follower)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([leader], [], [], 1)
-        if ready:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # the terminal closed with the process
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif process.poll() is not None:
-            break
-    os.close(leader)
-    assert process.wait(timeout=60) == 0
-    raw = b"".join(chunks).decode(errors="replace")
+    assert code == 0, raw
     first = raw.index("dask-monarch: starting an embedded cluster of 2 cpu ranks")
     assert first < raw.index("2 cpu ranks on an embedded cluster at"), raw
     frames = [f for f in raw.split("\r") if f.startswith("dask-monarch: starting 2 cpu ranks:")]
@@ -123,14 +105,7 @@ def test_a_python_script_without_mesh_exit_reports_the_failure_nobody_fetched(tm
         "        dm.remote(normalise, propagate=lambda x: x)(torch.ones(2))\n"
         "    print('script done')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "forgot_exit.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=200,
-        stdin=subprocess.DEVNULL,
-    )
+    done = python("forgot_exit.py", tmp_path)
     assert "script done" in done.stdout, done.stderr
     assert "failure nobody fetched" in done.stderr, done.stderr
     assert "raise ValueError('a batch of zeros')" in done.stderr  # the remote traceback
