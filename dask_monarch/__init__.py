@@ -19,8 +19,13 @@ knows) and ``implicit_fetch`` (values Python asks for); ``stream`` and
 (``dm.remote``); ``opaque_ref``; ``actor_mesh`` (``mesh.spawn``); ``pipe``;
 ``coalesce`` and ``compiled`` (``coalescing``, ``compile``); ``gradients``
 (``grad_generator``, ``ddp_hooks``); ``random``; ``spans``, ``tracing``,
-``dry`` and ``debug`` (``span``, ``trace``, ``dry_run``, ``breakpoint``).
-Beside them: ``config`` (settings), ``exceptions``, and the public paths
+``dry`` and ``debug`` (``span``, ``trace``, ``dry_run``, ``breakpoint``);
+``checkpoint`` (``checkpoint.save``, ``checkpoint.load``) over ``state_tree``
+(training state as paths); ``replicas`` (``run_steps``: in-job recovery) and
+``recovery`` (``elastic``: restarts from a notebook); ``torch_collectives``
+(``torch.distributed`` calls on mesh tensors, refused with the mesh's way).
+Beside them: ``config`` (settings), ``exceptions``, ``dask_internals`` (the
+private parts of distributed used, checked once), and the public paths
 ``messages``, ``ndslice``, ``logs``, ``dashboard`` and ``preload`` of modules
 that live in the layers below (``protocol``, ``controller``, ``worker``,
 ``deployment``, ``observability``; docs/architecture.md).
@@ -83,7 +88,7 @@ _MODULES = ("messages", "ndslice", "random", "debug", "checkpoint")
 __all__ = sorted([*_NAMES, *_MODULES])
 
 if TYPE_CHECKING:  # what IDEs and type checkers see: the same names as _NAMES and _MODULES
-    from . import debug, messages, ndslice, random
+    from . import checkpoint, debug, messages, ndslice, random
     from .borrows import Borrow
     from .coalesce import coalescing
     from .collectives import reduce, reduce_
@@ -106,7 +111,9 @@ if TYPE_CHECKING:  # what IDEs and type checkers see: the same names as _NAMES a
     from .mesh import DeviceMesh, RemoteProcessGroup, device_mesh
     from .opaque_ref import OpaqueRef
     from .pipe import Pipe, create_pipe
+    from .recovery import elastic
     from .remote_function import Remote, remote
+    from .replicas import StepRun, run_steps
     from .spans import span
     from .stream import Stream, get_active_stream
     from .tensor import Tensor, no_mesh

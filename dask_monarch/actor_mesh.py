@@ -56,7 +56,7 @@ class ActorMesh:
         stream = get_active_stream()
         self._refuse_tracing()
         if session.capture is not None:
-            raise NotImplementedError("NYI: fetching results during a coalescing block")
+            raise session.capture.no_fetch(f"an actor call ({method})")
         message = self._message(method, handles, local_args, local_kwargs)
         with session.lock:
             stream_ref = session.stream_ref(stream)

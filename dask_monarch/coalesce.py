@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def coalescing(mesh: DeviceMesh | None = None) -> Iterator[None]:
     """Inside the block, messages are held back; at its end each rank gets one CommandGroup.
 
-    Fetching inside the block is not possible (``NotImplementedError``).
+    Fetching inside the block is refused (``RuntimeError``): nothing of it has run yet.
     """
     mesh = mesh or active_mesh()
     if mesh is None:

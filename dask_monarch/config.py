@@ -45,10 +45,8 @@ def seconds(key: str) -> float | None:
         return parse_timedelta(value, default="s")
     except (KeyError, ValueError, TypeError):
         raise ValueError(
-            f"the setting dask_monarch.{key} (environment: "
-            f"DASK_MONARCH__{key.upper().replace('.', '__').replace('-', '_')}) is "
-            f"{value!r}, which is not a duration: give seconds (0.5) or a duration with a "
-            "unit ('5ms', '2s', '1 minute'), or null where the setting allows it"
+            f"{_setting(key)} is {value!r}, which is not a duration: give seconds (0.5) or a "
+            "duration with a unit ('5ms', '2s', '1 minute'), or null where the setting allows it"
         ) from None
 
 
@@ -60,6 +58,26 @@ def timeout(value: Any, where: str) -> float:
     if not value >= 0:  # NaN too
         raise ValueError(f"{where}: timeout must be zero or more seconds, got {value!r}")
     return float(value)
+
+
+def integer(key: str, minimum: int | None = None) -> int:
+    """A whole-number setting (``flush.size``), from YAML or an environment variable's text."""
+    value = get(key)
+    number = None
+    if type(value) is int or (type(value) is float and value.is_integer()):
+        number = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        number = int(value)
+    if number is None or (minimum is not None and number < minimum):
+        least = f" of at least {minimum}" if minimum is not None else ""
+        raise ValueError(f"{_setting(key)} is {value!r}, which is not a whole number{least}")
+    return number
+
+
+def _setting(key: str) -> str:
+    """How an error names setting ``key``: its name and its environment variable."""
+    variable = f"DASK_MONARCH__{key.upper().replace('.', '__').replace('-', '_')}"
+    return f"the setting dask_monarch.{key} (environment: {variable})"
 
 
 _frozen = False

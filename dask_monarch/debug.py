@@ -21,6 +21,7 @@ from typing import Any
 from .controller.debugging import Paused, drive, wait_for
 from .controller.debugging import continue_all as _continue_all
 from .controller.debugging import paused as _paused
+from .controller.session import live_sessions
 from .mesh import DeviceMesh
 from .remote_function import Remote
 from .tensor import Tensor, active_mesh
@@ -65,24 +66,28 @@ def recorded_breakpoints() -> Iterator[None]:
 
 
 def _scope(mesh: DeviceMesh | None, client: Any) -> tuple[Any, str | None]:
-    """The client to ask and the controller token to filter by (None: every controller)."""
+    """The client to ask and the id of the mesh to filter by (None: every mesh)."""
     if mesh is None and client is None:
         mesh = active_mesh()
-        if mesh is None:
-            raise RuntimeError(
-                "no device mesh is active: pass mesh= (or client= for every controller's ranks)"
-            )
+        if mesh is None:  # the pause notice's dm.debug.attach(1), after the `with` block
+            open_ = live_sessions()
+            if len(open_) != 1:
+                raise RuntimeError(
+                    f"no device mesh is active and {len(open_)} are open: pass mesh= (or "
+                    "client= for every mesh's ranks)"
+                )
+            return open_[0].controller.client, open_[0].controller.mesh_id
     if mesh is not None:
         controller = mesh._session.controller
-        return controller.client, controller.token
+        return controller.client, controller.mesh_id
     return client, None
 
 
 def paused(mesh: DeviceMesh | None = None, *, client: Any = None) -> list[Paused]:
     """The lanes of ``mesh``'s controller (default: the active mesh) paused in pdb; with
     ``client=`` only, those of every controller on its cluster."""
-    client, token = _scope(mesh, client)
-    return _paused(client, token)
+    client, mesh_id = _scope(mesh, client)
+    return _paused(client, mesh_id)
 
 
 def attach(
@@ -102,8 +107,8 @@ def attach(
     paused unless one was ``c`` or ``q``. ``echo`` prints the session as it
     goes (the transcript is returned either way).
     """
-    client, token = _scope(mesh, client)
-    target = wait_for(client, token, rank, timeout)
+    client, mesh_id = _scope(mesh, client)
+    target = wait_for(client, mesh_id, rank, timeout)
     write = _print if echo else None
     return drive(client, target, commands if commands is None else list(commands), write)
 
@@ -111,8 +116,8 @@ def attach(
 def continue_all(mesh: DeviceMesh | None = None, *, client: Any = None) -> list[Paused]:
     """Resume (``c``) every paused lane of ``mesh``'s controller (``client=``: of every
     controller); returns those resumed."""
-    client, token = _scope(mesh, client)
-    return _continue_all(client, token)
+    client, mesh_id = _scope(mesh, client)
+    return _continue_all(client, mesh_id)
 
 
 def _print(text: str) -> None:

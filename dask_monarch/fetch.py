@@ -105,7 +105,7 @@ def fetch_value(
     fetch fails at once with what they depend on.
     """
     if session.capture is not None:
-        raise NotImplementedError("NYI: fetching results during a coalescing block")
+        raise session.capture.no_fetch()
     with session.lock:
         stream_ref = session.stream_ref(get_active_stream())
         if args_kwargs is None:

@@ -281,20 +281,21 @@ class DeviceMesh:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
         return (
             f"<div><strong>DeviceMesh</strong>({html.escape(dims)}) on "
-            f"{len(self._ranks)} ranks<table><tr>{head}</tr>{body}</table></div>"
+            f"{len(self._ranks)} ranks, mesh {self._session.controller.mesh_id}"
+            f"<table><tr>{head}</tr>{body}</table></div>"
         )
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
         ranks = self._ranks
-        if ranks != tuple(range(len(ranks))):  # a sub-mesh: say which ranks it holds
+        if ranks != self._session.world:  # a sub-mesh (one rank too): say which ranks it holds
             dims += f", ranks={list(ranks)}" if dims else f"ranks={list(ranks)}"
         return f"DeviceMesh({dims})"
 
     def _label(self) -> str:
-        """The repr and the id of the mesh's controller: tells two ``DeviceMesh(gpu=2)`` apart
-        (the id is the one the dashboard and the logs show)."""
-        return f"{self!r} (mesh {self._session.controller.token})"
+        """The repr and the mesh's id: tells two ``DeviceMesh(gpu=2)`` apart (the id that
+        errors, logs, ``dask-monarch debug`` and the dashboard show: ``names.mesh_id``)."""
+        return f"{self!r} (mesh {self._session.controller.mesh_id})"
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -359,6 +360,7 @@ def device_mesh(
     from .controller.session import Session
     from .propagation import Propagator, warm_up
     from .tensor import Tensor
+    from .torch_collectives import install as answer_torch_collectives
 
     if workers is not None and (
         isinstance(workers, (str, int)) or not hasattr(workers, "__iter__")
@@ -396,6 +398,7 @@ def device_mesh(
         workers=None if workers is None else list(workers),
         distinct_hosts=distinct_hosts,
     )
+    answer_torch_collectives(Tensor)  # torch.distributed.all_reduce(t) points to t.reduce
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

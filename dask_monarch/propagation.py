@@ -266,6 +266,11 @@ class Plan:
 
     kind: str
     outputs: tuple[Output | None, ...]
+    cuda: bool = False  # an output is a CUDA tensor: a mesh with CPU ranks refuses the op
+
+    def __post_init__(self) -> None:
+        cuda = any(o is not None and o.meta[4].type == "cuda" for o in self.outputs)
+        object.__setattr__(self, "cuda", cuda)
 
 
 _warm = False

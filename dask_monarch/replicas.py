@@ -103,7 +103,7 @@ class _Job:
         if not isinstance(self.mesh, DeviceMesh):
             raise TypeError(f"run_steps: mesh() must return a DeviceMesh, got {self.mesh!r}")
         self.sessions = [s for s in live_sessions() if s not in before] or [self.mesh._session]
-        self.client = self.mesh._session.controller._client  # the mesh's Dask client
+        self.client = self.mesh._session.controller.client  # the mesh's Dask client
         self.job = self.setup(self.mesh)
         self.group = self.mesh.process_group(self.mesh.dims)
 

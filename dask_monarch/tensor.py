@@ -250,6 +250,49 @@ class Tensor(torch.Tensor, Handle):
         return self.numel() * self.element_size()
 
 
+def cpu_ranks(mesh: DeviceMesh) -> list[int]:
+    """The ranks of ``mesh`` whose device is the CPU (they have no GPU)."""
+    devices = mesh._session.controller.devices
+    return [r for r in mesh._ranks if not str(devices[r]).startswith("cuda")]
+
+
+def _check_gpus(mesh: DeviceMesh, op: str) -> None:
+    """An op (``torch.ops.aten.ones.default``) that makes CUDA tensors, refused on a mesh with
+    CPU ranks: their torch would fail later ("Torch not compiled with CUDA enabled")."""
+    cpu = cpu_ranks(mesh)
+    if cpu:
+        name = op.rpartition(".")[0].removeprefix("torch.ops.")
+        raise RuntimeError(no_gpu_text(mesh, cpu, f"the op {name}"))
+
+
+def no_gpu_text(mesh: DeviceMesh, cpu: list[int], what: str) -> str:
+    ranks = f"ranks {', '.join(map(str, cpu))} have" if len(cpu) > 1 else f"rank {cpu[0]} has"
+    return (
+        f"{what} asks for CUDA, but {ranks} no GPU on {mesh._label()} (their device is the "
+        "CPU): use device='cpu' (or leave device= out) and no .cuda() on this mesh, or make a "
+        "mesh of GPU workers (LocalMeshCluster(device='cuda'), `dask-monarch run --device "
+        "cuda`, `dask monarch worker` on GPU nodes: docs/deployment.md)"
+    )
+
+
+def _lazy_cuda_init() -> None:
+    """``torch.cuda._lazy_init``, which torch calls before the first CUDA op of a process
+    (before any dispatch): when it fails here (a CPU build of torch, no driver) under an
+    active mesh with CPU ranks, the error says that, not "Torch not compiled with CUDA"."""
+    try:
+        _torch_lazy_cuda_init()
+    except Exception as e:
+        mesh = active_mesh()
+        cpu = cpu_ranks(mesh) if mesh is not None else []
+        if cpu:
+            raise RuntimeError(no_gpu_text(mesh, cpu, "this call")) from e
+        raise
+
+
+_torch_lazy_cuda_init = torch.cuda._lazy_init
+torch.cuda._lazy_init = _lazy_cuda_init  # torch looks it up by name each time
+
+
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     original = getattr(torch.Tensor, name)
     direct = _DIRECT.get(name)
@@ -531,6 +574,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         plan = _plan_from_known(func, info, args, kwargs, handles)
         if plan is None:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
+    if plan.cuda:
+        _check_gpus(mesh, info.function.path)
     how = client_values.kind(info, kwargs, handles, plan)
     session = mesh._session
     with session.lock:

@@ -119,7 +119,7 @@ def _finish(
         try:
             meshes.append(controller.collect_trace())
         except Exception as e:
-            logger.warning("the trace of controller %s is lost: %s", controller.token, e)
+            logger.warning("the trace of mesh %s is lost: %s", controller.mesh_id, e)
             meshes.append([])
     return meshes, error
 

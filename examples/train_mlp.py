@@ -1,12 +1,15 @@
-"""Data-parallel training of a small MLP on a 2x2 mesh, checked against one process.
+"""Data-parallel training of a small MLP on every rank of a cluster, checked against one process.
 
-    dask-monarch run --ranks 4 examples/train_mlp.py --steps 10   # embedded cluster
-    python examples/train_mlp.py                                  # the same, started here
+    dask-monarch run --ranks 4 examples/train_mlp.py --steps 10   # embedded cluster, 4 ranks
+    dask-monarch run examples/train_mlp.py                        # 2 CPU ranks (or a GPU each)
+    dask-monarch run --scheduler-file sched.json examples/train_mlp.py   # an existing cluster
+    python examples/train_mlp.py                                  # 4 ranks, started here
     dask-monarch run --ranks 4 --max-restarts 3 examples/train_mlp.py \
         --checkpoint-dir ckpt --resume                            # survives a lost rank
 
-Every rank builds the same model (same seed) and draws the same full batch,
-then trains on its own quarter of it. Gradients are averaged over both mesh
+Every worker of the cluster becomes a rank of a ``host x gpu`` mesh (2x2 for
+4 ranks, 1x2 for 2). Every rank builds the same model (same seed) and draws
+the same full batch, then trains on its own share of it. Gradients are averaged over both mesh
 dims on a separate "comms" stream: each gradient is borrowed mutably by that
 stream, reduced in place there, and given back. The loss, averaged over the
 mesh, is fetched every few steps. The same training in one local process on
@@ -137,6 +140,15 @@ def train_locally(
     return losses, [p.detach() for p in model.parameters()]
 
 
+def mesh_dims(ranks: int) -> dict[str, int]:
+    """``host x gpu`` sizes for ``ranks`` ranks: two "hosts" when they split evenly."""
+    return (
+        {"host": 2, "gpu": ranks // 2}
+        if ranks >= 4 and ranks % 2 == 0
+        else {"host": 1, "gpu": ranks}
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -157,12 +169,15 @@ def main() -> None:
         cluster = dm.LocalMeshCluster(n_ranks=4, device="auto")
         client = distributed.Client(cluster)
     try:
-        mesh = dm.device_mesh(client, host=2, gpu=2)
+        ranks = len(client.nthreads())  # every worker of the cluster
+        mesh = dm.device_mesh(client, **mesh_dims(ranks))
+        batch_size = max(ranks, 64 - 64 % ranks)  # an equal share per rank
         print(f"training on {mesh} ({mesh.size()} ranks: {mesh.ranks})")
         start = time.perf_counter()
         losses, weights = train_on_mesh(
             mesh,
             steps=args.steps,
+            batch_size=batch_size,
             checkpoint_dir=args.checkpoint_dir,
             resume=args.resume,
             save_every=args.save_every,
@@ -171,7 +186,7 @@ def main() -> None:
         mesh.exit()
         for step, loss in losses:
             print(f"  step {step:3d}  loss {loss:.5f}")
-        local_losses, local_weights = train_locally(steps=args.steps)
+        local_losses, local_weights = train_locally(steps=args.steps, batch_size=batch_size)
         same = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(weights, local_weights))
         local = dict(local_losses)  # a resumed run fetched the losses of its own steps only
         close = all(abs(loss - local[step]) < 1e-4 for step, loss in losses)

@@ -172,7 +172,7 @@ class Compiler:
         self.created: set[tuple[int, int]] = set()  # lanes that exist on their worker
         self.dropped: dict[tuple[int, Any], _LaneTail] = {}  # dropped lanes Exit still follows
         self.lane_counts = [0] * len(resources)  # streams each rank holds a lane for
-        self.max_lanes = int(config.get("limits.lanes", 256))
+        self.max_lanes = config.integer("limits.lanes", minimum=1)
         self.seqs: dict[tuple[int, Any], int] = {}  # (rank, stream) -> the newest seq sent
         self.done = {} if done is None else done  # (rank, lane) -> last segment run
         self.check = Precheck(len(resources), self.done)

@@ -45,6 +45,7 @@ from distributed import Client, wait
 from .. import config
 from .. import dask_internals as internals
 from ..exceptions import DeviceException, RemoteException
+from ..protocol import source
 from ..protocol.messages import (
     WORKER_MESSAGES,
     ArgsKwargs,
@@ -55,6 +56,7 @@ from ..protocol.messages import (
     SetRefUnitTestsOnly,
     StreamRef,
 )
+from ..protocol.names import mesh_id
 from ..protocol.ndslice import Slice
 from ..protocol.wire import ActorCall, DropLane, ExpectResults, ReadRef
 from ..worker import (
@@ -147,7 +149,7 @@ def _close_at_exit() -> None:
         "without waiting for %s work; call mesh.exit() to wait for it",
         len(open_),
         "es were" if len(open_) > 1 else " was",
-        ", ".join(f"controller {c.token}, {c.world_size} ranks" for c in open_),
+        ", ".join(f"mesh {c.mesh_id}, {c.world_size} ranks" for c in open_),
         "their" if len(open_) > 1 else "its",
     )
     for controller in open_:
@@ -189,6 +191,12 @@ class Controller:
                 "async code, await the fetches (await dask_monarch.fetch_shard(t)) or run "
                 "the mesh code with asyncio.to_thread"
             )
+        if client.status in ("closing", "closed"):
+            raise ValueError(
+                "this distributed.Client is closed, so no mesh can run on it: make a new "
+                "Client (Client(cluster), Client(address)) and the mesh on it; close a client "
+                "only after mesh.exit()"
+            )
         if type(world_size) is not int or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
@@ -196,7 +204,8 @@ class Controller:
         internals.require()  # distributed's internals without a fallback, named if missing
         self._client = client
         self.world_size = world_size
-        self.token = uuid.uuid4().hex[:12]
+        self.token = uuid.uuid4().hex[:12]  # names its tasks, lanes and state on the ranks
+        self.mesh_id = mesh_id(self.token)  # what the user reads (names.mesh_id)
         self._lock = threading.Lock()  # the buffer
         self._wake = threading.Event()  # the buffer became non-empty (or the controller closed)
         self._rank_sets: dict = {}  # validated rank tuples, by what send() was given
@@ -236,7 +245,8 @@ class Controller:
         self._watch = ClientWatch(client, self._client_problem, self._tail_futures, self._break)
 
         # settings first: a bad value fails here, before any worker is claimed
-        self._flush_size = int(config.get("flush.size"))
+        self._flush_size = config.integer("flush.size", minimum=1)
+        config.integer("limits.lanes", minimum=1)  # read by the compiler, made after the claim
         self._idle = config.seconds("flush.idle")
         self._min_age = config.seconds("flush.min-age")
         self._max_age = config.seconds("flush.max-age")
@@ -251,7 +261,7 @@ class Controller:
         )
         bookkeeping.install(client)  # the scheduler's record of ran segments stays bounded
         self._liveness = Liveness(
-            self.token,
+            self.mesh_id,
             self.workers,
             self._reports,
             self._progress,
@@ -516,7 +526,7 @@ class Controller:
                     try:
                         self.flush()
                     except Exception as e:  # kept as the failure; raised on the next call
-                        logger.debug("background flush of controller %s failed: %s", self.token, e)
+                        logger.debug("background flush of mesh %s failed: %s", self.mesh_id, e)
                     break
                 time.sleep(wait)
 
@@ -612,7 +622,7 @@ class Controller:
         ranks = self._ranks(ranks)
         broker = (name, next(self._actor_ids))
         # the class travels by value: only the workers need to import it
-        payload = cloudpickle.dumps((cls, args, kwargs))
+        payload = source.dumps((cls, args, kwargs))  # tracebacks show its lines
         futures = {
             rank: self._client.submit(
                 construct_actor,
@@ -785,7 +795,7 @@ class Controller:
         """
         self._check_usable()
         if limit is None:
-            limit = int(config.get("trace.max-events", 1_000_000))
+            limit = config.integer("trace.max-events", minimum=0)
         sent = time.time()
         clocks = self._client.run(trace_start, self.token, limit, workers=list(self.workers))
         back = time.time()
@@ -833,14 +843,14 @@ class Controller:
             return
         from .debugging import announce
 
-        announce(item, self.token, self._client.scheduler.address, from_loop=True)
+        announce(item, self.mesh_id, self._client.scheduler.address, from_loop=True)
 
     def attend_debugger(self) -> bool:
         """In a blocking wait: attach an interactive user to the paused ranks (see
         controller/debugging.py); False if nobody can be asked."""
         from .debugging import attend
 
-        return attend(self._client, self.token, self._reports.debugging, self._attach)
+        return attend(self._client, self.mesh_id, self._reports.debugging, self._attach)
 
     def can_wait_for_ranks(self) -> bool:
         """Whether this thread may block until the ranks progress: not on the client's event
@@ -886,7 +896,7 @@ class Controller:
         if self._broken is not None or self._closed:
             return
         if log:
-            logger.warning("controller %s is broken: %s", self.token, exc)
+            logger.warning("mesh %s is broken: %s", self.mesh_id, exc)
         self._broken = exc
         self._progress.notify_all()
         self._restore_gap()
@@ -909,7 +919,7 @@ class Controller:
                 intake.release(self._client, self.token, None)
                 self._client.unsubscribe_topic(intake.failures_topic(self.token))
             except Exception as e:  # the client is closed: the scheduler dropped its holders
-                logger.debug("controller %s: no release through its client: %r", self.token, e)
+                logger.debug("mesh %s: no release through its client: %r", self.mesh_id, e)
         self._actors.clear()
         self._reports.hang_up()
 
@@ -928,7 +938,7 @@ class Controller:
             try:
                 self.sync(timeout=timeout)
             except Exception as e:
-                logger.info("closing controller %s without draining: %s", self.token, e)
+                logger.info("closing mesh %s without draining: %s", self.mesh_id, e)
         self._closed = True
         self._wake.set()
         with self._progress:
@@ -937,9 +947,7 @@ class Controller:
         try:
             self._client.sync(self._shutdown_async, callback_timeout=2 * SHUTDOWN_TIMEOUT)
         except Exception as e:  # a closed client: its loop may be gone, hang up from here
-            logger.debug(
-                "controller %s could not shut down on the client's loop: %r", self.token, e
-            )
+            logger.debug("mesh %s could not shut down on the client's loop: %r", self.mesh_id, e)
             self._reports.hang_up()
 
     def __enter__(self) -> Controller:
@@ -950,7 +958,7 @@ class Controller:
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
-        return f"<Controller {self.token}: {self.world_size} ranks, {state}>"
+        return f"<Controller of mesh {self.mesh_id}: {self.world_size} ranks, {state}>"
 
 
 def clock_offset(worker_clock: float, sent: float, back: float) -> float:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..protocol.liveness import lane_name
+from ..protocol.names import mesh_id
 from ..protocol.wire import DebuggerPaused
 from ..worker import debug_exchange, list_debug_sessions
 
@@ -41,9 +42,14 @@ class Paused(NamedTuple):
     worker: str
     waiting: bool
 
+    @property
+    def mesh(self) -> str:
+        """The id of the paused rank's mesh, as every message and the dashboard name it."""
+        return mesh_id(self.token)
+
     def describe(self) -> str:
         return (
-            f"rank {self.rank}, {self.stream_title}, seq {self.seq} (controller {self.token}): "
+            f"rank {self.rank}, {self.stream_title}, seq {self.seq} (mesh {self.mesh}): "
             f"at {self.where}"
         )
 
@@ -56,25 +62,27 @@ class Reply(NamedTuple):
     waiting: bool
 
 
-def paused(client: Any, token: str | None = None, rank: int | None = None) -> list[Paused]:
-    """Every lane paused in pdb on the cluster (of controller ``token``, of ``rank``)."""
-    replies = client.run(list_debug_sessions, token, on_error="ignore")
+def paused(client: Any, mesh: str | None = None, rank: int | None = None) -> list[Paused]:
+    """Every lane paused in pdb on the cluster (of the mesh with id ``mesh``, of ``rank``)."""
+    replies = client.run(list_debug_sessions, None, on_error="ignore")
     found = [Paused(**info) for infos in replies.values() for info in infos or ()]
+    if mesh is not None:
+        found = [p for p in found if p.mesh == mesh]
     if rank is not None:
         found = [p for p in found if p.rank == rank]
     return sorted(found, key=lambda p: (p.since, p.token, p.rank))
 
 
-def wait_for(client: Any, token: str | None, rank: int | None, timeout: float | None) -> Paused:
+def wait_for(client: Any, mesh: str | None, rank: int | None, timeout: float | None) -> Paused:
     """The first session of ``rank`` (any rank: None) that opens within ``timeout`` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        found = paused(client, token, rank)
+        found = paused(client, mesh, rank)
         if found:
             return found[0]
         if deadline is not None and time.monotonic() > deadline:
             who = "no rank" if rank is None else f"rank {rank}"
-            of = f" of controller {token}" if token else ""
+            of = f" of mesh {mesh}" if mesh else ""
             raise TimeoutError(
                 f"{who}{of} paused in the debugger within {timeout}s (a breakpoint() or "
                 "dm.breakpoint() in a remote or compiled function pauses a rank)"
@@ -146,10 +154,10 @@ def _settle(client: Any, target: Paused, reply: Reply, show: Callable[[str], Non
     return reply
 
 
-def continue_all(client: Any, token: str | None = None) -> list[Paused]:
-    """Send ``c`` to every paused lane (of controller ``token``); returns those resumed."""
+def continue_all(client: Any, mesh: str | None = None) -> list[Paused]:
+    """Send ``c`` to every paused lane (of the mesh with id ``mesh``); returns those resumed."""
     resumed = []
-    for target in paused(client, token):
+    for target in paused(client, mesh):
         send(client, target, "c", timeout=1.0)
         resumed.append(target)
     return resumed
@@ -158,11 +166,11 @@ def continue_all(client: Any, token: str | None = None) -> list[Paused]:
 # -- the controller's side ----------------------------------------------------------------------
 
 
-def notice(item: DebuggerPaused, token: str, scheduler: str) -> str:
+def notice(item: DebuggerPaused, mesh: str, scheduler: str) -> str:
     """What the controller's user reads when a rank of theirs stops in pdb."""
     return (
-        f"dask_monarch: rank {item.rank}, {lane_name(item.lane)}, seq {item.seq} of controller "
-        f"{token} paused in the debugger at {item.where}. Attach here with "
+        f"dask_monarch: rank {item.rank}, {lane_name(item.lane)}, seq {item.seq} of mesh "
+        f"{mesh} paused in the debugger at {item.where}. Attach here with "
         f"dm.debug.attach({item.rank}) (or a blocking call from an interactive terminal does), "
         f"or from a shell: dask-monarch debug --scheduler-address {scheduler}. "
         "'c' resumes it, 'q' fails the call; collectives with it wait meanwhile."
@@ -175,7 +183,7 @@ _announced: set[str] = set()  # sessions whose notice the user's own thread prin
 logger = logging.getLogger("dask_monarch.controller")
 
 
-def announce(item: DebuggerPaused, token: str, scheduler: str, from_loop: bool = False) -> None:
+def announce(item: DebuggerPaused, mesh: str, scheduler: str, from_loop: bool = False) -> None:
     """Print :func:`notice` on stderr, once per session and thread kind.
 
     The event loop prints at once (a terminal sees it as the rank stops). In
@@ -183,7 +191,7 @@ def announce(item: DebuggerPaused, token: str, scheduler: str, from_loop: bool =
     that started it, so there the notice is printed by the user's thread
     instead, when it next waits (:func:`attend`).
     """
-    text = notice(item, token, scheduler)
+    text = notice(item, mesh, scheduler)
     if from_loop:
         logger.info("%s", text)
         if _in_kernel():
@@ -219,7 +227,7 @@ def interactive(mode: Any = "auto") -> bool:
         return False
 
 
-def attend(client: Any, token: str, debugging: dict, mode: Any = "auto") -> bool:
+def attend(client: Any, mesh: str, debugging: dict, mode: Any = "auto") -> bool:
     """In a blocking wait: attach the user to this controller's paused lanes, one after another.
 
     ``debugging`` is the reports' session -> ``DebuggerPaused`` table. Only
@@ -233,7 +241,7 @@ def attend(client: Any, token: str, debugging: dict, mode: Any = "auto") -> bool
     if _in_kernel():
         scheduler = client.scheduler.address
         for item in items:
-            announce(item, token, scheduler)
+            announce(item, mesh, scheduler)
     if not interactive(mode):
         return False
     pending = [item for item in items if item.session not in _declined]
@@ -242,7 +250,7 @@ def attend(client: Any, token: str, debugging: dict, mode: Any = "auto") -> bool
     _attending.busy = True
     try:
         for item in sorted(pending, key=lambda i: i.rank):
-            target = next((p for p in paused(client, token) if p.session == item.session), None)
+            target = next((p for p in paused(client, mesh) if p.session == item.session), None)
             if target is None:
                 continue
             text = drive(client, target, None, write=_write)

@@ -104,10 +104,12 @@ class DryController:
         self.backend = real.backend
         self.token = f"{real.token}-dry"
         self.span = None
+        self.mesh_id = real.mesh_id  # errors in a dry run name the mesh as the real run would
+        self.devices = real.devices  # what a CUDA op is checked against (tensor.cpu_ranks)
         self.first_id = first_id  # ref and stream ids below it existed before the dry run
         self._futures = futures  # the session's fetch futures: failed at once
         self._compiler = Compiler(self.token, [f"dry-{r}" for r in range(self.world_size)], {})
-        self._flush_size = int(config.get("flush.size"))
+        self._flush_size = config.integer("flush.size", minimum=1)
         self._buffer: list[tuple[tuple[int, ...], Any]] = []
         self._broken: DeviceException | None = None
         self.closed = False

@@ -50,7 +50,7 @@ class Liveness:
 
     def __init__(
         self,
-        token: str,
+        mesh_id: str,
         workers: list[str],
         reports: Reports,
         progress: threading.Condition,
@@ -60,7 +60,7 @@ class Liveness:
         unresponsive: float,
         liveness: float,
     ) -> None:
-        self.token = token
+        self.mesh_id = mesh_id  # what its messages call the mesh
         self.workers = workers
         self.reports = reports
         self.progress = progress
@@ -105,7 +105,7 @@ class Liveness:
             try:
                 self.tick(now)
             except Exception:
-                logger.exception("liveness check of controller %s failed", self.token)
+                logger.exception("liveness check of mesh %s failed", self.mesh_id)
 
     def tick(self, now: float) -> None:
         """Judge the answers so far, ask every rank again, report stalled lanes."""
@@ -128,7 +128,7 @@ class Liveness:
         try:
             await comm.write({"op": HEARTBEAT_OP, "beat": beat})
         except Exception as e:  # a closed stream: its reader reports it
-            logger.debug("heartbeat to rank %d of controller %s not sent: %r", rank, self.token, e)
+            logger.debug("heartbeat to rank %d of mesh %s not sent: %r", rank, self.mesh_id, e)
         finally:
             self._writing.discard(rank)
 
@@ -205,7 +205,7 @@ class Liveness:
         if len(lines) > 1:
             text += "\nAlso without progress:\n" + "\n".join(f"  {line}" for line in lines[1:])
         text += (
-            f"\n(controller {self.token}; dask_monarch.timeouts.liveness is "
+            f"\n(mesh {self.mesh_id}; dask_monarch.timeouts.liveness is "
             f"{self.liveness:g}s; the mesh keeps waiting)"
         )
         (rank, lane), _ = stalled[0]

@@ -124,12 +124,15 @@ def choose_workers(
         kind = "GPU workers" if device == "cuda" else "workers"
         where = " on distinct hosts" if distinct_hosts else ""
         text = (
-            f"Controller needs {world_size} {kind}{where} but the cluster has "
-            f"{len(chosen)} that answer"
+            f"a mesh of {world_size} ranks needs {world_size} {kind}{where} (one per rank) "
+            f"but the cluster has {len(chosen)} that answer"
         )
         if silent:
             text += f" ({len(silent)} did not answer: {', '.join(silent)})"
-        raise ValueError(text + "; start more workers or ask for a smaller world_size")
+        raise ValueError(
+            f"{text}: start more workers (dask-monarch run --ranks {world_size}, "
+            f"LocalMeshCluster(n_ranks={world_size})) or make a mesh of fewer ranks"
+        )
     if silent:
         logger.warning(
             "choosing ranks without worker(s) %s: they did not answer within %gs "

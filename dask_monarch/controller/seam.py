@@ -30,7 +30,9 @@ class ControllerSeam(Protocol):
     world_size: int
     workers: list[str]  # the rank workers' addresses, by rank
     backend: str  # "auto" or "gloo"
-    token: str  # the controller's id (errors, logs, the dashboard)
+    token: str  # the controller's id (the dashboard's routes)
+    mesh_id: str  # the short id users read in errors, logs and the dashboard
+    devices: list[str]  # each rank's device ("cpu", "cuda:0"), by rank
     span: tuple[dict, str] | None  # the distributed span (annotation, label) work is issued in
 
     @property

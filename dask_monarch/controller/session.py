@@ -15,6 +15,7 @@ What the lock protects stays in one class.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -70,6 +71,20 @@ class Capture:
     def tracing(self) -> bool:
         return self.kind == "recording"
 
+    def no_fetch(self, what: str = "dm.inspect") -> RuntimeError:
+        """Why ``what`` (a fetch) cannot run while messages are held back: nothing has run."""
+        if self.tracing:
+            return RuntimeError(
+                f"{what} inside a dm.compile function: a recording replays on the ranks "
+                "without the client, so it cannot hand values back; return the tensor and "
+                "fetch it after the call (y = step(x); dask_monarch.inspect(y))"
+            )
+        return RuntimeError(
+            f"{what} inside a coalescing() block: the block sends its messages when it ends, "
+            "so nothing of it has run yet; fetch after the block (keep the handle: y = ... "
+            "inside, dask_monarch.inspect(y) after it)"
+        )
+
     def add(self, ranks: tuple[int, ...], message: m.WorkerMessage) -> None:
         self.messages.append((ranks, message))
 
@@ -117,6 +132,32 @@ _live: weakref.WeakSet = weakref.WeakSet()  # its controller's listener keeps a 
 def live_sessions() -> list[Session]:
     """The user-API meshes of this process not exited yet (``dask-monarch run`` exits them)."""
     return [s for s in list(_live) if not s.closed]
+
+
+@atexit.register
+def _exit_at_interpreter_exit() -> None:
+    """A program that ends without ``mesh.exit()`` (``python train.py``): its meshes are
+    exited here, their work drained for up to ``timeouts.close``, and a failure nobody
+    fetched is written on stderr instead of lost. Registered after the controllers' own exit
+    hook, so it runs before it (and before distributed's: the client still works). Under
+    ``dask-monarch run`` the meshes were exited already, and the exit status says so."""
+    timeout = config.seconds("timeouts.close") or 0.0
+    for session in live_sessions():
+        try:
+            session.exit(timeout=timeout)
+            continue
+        except RemoteException as e:
+            failure: RemoteException | None = e
+        except Exception:  # broken or closed: a failure that arrived before still counts
+            failure = next(iter(session._unobserved.values()), None)
+        if failure is not None:
+            sys.stderr.write(
+                f"dask_monarch: the program ended with a failure nobody fetched, on mesh "
+                f"{session.controller.mesh_id}, which no mesh.exit() ended:\n{failure}\n"
+                "(fetch results with dask_monarch.inspect, or call mesh.exit() at the end, to "
+                "see failures where they happen)\n"
+            )
+            sys.stderr.flush()
 
 
 class Session:
@@ -407,7 +448,7 @@ class Session:
         once when the ref ids ``uses`` depend on a known failure. The caller holds the lock
         and has sent what must run first (a borrow's first use)."""
         if self.capture is not None:
-            raise NotImplementedError("NYI: fetching results during a coalescing block")
+            raise self.capture.no_fetch()
         seq, future = self.expect_result(uses, len(ranks))
         self.send(ranks, m.SendValue(seq, None, [], function, args_kwargs, stream))
         self.request_status()

@@ -6,5 +6,6 @@ and ``workers`` (the rank workers it and ``dask monarch worker`` start);
 and ``lifeline`` (scheduler preloads: Dask's batched-send gaps, and a scheduler
 that ends with its parent); ``cli`` (the ``dask-monarch`` command), ``runner``
 (``dask-monarch run``), ``cluster_info`` (``dask-monarch info``) and
-``debug_shell`` (``dask-monarch debug``).
+``debug_shell`` (``dask-monarch debug``); ``restarts`` (``--max-restarts`` and
+``dm.elastic``: a job run again after its mesh broke).
 """

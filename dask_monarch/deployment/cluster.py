@@ -222,6 +222,17 @@ def _rank_number(name: Any) -> tuple:
     return (0, int(number), "") if number.isdigit() else (1, 0, str(name))
 
 
+def _in_spawned_import_of_main() -> bool:
+    """Whether this runs in the top level of a script a spawned child process re-imports
+    (as ``__mp_main__``): a script without the ``__main__`` guard starting a cluster."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 class LocalMeshCluster(SpecCluster):
     """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
 
@@ -249,6 +260,12 @@ class LocalMeshCluster(SpecCluster):
         security: Security | bool | None = None,
         **kwargs: Any,
     ) -> None:
+        if _in_spawned_import_of_main():
+            raise RuntimeError(
+                "LocalMeshCluster() ran again in a process it started, which imports the "
+                "script first (multiprocessing's spawn): put the code that makes the cluster "
+                'under `if __name__ == "__main__":` (README)'
+            )
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if n_ranks is not None and (type(n_ranks) is not int or n_ranks < 1):

@@ -87,6 +87,8 @@ def table_lines(report: dict) -> list[str]:
 
 
 def _meshes_held(dask_worker: Worker | None = None) -> list[str]:
+    from ..protocol.names import mesh_id
+
     plugin = dask_worker.plugins.get("dask_monarch")
     ranks = getattr(plugin, "ranks", {}) if plugin is not None else {}
-    return [f"{token} (rank {state.rank})" for token, state in list(ranks.items())]
+    return [f"{mesh_id(token)} (rank {state.rank})" for token, state in list(ranks.items())]

@@ -1,7 +1,7 @@
 """``dask-monarch debug``: list the ranks paused in pdb on a cluster, attach to one, resume all.
 
 A shell on stdin, like Monarch's debugger client: ``list``, ``attach RANK``
-(or ``attach CONTROLLER:RANK`` when several controllers paused that rank),
+(or ``attach MESH:RANK`` when several meshes paused that rank),
 ``continue`` and ``quit``. While attached, every line goes to the rank's pdb
 until ``c`` or ``q`` ends the session; ``detach`` (or EOF) returns to the
 shell and leaves the rank paused. It is a plain Dask client of the
@@ -19,9 +19,9 @@ from ..controller.debugging import Paused, continue_all, drive, paused, wait_for
 
 PROMPT = "dask_monarch debug> "
 HELP = """commands:
-  list                 the ranks paused in the debugger (rank, stream, seq, controller, where)
+  list                 the ranks paused in the debugger (rank, stream, seq, mesh, where)
   attach RANK [SECS]   drive RANK's pdb (waits SECS, default 0, for it to pause); also
-                       attach CONTROLLER:RANK. 'detach' returns here, leaving it paused
+                       attach MESH:RANK. 'detach' returns here, leaving it paused
   continue             resume every paused rank ('c' in each)
   quit                 leave (paused ranks stay paused)"""
 
@@ -31,7 +31,7 @@ def table(found: list[Paused]) -> list[str]:
     if not found:
         return ["no rank is paused in the debugger"]
     return [
-        f"  rank {p.rank:<3} {p.stream_title:<18} seq {p.seq:<6} controller {p.token}  {p.where}"
+        f"  rank {p.rank:<3} {p.stream_title:<18} seq {p.seq:<6} mesh {p.mesh}  {p.where}"
         for p in found
     ]
 
@@ -84,17 +84,17 @@ class Shell:
 
     def do_attach(self, args: list[str]) -> None:
         if not args:
-            raise ValueError("attach RANK (or CONTROLLER:RANK) [SECONDS]")
-        token, _, rank = args[0].rpartition(":")
+            raise ValueError("attach RANK (or MESH:RANK) [SECONDS]")
+        mesh, _, rank = args[0].rpartition(":")
         if not rank.isdigit():
             raise ValueError(f"attach: {args[0]!r} is no rank")
         wait = float(args[1]) if len(args) > 1 else 0.0
-        target = wait_for(self.client, token or None, int(rank), wait)
-        others = {p.token for p in paused(self.client, None, int(rank))} - {target.token}
-        if others and not token:
+        target = wait_for(self.client, mesh or None, int(rank), wait)
+        others = {p.mesh for p in paused(self.client, None, int(rank))} - {target.mesh}
+        if others and not mesh:
             raise ValueError(
-                f"rank {rank} is paused for several controllers ({target.token}, "
-                f"{', '.join(sorted(others))}): attach CONTROLLER:RANK"
+                f"rank {rank} is paused for several meshes ({target.mesh}, "
+                f"{', '.join(sorted(others))}): attach MESH:RANK"
             )
 
         def read() -> str:

@@ -100,7 +100,7 @@ def run(
             )
         else:
             client = stack.enter_context(
-                _embedded_client(ranks, device, dashboard_address, security)
+                _embedded_client(ranks, device, dashboard_address, security, say, progress)
             )
             cluster = client.cluster
             say(
@@ -224,23 +224,34 @@ def _connect(
 
 @contextlib.contextmanager
 def _embedded_client(
-    ranks: int | None, device: str, dashboard_address: str | None, security: Security | None = None
+    ranks: int | None,
+    device: str,
+    dashboard_address: str | None,
+    security: Security | None = None,
+    say: Callable[[str], None] = lambda text: None,
+    progress: bool = False,
 ) -> Iterator:
     from distributed import Client
 
     from .. import config
+    from ..observability.progress import StartupLine
     from .cluster import LocalMeshCluster
     from .workers import visible_gpus
 
-    if ranks is None and (device == "cpu" or not visible_gpus()):
+    gpus = [] if device == "cpu" else visible_gpus()
+    if ranks is None and not gpus:
         if device == "cuda":
             raise SetupError("--device cuda but no GPU is visible")
-        ranks = int(config.get("cli.cpu-ranks", 2))
-        device = "cpu" if device == "auto" else device
+        ranks = config.integer("cli.cpu-ranks", minimum=1)
+    ranks = len(gpus) if ranks is None else ranks
+    if device == "auto":  # as LocalMeshCluster chooses
+        device = "cuda" if gpus and len(gpus) >= ranks else "cpu"
+    say(f"starting an embedded cluster of {ranks} {device} ranks (a worker process each)")
     try:
-        cluster = LocalMeshCluster(
-            ranks, device=device, dashboard_address=dashboard_address, security=security
-        )
+        with StartupLine(sys.stderr, ranks, device) if progress else contextlib.nullcontext():
+            cluster = LocalMeshCluster(
+                ranks, device=device, dashboard_address=dashboard_address, security=security
+            )
     except ValueError as e:
         raise SetupError(str(e)) from None
     with cluster, Client(cluster, set_as_default=True) as client:

@@ -122,13 +122,22 @@ def _not_daemonic() -> Iterator[None]:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` or every device torch sees."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
+    """The GPUs this process may use, as the hardware reports them.
+
+    ``torch.cuda.device_count()`` asks NVML, as dask-cuda does (else the CUDA
+    driver), honouring ``CUDA_VISIBLE_DEVICES`` and without initialising CUDA
+    in this process; a host without a GPU or driver, or a CPU build of torch,
+    has none whatever ``CUDA_VISIBLE_DEVICES`` says (a CPU host that set it
+    started "1 cuda ranks" that then failed). With the variable set, the GPUs
+    keep its names (indices or UUIDs), as many as the hardware has among them.
+    """
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in visible.split(",") if d.strip()][:count]
 
 
 def parse_gpus(text: str) -> list[str]:

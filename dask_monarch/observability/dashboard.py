@@ -26,18 +26,23 @@ dask_monarch.dashboard`` (or ``plugins/dask_monarch_scheduler.py``), or list
 ``dask_monarch.dashboard`` in ``distributed.scheduler.http.routes``.
 Settings: ``dask_monarch.dashboard.*``.
 
-What it publishes: anyone who can open the dashboard can read it, so unless
-``dask_monarch.dashboard.show-details`` is true (in the scheduler's config)
-a controller is named by :func:`public_id` (a hash: its token lets a client
-act on its ranks) and error texts keep their tracebacks but not the
-exception messages (:func:`redact`), which may quote argument values.
+What it publishes: anyone who can open the dashboard can read it. A mesh is
+named by its id (:func:`~dask_monarch.protocol.names.mesh_id`, a hash of its
+controller's token, which lets a client act on its ranks), the id every
+message of the client names it by. Error texts keep their tracebacks; their
+exception messages, which may quote argument values, are shown where only
+this host can open the page (every address the dashboard listens on is a
+loopback address: a ``LocalMeshCluster``'s) and replaced by a note saying how
+to show them elsewhere (:func:`redact`), unless
+``dask_monarch.dashboard.show-details`` (in the scheduler's config) says
+``true`` or ``false``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -52,7 +57,7 @@ from distributed.http.utils import RequestHandler, get_handlers, redirect
 
 from .. import config
 from ..protocol.liveness import explain, from_snapshot
-from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER
+from ..protocol.names import RESOURCE_PREFIX, STATE_HANDLER, mesh_id
 
 if TYPE_CHECKING:
     from bokeh.document import Document
@@ -104,17 +109,16 @@ class Rates:
 _rates = Rates()  # one per process: a process holds one scheduler outside tests
 
 
-def public_id(token: str) -> str:
-    """What the page calls controller ``token`` when details are hidden (stable, not secret)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:12]
-
-
 _TRACEBACK_LINE = re.compile(
     r"^(\s|Traceback \(most recent call last\):$|During handling of "
     r"the above exception|The above exception was the direct cause|$)"
 )
 _EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
-HIDDEN = "<message hidden: dask_monarch.dashboard.show-details is false>"
+HIDDEN = (
+    "<message hidden: the dashboard is reachable from other hosts; to show messages set "
+    "dask_monarch.dashboard.show-details: true where the scheduler starts "
+    "(DASK_MONARCH__DASHBOARD__SHOW_DETAILS=true), see docs/security.md>"
+)
 
 
 def redact(text: str | None) -> str | None:
@@ -137,8 +141,37 @@ def redact(text: str | None) -> str | None:
     return "\n".join(out)
 
 
+def show_details(scheduler: Scheduler) -> bool:
+    """``dashboard.show-details``: true, false, or ``auto`` (null too): only when every address
+    the scheduler's dashboard listens on is a loopback address (only this host opens it)."""
+    setting = config.get("dashboard.show-details", "auto")
+    if setting in (None, "auto"):
+        return _loopback_only(scheduler)
+    if isinstance(setting, str):  # from an environment variable
+        return setting.strip().lower() in ("true", "yes", "1", "on")
+    return bool(setting)
+
+
+def _loopback_only(scheduler: Scheduler) -> bool:
+    from distributed.comm.utils import get_tcp_server_addresses
+
+    try:
+        hosts = [address[0] for address in get_tcp_server_addresses(scheduler.http_server)]
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # no HTTP server, not TCP
+        return False
+    return all_loopback(hosts)
+
+
+def all_loopback(hosts: list[str]) -> bool:
+    """Whether every one of ``hosts`` (listening addresses) is a loopback address; a wildcard
+    (``0.0.0.0``, ``::``) listens on every interface, so it is not."""
+    try:
+        return bool(hosts) and all(ipaddress.ip_address(h.split("%")[0]).is_loopback for h in hosts)
+    except ValueError:  # a host name
+        return False
+
+
 def _hide_details(rank: dict) -> None:
-    rank["token"] = public_id(rank["token"])
     if isinstance(rank.get("failed"), str):
         rank["failed"] = redact(rank["failed"])
     for error in rank.get("errors", ()):
@@ -176,7 +209,7 @@ async def collect(scheduler: Scheduler) -> dict:
     timeout = config.seconds("dashboard.worker-timeout") or 5.0
     window = config.seconds("dashboard.rate-window") or 5.0
     addresses = rank_workers(scheduler)
-    show_details = bool(config.get("dashboard.show-details", False))
+    details = show_details(scheduler)
     answers = await asyncio.gather(*(_ask(scheduler, a, timeout) for a in addresses))
     controllers: dict[str, dict] = {}
     workers = []
@@ -194,22 +227,22 @@ async def collect(scheduler: Scheduler) -> dict:
             }
         )
         for rank in ranks:
-            if not show_details:
+            if not details:
                 _hide_details(rank)
-            token = rank["token"]
+            mesh = rank["mesh"] = mesh_id(rank.pop("token"))
             rank["worker"], rank["worker_name"] = address, name
             rank["rate"] = _rates.rate(
-                (address, token, rank["rank"]), rank["time"], rank["messages"], window
+                (address, mesh, rank["rank"]), rank["time"], rank["messages"], window
             )
             for lane in rank["lanes"]:
                 lane["rate"] = _rates.rate(
-                    (address, token, rank["rank"], lane["stream"]),
+                    (address, mesh, rank["rank"], lane["stream"]),
                     rank["time"],
                     lane["steps"],
                     window,
                 )
             entry = controllers.setdefault(
-                token, {"token": token, "world_size": rank["world_size"], "ranks": []}
+                mesh, {"mesh": mesh, "world_size": rank["world_size"], "ranks": []}
             )
             entry["ranks"].append(rank)
     _rates.forget_old()
@@ -241,7 +274,8 @@ async def collect(scheduler: Scheduler) -> dict:
         "scheduler": scheduler.address,
         "n_workers": len(scheduler.workers),
         "workers": sorted(workers, key=lambda w: w["name"]),
-        "controllers": sorted(controllers.values(), key=lambda c: c["token"]),
+        "details_hidden": not details,
+        "controllers": sorted(controllers.values(), key=lambda c: c["mesh"]),
     }
 
 

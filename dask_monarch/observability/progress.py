@@ -177,3 +177,91 @@ class _AroundTheLine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class StartupLine:
+    """While ``dask-monarch run`` starts its embedded cluster: how many ranks are up, and for
+    how long it has been starting (a cold start of torch in every rank takes seconds).
+
+    The ranks are this process's nannies (one per rank worker, started here) that are
+    running; on a terminal the line is redrawn in place and erased when the cluster is up,
+    elsewhere a line is written each time another rank is up. Use it as a context manager
+    around the cluster's start.
+    """
+
+    def __init__(self, stream: TextIO, ranks: int, device: str, interval: float = 0.5) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.ranks = ranks
+        self.device = device
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="dask-monarch-start")
+        self._start = time.monotonic()
+        self._before: set[int] = set()
+        self._on_screen = False
+
+    def __enter__(self) -> StartupLine:
+        self._before = {id(n) for n in _nannies()}
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._on_screen:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def stages(self) -> tuple[int, int]:
+        """(worker processes started, ranks up: their worker registered) of this cluster."""
+        from distributed.core import Status
+
+        started = up = 0
+        for nanny in _nannies():
+            if id(nanny) in self._before:
+                continue
+            if nanny.status == Status.running:
+                up += 1
+            if getattr(getattr(nanny, "process", None), "process", None) is not None:
+                started += 1
+        return started, up
+
+    def up(self) -> int:
+        """The ranks of this cluster whose worker is running."""
+        return self.stages()[1]
+
+    def line(self) -> str:
+        started, up = self.stages()
+        elapsed = time.monotonic() - self._start
+        if not started:  # the cluster starts its scheduler (a process of its own) first
+            where = "the scheduler"
+        else:
+            where = f"{started} worker processes starting, {up} of {self.ranks} up"
+        return f"dask-monarch: starting {self.ranks} {self.device} ranks: {where} ({elapsed:.0f}s)"
+
+    def _loop(self) -> None:
+        shown = 0
+        while not self._stop.wait(self.interval):
+            try:
+                up, text = self.up(), self.line()
+            except Exception as e:  # a display must never fail the run
+                logger.debug("start-up line skipped a refresh: %r", e)
+                continue
+            if self.tty:
+                self.stream.write("\r" + text + "\x1b[K")
+                self._on_screen = True
+            elif up != shown:
+                self.stream.write(text + "\n")
+            else:
+                continue
+            shown = up
+            self.stream.flush()
+
+
+def _nannies() -> list:
+    """The nannies of this process (each starts and watches one worker process)."""
+    from distributed import Nanny
+
+    return list(getattr(Nanny, "_instances", ()))

@@ -6,6 +6,7 @@ steps), ``names`` (executor, plugin and resource names and the output
 description that both sides build alike), ``rules`` (which lanes run each
 message, which refs it touches, borrow steps, recording chunks: what the
 compiler, the worker and the tracer all check alike), ``liveness`` (a lane's
-progress in words, for warnings, timeouts and the dashboard alike). Only ``rules`` decides
+progress in words, for warnings, timeouts and the dashboard alike), ``source``
+(functions sent by value keep their file name and source lines). Only ``rules`` decides
 anything; the compiler routes these messages by it, the worker runs them.
 """

@@ -9,6 +9,7 @@ the plugin's setup import this module.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -37,6 +38,16 @@ def rank_resource(rank: int) -> str:
 def worker_resource(worker_name: Any) -> str:
     """The resource a worker started without a rank advertises once a controller claims it."""
     return f"{RESOURCE_PREFIX}{worker_name}"
+
+
+# -- the id a user sees --------------------------------------------------------------------
+
+
+def mesh_id(token: str) -> str:
+    """The one id of controller ``token``'s mesh that users see: in reprs, errors, logs, the
+    command line and the ``/monarch/`` page. A hash (stable, not secret): the token itself
+    names the controller's tasks and lets a client act on its ranks, so it is not shown."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
 
 
 # -- lane executors ------------------------------------------------------------------------

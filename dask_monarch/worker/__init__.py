@@ -20,7 +20,9 @@ groups user functions get), ``cancel`` (interrupting running calls),
 ``device`` (streams, events and blocks
 kept alive), ``errors`` and ``failures`` (user errors as values),
 ``restricted`` (plain-data unpickling), ``signals`` (Ctrl-C meant for others),
-``debugger`` (pdb on a lane) and ``tracing`` (``dm.trace``'s records).
+``debugger`` (pdb on a lane), ``tracing`` (``dm.trace``'s records),
+``checkpointing`` (``dm.checkpoint`` over the mesh's group) and ``snapshots``
+(``dm.run_steps``' host copies that outlive their controller).
 """
 
 from ..protocol.names import PLUGIN_NAME

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import io
 import itertools
+import linecache
 import os
 import pdb
 import sys
@@ -268,8 +269,7 @@ def pause(frame: Any, what: str, where: str | None = None) -> bool:
     if lane.rank.released or lane.rank.failed is not None:
         return True
     if where is None:
-        code = frame.f_code
-        where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        where = frame_location(frame)
     seq = lane.recording.seq if lane.recording is not None else lane.last_seq
     header = (
         f"rank {lane.rank.rank}, {lane.title}, seq {seq}: {what} at {where}\n"
@@ -278,6 +278,15 @@ def pause(frame: Any, what: str, where: str | None = None) -> bool:
     session = DebugSession(lane, where, header)
     RemotePdb(session).set_trace(frame)  # the last call here: pdb stops at frame's next line
     return True
+
+
+def frame_location(frame: Any) -> str:
+    """``f.py:12 in step: y = x * 2``: the frame's file, line, function and the line's source
+    (functions sent by value bring theirs: :mod:`dask_monarch.protocol.source`)."""
+    code = frame.f_code
+    where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+    line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
+    return f"{where}: {line}" if line else where
 
 
 def breakpointhook(*args: Any, **kwargs: Any) -> Any:

@@ -34,6 +34,7 @@ from ..protocol.names import (
     RESOURCE_PREFIX,
     STATE_HANDLER,
     executor_prefix,
+    mesh_id,
     worker_resource,
 )
 from ..protocol.wire import CONTROL, Payload
@@ -249,7 +250,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             from .errors import ReplayRefused
 
             raise ReplayRefused(
-                f"rank {rank} of controller {token} is not on worker {self.worker.address} "
+                f"rank {rank} of mesh {mesh_id(token)} is not on worker {self.worker.address} "
                 "(the worker restarted or the controller left); refusing to run its messages"
             )
         return state
@@ -313,7 +314,9 @@ class MonarchWorkerPlugin(WorkerPlugin):
         finally:
             state._stream = None
             if not state.released:
-                logger.info("controller %s left without Exit; releasing rank %d", token, state.rank)
+                logger.info(
+                    "mesh %s left without Exit; releasing rank %d", mesh_id(token), state.rank
+                )
                 await asyncio.to_thread(state.release)
             stream.abort()
 

@@ -75,7 +75,7 @@ class RankState:
         self.abort = threading.Event()  # set on failure or release: blocking waits give up
         # (seq, traceback text, time) of the latest fresh failures, for the dashboard
         self.recent_errors: deque[tuple[int, str, float]] = deque(
-            maxlen=int(config.get("dashboard.errors", 20))
+            maxlen=config.integer("dashboard.errors", minimum=0)
         )
         self.created = time.time()
         self._stream = None  # BatchedSend to the controller, once it subscribed

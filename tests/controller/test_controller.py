@@ -271,7 +271,7 @@ def test_two_controllers_are_isolated(client2):
 
 
 def test_too_few_workers(client2):
-    with pytest.raises(ValueError, match="needs 3 workers but the cluster has 2"):
+    with pytest.raises(ValueError, match=r"needs 3 workers \(one per rank\) but the cluster has 2"):
         dm.Controller(client2, world_size=3)
 
 

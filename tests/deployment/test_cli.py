@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from terminal import run_on_a_terminal, terminal_lines
 
 TESTS = Path(__file__).parents[1]  # the helper modules (remote_fns, ...)
 BIN = Path(sys.executable).parent
@@ -263,40 +264,10 @@ def test_a_remote_failure_nobody_fetched_fails_the_run(tmp_path, address):
     assert "boom from a remote function" in done.stderr, explain(done)
 
 
-def _terminal_lines(raw: str) -> list[str]:
-    """What a terminal shows for ``raw``: carriage returns, erase-to-end-of-line, newlines."""
-    lines, line, col = [], [], 0
-    i = 0
-    while i < len(raw):
-        if raw.startswith("\x1b[K", i):
-            del line[col:]
-            i += 3
-            continue
-        ch = raw[i]
-        if ch == "\r":
-            col = 0
-        elif ch == "\n":
-            lines.append("".join(line))
-            line, col = [], 0
-        else:
-            if col < len(line):
-                line[col] = ch
-            else:
-                line.append(ch)
-            col += 1
-        i += 1
-    if line:
-        lines.append("".join(line))
-    return lines
-
-
 @pytest.mark.timeout(300)
 def test_progress_line_never_garbles_the_script_output(tmp_path, address):
     """On a terminal the line is erased before the script writes and drawn again after;
     its first figures are real ones."""
-    import pty
-    import select
-
     (tmp_path / "script.py").write_text(
         PRELUDE
         + textwrap.dedent("""\
@@ -317,33 +288,11 @@ def test_progress_line_never_garbles_the_script_output(tmp_path, address):
         "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "20ms",
         "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p),
     }
-    leader, follower = pty.openpty()
-    process = subprocess.Popen(
-        command() + ["run", "--scheduler-address", address, "-q", "script.py"],
-        cwd=tmp_path,
-        env=environ,
-        stdin=subprocess.DEVNULL,
-        stdout=follower,
-        stderr=follower,
+    code, raw = run_on_a_terminal(
+        command() + ["run", "--scheduler-address", address, "-q", "script.py"], tmp_path, environ
     )
-    os.close(follower)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([leader], [], [], 1)
-        if ready:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # the terminal closed with the process
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif process.poll() is not None:
-            break
-    os.close(leader)
-    assert process.wait(timeout=60) == 0
-    raw = b"".join(chunks).decode(errors="replace")
-    shown = _terminal_lines(raw)
+    assert code == 0, raw
+    shown = terminal_lines(raw)
     steps = [x for x in shown if "step" in x]
     assert steps == [f"step {s:3d}  loss {1 / (s + 1):.5f}" for s in range(12)], shown
     assert shown.count("partial line") == 12, shown

@@ -57,9 +57,8 @@ with dm.Controller(client, world_size=2) as ctrl:
     page = client.dashboard_link.rsplit("/", 1)[0] + "/monarch/state.json"
     with urllib.request.urlopen(page, timeout=30) as response:
         state = json.loads(response.read())
-    from dask_monarch.observability.dashboard import public_id  # tokens are not published
-print("dashboard lists the mesh", [c["token"] for c in state["controllers"]]
-      == [public_id(ctrl.token)])
+print("dashboard lists the mesh", [c["mesh"] for c in state["controllers"]]
+      == [ctrl.mesh_id])
 """
 
 

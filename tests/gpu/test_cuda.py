@@ -476,3 +476,22 @@ def test_checkpoints_of_cuda_tensors_staged_on_their_own_stream(gpu_client, tmp_
             assert torch.equal(dm.inspect(x[:4]), first * 2)
     finally:
         mesh.exit()
+
+
+def test_cuda_on_a_mesh_of_cpu_ranks_names_them():
+    """A client with a GPU, ranks without: refused on the client, naming the ranks."""
+    options = {"env": {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}}
+    with (
+        dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster,
+        Client(cluster) as client,
+    ):
+        mesh = dm.device_mesh(client, gpu=2)
+        try:
+            with mesh.activate():
+                for make in (lambda: torch.ones(2, device="cuda"), lambda: torch.ones(2).cuda()):
+                    with pytest.raises(RuntimeError, match="ranks 0, 1 have no GPU") as info:
+                        make()
+                    assert "device='cpu'" in str(info.value)
+                assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]
+        finally:
+            mesh.exit()

@@ -18,7 +18,8 @@ from raw import S0, S1, call, create_streams, fetch
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
-from dask_monarch.observability.dashboard import HIDDEN, public_id
+from dask_monarch.observability.dashboard import HIDDEN, all_loopback
+from dask_monarch.protocol.names import mesh_id
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
@@ -35,7 +36,7 @@ def state(base: str) -> dict:
 
 
 def mesh(base: str, token: str) -> dict:
-    (found,) = [c for c in state(base)["controllers"] if c["token"] == public_id(token)]
+    (found,) = [c for c in state(base)["controllers"] if c["mesh"] == mesh_id(token)]
     return found
 
 
@@ -148,16 +149,60 @@ def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_
     assert [type(r) for r in ctrl.sync(timeout=60)] == [m.FetchResult]
 
 
+@pytest.fixture
+def scheduler_setting(client2):
+    """Set a dask_monarch setting in the scheduler's process (it reads them per request)."""
+    import dask.config
+
+    def put(key, value):
+        dask.config.set({key: value})
+
+    changed = []
+
+    def setting(key, value):
+        changed.append((key, client2.run_on_scheduler(dask.config.get, key, None)))
+        client2.run_on_scheduler(put, key, value)
+
+    yield setting
+    for key, value in reversed(changed):
+        client2.run_on_scheduler(put, key, value)
+
+
 @pytest.mark.timeout(120)
-def test_state_json_hides_tokens_and_argument_values_by_default(ctrl, dashboard):
+def test_state_json_names_meshes_by_id_and_shows_messages_on_loopback(ctrl, dashboard):
+    """A LocalMeshCluster's dashboard listens on 127.0.0.1 only: messages are shown."""
     create_streams(ctrl, BOTH, S0)
     ctrl.send(1, call(0, Ref(1), "builtins.int", "secret-value-1234"))
     ctrl.sync()
-    text = get(f"{dashboard}/monarch/state.json")
-    assert ctrl.token not in text and "secret-value-1234" not in text
+    got = state(dashboard)
+    text = json.dumps(got)
+    assert ctrl.token not in text and ctrl.mesh_id in text  # the id every message says
+    assert got["details_hidden"] is False
+    (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
+    (error,) = rank1["errors"]
+    assert "Traceback" in error["error"] and "secret-value-1234" in error["error"]
+
+
+@pytest.mark.timeout(120)
+def test_hidden_messages_say_how_to_show_them(ctrl, dashboard, scheduler_setting):
+    scheduler_setting("dask_monarch.dashboard.show-details", False)
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(1, call(0, Ref(1), "builtins.int", "secret-value-1234"))
+    ctrl.sync()
+    got = state(dashboard)
+    assert "secret-value-1234" not in json.dumps(got) and got["details_hidden"] is True
     (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
     (error,) = rank1["errors"]
     assert "Traceback" in error["error"] and f"ValueError: {HIDDEN}" in error["error"]
+    assert "DASK_MONARCH__DASHBOARD__SHOW_DETAILS=true" in HIDDEN
+    page = get(f"{dashboard}/monarch/")
+    assert "show-details: true" in page and "details_hidden" in page  # the page's note
+
+
+def test_only_loopback_listening_addresses_count_as_this_host_only():
+    assert all_loopback(["127.0.0.1"]) and all_loopback(["127.0.0.1", "::1"])
+    for hosts in (["0.0.0.0"], ["::"], ["10.0.0.7"], ["127.0.0.1", "0.0.0.0"], [], ["myhost"]):
+        assert not all_loopback(hosts), hosts
 
 
 def test_page_routes_and_more_menu(dashboard):
@@ -198,7 +243,7 @@ def chromium(tmp_path: Path, *args: str, timeout: float = 90) -> str:
 def mesh_dom(tmp_path: Path, url: str, token: str) -> str:
     """The rendered DOM of one mesh's section of the page."""
     dom = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
-    start = dom.find(f'<section class="mesh" id="mesh-{public_id(token)}"')
+    start = dom.find(f'<section class="mesh" id="mesh-{mesh_id(token)}"')
     assert start >= 0, f"mesh {token} is not on the page:\n{dom[-3000:]}"
     return dom[start : dom.index("</section>", start)]
 
@@ -231,8 +276,7 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
         dom = mesh_dom(tmp_path, url, ctrl.token)
         assert '<span class="last-done-seq">1</span>' in dom  # rank 1 finished seq 1
         waiting = (
-            f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" '
-            'data-state="waiting"'
+            f'data-mesh="{mesh_id(ctrl.token)}" data-rank="0" data-stream="1" data-state="waiting"'
         )
         assert waiting in dom
         assert "borrow 1 (the lender's BorrowCreate)" in dom
@@ -257,7 +301,7 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
     dom = mesh_dom(tmp_path, url, ctrl.token)
     assert waiting not in dom
     assert (
-        f'data-token="{public_id(ctrl.token)}" data-rank="0" data-stream="1" data-state="idle"'
+        f'data-mesh="{mesh_id(ctrl.token)}" data-rank="0" data-stream="1" data-state="idle"'
     ) in dom
     assert '<span class="last-done-seq">3</span>' in dom
 

@@ -42,7 +42,7 @@ def test_worker_records_are_forwarded_to_the_client(client2):
             found = [
                 r
                 for r in collect.records
-                if "left without Exit" in r.getMessage() and ctrl.token in r.getMessage()
+                if "left without Exit" in r.getMessage() and ctrl.mesh_id in r.getMessage()
             ]
             if len(found) == 2:
                 break

@@ -186,7 +186,7 @@ def test_the_dask_monarch_debug_command(dbg_client):
         assert done.returncode == 0, done.stderr
         out = done.stdout
         assert out.count("rank 0   stream 'main' (1)") == 2  # listed twice
-        assert f"controller {mesh._session.controller.token}  {FNS}:10" in out
+        assert f"mesh {mesh._session.controller.mesh_id}  {FNS}:10" in out
         assert "tensor([2., 2., 2.])" in out  # p x
         assert "-> return z" in out  # n, then detached: still paused, listed again
         assert "resumed 1 paused lanes" in out  # continue: rank 1

@@ -123,13 +123,14 @@ def test_shape_and_mesh_errors_are_raised_inside_the_block(mesh2, client2):
                 torch.ones(3) + torch.ones(4)
     other = dm.device_mesh(client2, gpu=2)
     try:
-        with pytest.raises(TypeError, match="WRONG_MESH"):
+        with pytest.raises(TypeError, match="WRONG_MESH") as info:
             with dm.dry_run(mesh2):
                 with mesh2.activate():
                     x = torch.ones(3)
                 with other.activate():
                     y = torch.ones(3)
                 x + y
+        assert controller.mesh_id in str(info.value)  # the same id as outside the dry run
     finally:
         other.exit()
     assert controller.messages_sent == sent

@@ -42,11 +42,118 @@ def test_wrong_mesh_names_both_meshes_with_ids_and_the_shape(client2, mesh2):
         with mesh2.activate(), pytest.raises(TypeError, match="WRONG_MESH") as info:
             x + y
         text = str(info.value)
-        ours, theirs = mesh2._session.controller.token, other._session.controller.token
+        ours, theirs = mesh2._session.controller.mesh_id, other._session.controller.mesh_id
         assert ours in text and theirs in text, text  # two DeviceMesh(gpu=2) told apart
         assert "shape [3, 4]" in text and "to_mesh" in text, text
     finally:
         other.exit()
+
+
+def test_one_id_names_a_mesh_in_reprs_the_cli_and_the_dashboard(client2, mesh2):
+    """(Errors: test_wrong_mesh_names_both_meshes_with_ids_and_the_shape; logs:
+    tests/observability/test_logs.py; the debugger: tests/user_api/test_debugger.py.)"""
+    import json
+    import urllib.request
+
+    from dask_monarch.deployment.cluster_info import describe_cluster
+
+    controller = mesh2._session.controller
+    mesh_id = controller.mesh_id
+    assert mesh_id != controller.token  # the token names tasks; it is not what users read
+    with mesh2.activate():
+        x = torch.ones(2)
+    assert f"(mesh {mesh_id})" in mesh2._label() and mesh_id in repr(controller)
+    assert mesh_id in x._repr_html_()
+    report = describe_cluster(client2.scheduler.address, None)  # dask-monarch info
+    assert all(f"{mesh_id} (rank {i})" in w["meshes"] for i, w in enumerate(report["workers"]))
+    base = client2.dashboard_link.rsplit("/", 1)[0]
+    with urllib.request.urlopen(f"{base}/monarch/state.json", timeout=30) as response:
+        page = json.loads(response.read())
+    assert mesh_id in [c["mesh"] for c in page["controllers"]]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(2, device="cuda"),
+        lambda: torch.ones(2).cuda(),
+        lambda: torch.ones(2).to("cuda"),
+    ],
+    ids=["device=cuda", ".cuda()", ".to(cuda)"],
+)
+def test_cuda_on_a_mesh_of_cpu_ranks_names_them_and_says_what_to_do(mesh2, make):
+    from dask_monarch.tensor import cpu_ranks
+
+    assert cpu_ranks(mesh2) == [0, 1]  # the shared cluster's ranks are CPU ranks
+    with mesh2.activate(), pytest.raises(RuntimeError) as info:
+        make()
+    text = str(info.value)
+    assert "ranks 0, 1 have no GPU" in text and mesh2._session.controller.mesh_id in text, text
+    assert "device='cpu'" in text and "LocalMeshCluster(device='cuda')" in text, text
+    with mesh2.activate():
+        assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]  # the mesh is fine
+
+
+@pytest.mark.parametrize(
+    "call, instead",
+    [
+        (lambda dist, t: dist.all_reduce(t), "t.reduce_"),
+        (lambda dist, t: dist.all_reduce(t, op=dist.ReduceOp.SUM), "t.reduce_"),
+        (lambda dist, t: dist.all_gather([t, t], t), '"stack"'),
+        (lambda dist, t: dist.broadcast(t, src=0), "slice_mesh"),
+        (lambda dist, t: dist.reduce_scatter_tensor(t, t), "scatter=True"),
+    ],
+    ids=["all_reduce", "all_reduce-op", "all_gather", "broadcast", "reduce_scatter_tensor"],
+)
+def test_torch_distributed_on_a_mesh_tensor_points_to_the_mesh_way(mesh2, call, instead):
+    import torch.distributed as dist
+
+    with mesh2.activate():
+        t = torch.ones(2)
+        with pytest.raises(TypeError, match="torch.distributed") as info:
+            call(dist, t)
+    text = str(info.value)
+    assert instead in text and "shape [2]" in text and "process group" in text, text
+    with pytest.raises(ValueError, match="Default process group"):  # local tensors: torch's own
+        dist.all_reduce(torch.ones(2))
+
+
+def test_a_bad_integer_setting_names_the_key_before_any_worker_is_claimed(client2):
+    with dask.config.set({"dask_monarch.flush.size": "lots"}):
+        with pytest.raises(ValueError) as info:
+            dm.device_mesh(client2, gpu=2)
+    text = str(info.value)
+    assert "dask_monarch.flush.size" in text and "DASK_MONARCH__FLUSH__SIZE" in text, text
+    assert "'lots'" in text and "whole number" in text and "int()" not in text, text
+    mesh = dm.device_mesh(client2, gpu=2)  # the workers were not left claimed
+    mesh.exit()
+
+
+def test_inspect_inside_coalescing_says_to_fetch_after_the_block(mesh2):
+    with mesh2.activate():
+        x = torch.ones(2)
+        with pytest.raises(RuntimeError, match=r"inside a coalescing\(\) block") as info:
+            with dm.coalescing():
+                dm.inspect(x + 1)
+        assert "after the block" in str(info.value) and "NYI" not in str(info.value)
+        assert dm.inspect(x).tolist() == [1.0, 1.0]
+
+
+def test_device_mesh_on_a_closed_client_says_make_a_new_one(cluster2):
+    client = Client(cluster2, set_as_default=False)
+    client.close()
+    with pytest.raises(ValueError, match="Client is closed") as info:
+        dm.device_mesh(client, gpu=2)
+    assert "make a new Client" in str(info.value)
+
+
+def test_slices_print_their_ranks(mesh):
+    assert repr(mesh) == "DeviceMesh(host=2, gpu=2)"
+    assert repr(mesh.slice(host=0)) == "DeviceMesh(gpu=2, ranks=[0, 1])"
+    assert repr(mesh.slice(host=1)) == "DeviceMesh(gpu=2, ranks=[2, 3])"
+    assert repr(mesh.slice(host=0, gpu=0)) == "DeviceMesh(ranks=[0])"
+    assert repr(mesh.rename(host="dp")) == "DeviceMesh(dp=2, gpu=2)"  # the whole mesh
+    assert mesh._session.controller.mesh_id in mesh.slice(host=0)._repr_html_()
 
 
 @pytest.mark.parametrize(
@@ -270,7 +377,7 @@ def test_html_reprs_of_tensor_and_future(mesh2):
         x = torch.ones(3, 4)
     html = x._repr_html_()
     assert "dask_monarch.Tensor" in html and "[3, 4]" in html
-    assert mesh2._session.controller.token in html and "inspect" in html
+    assert mesh2._session.controller.mesh_id in html and "inspect" in html
     future = dm.fetch_shard(x)
     future.result()
     html = future._repr_html_()

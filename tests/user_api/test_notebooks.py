@@ -63,6 +63,14 @@ def test_saved_notebook_has_outputs(path):
     assert not errors, f"{path.name} is saved with an error output: {errors[0].get('ename')}"
 
 
+def test_the_trace_plot_has_a_title_and_a_legend():
+    """Notebook 05's matplotlib drawing of a trace says what it shows and what its colours are."""
+    nb = nbformat.read(NOTEBOOKS[0].parent / "05_debugging_and_tracing.ipynb", as_version=4)
+    (plot,) = [c for c in nb.cells if c.cell_type == "code" and "broken_barh" in c.source]
+    assert "ax.set_title(" in plot.source and "ax.legend(" in plot.source
+    assert any(o.output_type == "display_data" for o in plot.outputs)  # saved drawn
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

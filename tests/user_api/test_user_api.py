@@ -60,9 +60,12 @@ def test_mesh_validation(mesh, make, error, text):
         make(mesh)
 
 
-def test_too_few_workers(client2):
-    with pytest.raises(ValueError, match="needs 4 workers"):
+def test_too_few_workers_speaks_of_the_mesh_and_its_ranks(client2):
+    with pytest.raises(ValueError, match="a mesh of 4 ranks needs 4 workers") as info:
         dm.device_mesh(client2, host=2, gpu=2)
+    text = str(info.value)
+    assert "world_size" not in text and "Controller" not in text, text
+    assert "dask-monarch run --ranks 4" in text and "fewer ranks" in text, text
 
 
 def test_two_meshes_on_one_client_are_isolated(client2):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Union
 
-import cloudpickle
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import source
 from ..ndslice import Slice
 from .checked import CheckedId, check_int, checked, instance_of, list_of, optional, register_checks
 
@@ -93,7 +93,8 @@ class Cloudpickle:
 
     @classmethod
     def dumps(cls, obj: Any) -> "Cloudpickle":
-        return cls(cloudpickle.dumps(obj))
+        """``obj`` pickled by value, its code keeping its file name and source lines."""
+        return cls(source.dumps(obj))
 
     def __repr__(self) -> str:
         return f"Cloudpickle(<{len(self.bytes)} bytes>)"
@@ -198,7 +199,7 @@ class ArgsKwargs(tuple):
         new_kwargs = {k: _convert_refs(v, simple) for k, v in kwargs.items()}
         if simple[0]:
             return _tuple_new(cls, (new_args, new_kwargs, None, flat))
-        return _tuple_new(cls, ((), {}, cloudpickle.dumps((new_args, new_kwargs)), False))
+        return _tuple_new(cls, ((), {}, source.dumps((new_args, new_kwargs)), False))
 
     def to_python(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with Refs in place of referenceable objects. A pickled payload
