@@ -359,7 +359,7 @@ def device_mesh(
     # imported here: the workers import this module (for _coordinate) and need none of these
     from .controller.session import Session
     from .propagation import Propagator, warm_up
-    from .tensor import Tensor
+    from .tensor import Tensor, install_cuda_check
     from .torch_collectives import install as answer_torch_collectives
 
     if workers is not None and (
@@ -399,6 +399,7 @@ def device_mesh(
         distinct_hosts=distinct_hosts,
     )
     answer_torch_collectives(Tensor)  # torch.distributed.all_reduce(t) points to t.reduce
+    install_cuda_check()  # device="cuda" on CPU ranks names them, also on a CPU-only client
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

@@ -290,7 +290,12 @@ def _lazy_cuda_init() -> None:
 
 
 _torch_lazy_cuda_init = torch.cuda._lazy_init
-torch.cuda._lazy_init = _lazy_cuda_init  # torch looks it up by name each time
+
+
+def install_cuda_check() -> None:
+    """Route torch's CUDA initialisation through :func:`_lazy_cuda_init` (torch looks it up
+    by name each time). The first mesh of a client does it; workers keep torch's own."""
+    torch.cuda._lazy_init = _lazy_cuda_init
 
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:

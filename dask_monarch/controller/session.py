@@ -20,6 +20,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -141,8 +142,18 @@ def _exit_at_interpreter_exit() -> None:
     fetched is written on stderr instead of lost. Registered after the controllers' own exit
     hook, so it runs before it (and before distributed's: the client still works). Under
     ``dask-monarch run`` the meshes were exited already, and the exit status says so."""
+    open_ = live_sessions()
+    if not open_:
+        return
     timeout = config.seconds("timeouts.close") or 0.0
-    for session in live_sessions():
+    logging.getLogger("dask_monarch.controller").warning(
+        "dask_monarch: %s still open at interpreter exit (%s): exited here, its work waited "
+        "for up to %gs (dask_monarch.timeouts.close); call mesh.exit() to end a mesh yourself",
+        f"{len(open_)} meshes were" if len(open_) > 1 else "1 mesh was",
+        ", ".join(f"mesh {s.controller.mesh_id}, {s.controller.world_size} ranks" for s in open_),
+        timeout,
+    )
+    for session in open_:
         try:
             session.exit(timeout=timeout)
             continue

@@ -21,6 +21,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_monarch as dm
+from dask_monarch.protocol import names
 
 TESTS = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
@@ -288,7 +289,7 @@ mesh = dm.device_mesh(client, gpu=2)
 with mesh.activate():
     x = torch.ones(3) + 1
     dm.inspect(x)
-print("token", mesh._session.controller.token, flush=True)
+print("mesh", mesh._session.controller.mesh_id, flush=True)
 # no mesh.exit(), no client.close(): the interpreter exits with the mesh open
 """
 
@@ -309,12 +310,12 @@ def test_interpreter_exit_with_an_open_mesh_releases_it_with_one_message(own_clu
     took = time.monotonic() - start
     print(f"the script with an open mesh took {took:.1f}s")
     assert done.returncode == 0, done.stderr
-    token = done.stdout.split()[-1]
+    mesh_id = done.stdout.split()[-1]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "still open at interpreter exit" in lines[0], done.stderr
-    assert token in lines[0]
+    assert mesh_id in lines[0] and "call mesh.exit()" in lines[0]
     held = client.run(lambda dask_worker: list(dask_worker.plugins["dask_monarch"].ranks))
-    assert not any(token in tokens for tokens in held.values())
+    assert not any(mesh_id == names.mesh_id(t) for ts in held.values() for t in ts)  # released
 
 
 # ------------------------------------------------------------ a shared cluster's settings

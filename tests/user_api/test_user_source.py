@@ -131,7 +131,6 @@ SCRIPT = """\
 import os
 import torch
 import dask_monarch as dm
-from dask_monarch.controller.session import live_sessions
 
 
 def normalise(x):
