@@ -201,3 +201,22 @@ def test_the_training_example_resumes_from_its_checkpoint(mesh, tmp_path):
         assert abs(a - b) < 1e-5
     for a, b in zip(weights, local_weights):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def _keep(n):
+    import dask
+
+    dask.config.set({"dask_monarch.checkpoint.keep": n})
+
+
+def test_checkpoint_keep_removes_the_oldest_complete_ones(mesh2, client2, tmp_path):
+    client2.run(_keep, 2)  # read on the ranks
+    try:
+        with mesh2.activate():
+            x = torch.ones(2)
+        for _ in range(4):
+            dm.checkpoint.save({"x": x}, tmp_path)
+    finally:
+        client2.run(_keep, None)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-000003", "checkpoint-000004", "latest"]
