@@ -170,6 +170,21 @@ class Controller:
     (addresses or worker names) become ranks 0..n-1 in that order; without
     it ranks are chosen in a stable order among the workers that answer.
     ``distinct_hosts=True`` puts no two ranks on one host.
+
+    Parameters
+    ----------
+    client
+        A synchronous :class:`distributed.Client` of the cluster whose workers
+        become ranks (asynchronous clients are refused with the way to go).
+    world_size
+        How many ranks; the cluster needs at least that many workers.
+    device
+        ``"cuda"``: every rank a GPU worker; ``"cpu"``: CPU ranks (gloo);
+        ``"auto"``: what the chosen workers have.
+    workers
+        Addresses or worker names, rank 0 first; None: a stable choice.
+    distinct_hosts
+        No two ranks on one host.
     """
 
     def __init__(

@@ -236,11 +236,46 @@ def _in_spawned_import_of_main() -> bool:
 class LocalMeshCluster(SpecCluster):
     """A local cluster of ``n_ranks`` rank workers, ready for dask_monarch.
 
-    ``device="cuda"`` starts one worker per GPU (``n_ranks=None``: all of
-    them), ``"cpu"`` CPU ranks, ``"auto"`` CUDA if there are enough GPUs for
-    ``n_ranks``, else CPU. ``security``: a :class:`distributed.Security` with
-    certificates, or ``True`` for ``Security.temporary()``; every comm is then
-    ``tls://``. A context manager, like every Dask cluster.
+    Every rank is a worker process of its own under a nanny, on 127.0.0.1,
+    with the dask_monarch plugin and a resource that pins rank ``i``'s tasks
+    (``rank0`` .. ``rank<n-1>``). A context manager, like every Dask cluster;
+    ``scale(n)`` adds or removes ranks from the highest.
+
+    Parameters
+    ----------
+    n_ranks
+        How many rank workers; None with ``device="cuda"``: one per visible GPU.
+    device
+        ``"cuda"``: one worker per GPU (GPUs found by asking the hardware);
+        ``"cpu"``: CPU ranks; ``"auto"``: CUDA if enough GPUs for ``n_ranks``,
+        else CPU.
+    memory_limit
+        Each worker's memory limit (bytes or ``"4GiB"``); ``"auto"``: the
+        machine's memory shared equally; None: no limit.
+    torch_threads
+        Torch's intra-op threads per rank; None: the cores shared equally.
+    dashboard_address
+        Where the scheduler's dashboard (with the ``/monarch/`` page) listens;
+        None: no dashboard.
+    scheduler_port
+        The scheduler's port; 0: any free one.
+    silence_logs
+        The log level below which the cluster's processes stay quiet.
+    asynchronous
+        As Dask's clusters: True inside a running event loop (``await cluster``).
+    scheduler_process
+        Run the scheduler in a process of its own (the default: the client's
+        event loop never holds it up); False: in this process's loop.
+    profile
+        Keep distributed's statistical profiler on in the rank workers (off
+        by default: it samples every thread, lanes included).
+    worker_options
+        More keyword arguments for each rank's nanny and worker.
+    security
+        A :class:`distributed.Security` with certificates, or ``True`` for
+        ``Security.temporary()``; every comm is then ``tls://``.
+    **kwargs
+        Passed to :class:`distributed.SpecCluster`.
     """
 
     def __init__(
