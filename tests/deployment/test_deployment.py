@@ -294,3 +294,64 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
         node.wait(timeout=30)  # the command stops its workers and exits on a signal
     finally:
         stop(processes)
+
+
+@pytest.mark.timeout(180)
+def test_the_batched_interval_opt_in_lowers_the_stock_clusters_gaps(tmp_path):
+    """``--monarch-batched-interval=1ms`` on the scheduler's preload and a worker's (here by its
+    environment variable) gives them the embedded cluster's 1 ms gaps; a worker without it
+    keeps Dask's own (docs/deployment.md, "As fast as the embedded cluster")."""
+    from distributed import Client
+
+    def worker_gap(dask_worker) -> float:  # nested: sent by value (tests/ is not on workers)
+        from dask_monarch import dask_internals
+
+        return dask_internals.gap(dask_worker.batched_stream)
+
+    def scheduler_gaps(dask_scheduler) -> dict:
+        from dask_monarch import dask_internals
+
+        streams = {**dask_scheduler.stream_comms, **dask_scheduler.client_comms}
+        return {address: dask_internals.gap(stream) for address, stream in streams.items()}
+
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = str(BIN / "dask")
+    processes = []
+    try:
+        processes.append(
+            start(
+                [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                 "--scheduler-file", str(scheduler_file), "--preload", "dask_monarch.preload",
+                 "--monarch-batched-interval=1ms"],
+                tmp_path / "scheduler.log",
+                env,
+            )
+        )  # fmt: skip
+        address = wait_for_address(scheduler_file, tmp_path)
+        common = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
+                  "--no-dashboard", "--preload", "dask_monarch.preload"]  # fmt: skip
+        processes.append(
+            start(
+                [*common, "--name", "opted"],
+                tmp_path / "worker-opted.log",
+                {**env, "MONARCH_BATCHED_INTERVAL": "1ms"},
+            )
+        )
+        processes.append(start([*common, "--name", "stock"], tmp_path / "worker-stock.log", env))
+        with Client(address, timeout="60s") as client:
+            client.wait_for_workers(2, timeout=120)
+            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+            workers = {names[a]: gap for a, gap in client.run(worker_gap).items()}
+            assert workers["opted"] == pytest.approx(0.001), logs(tmp_path)
+            assert workers["stock"] > 0.001, workers  # Dask's default
+            deadline = time.monotonic() + 30
+            while True:  # the client's stream is lowered right after the scheduler makes it
+                scheduler = client.run_on_scheduler(scheduler_gaps)
+                if all(g == pytest.approx(0.001) for g in scheduler.values()):
+                    break
+                assert time.monotonic() < deadline, scheduler
+                time.sleep(0.1)
+            assert len(scheduler) == 3, scheduler  # both workers and this client
+    finally:
+        stop(processes)
