@@ -331,6 +331,15 @@ def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
     default=None,
     help="Worker names are NAME-gpu<ID> [default: the host name].",
 )
+@click.option(
+    "--batched-interval",
+    default=None,
+    metavar="DURATION",
+    envvar="MONARCH_BATCHED_INTERVAL",
+    help="Lower the gap between the batches each worker sends the scheduler (Dask's "
+    "default: 2 ms) to DURATION, e.g. 1ms, as LocalMeshCluster does; pair it with the "
+    "scheduler's --preload dask_monarch.preload --monarch-batched-interval=1ms.",
+)
 def worker(
     scheduler: str | None,
     scheduler_file: str | None,
@@ -340,6 +349,7 @@ def worker(
     memory_limit: str,
     host: str | None,
     name_prefix: str | None,
+    batched_interval: str | None,
 ) -> None:
     """Start one rank worker per GPU of this node, as `dask cuda worker` does.
 
@@ -362,6 +372,13 @@ def worker(
             )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    gap = None
+    if batched_interval is not None:
+        from dask.utils import parse_timedelta
+
+        gap = parse_timedelta(batched_interval, default="s")
+        if gap is None or gap < 0:
+            raise click.BadParameter(f"--batched-interval={batched_interval}")
     limit: int | str | None = memory_limit
     if memory_limit not in ("auto", "0", "none", "None"):
         from dask.utils import parse_bytes
@@ -379,6 +396,7 @@ def worker(
             memory_limit=limit,
             host=host,
             name_prefix=name_prefix,
+            batched_interval=gap,
         )
     )
 

@@ -213,6 +213,7 @@ async def run_node(
     memory_limit: int | str | None,
     host: str | None,
     name_prefix: str | None,
+    batched_interval: float | None = None,
 ) -> None:
     """Start one rank worker per GPU (``gpus``) and run until they stop or a signal arrives."""
     from distributed._signals import wait_for_signals
@@ -239,6 +240,7 @@ async def run_node(
                 gpus=gpus,
                 gpu_index=i,
                 host=host,
+                batched_interval=batched_interval,
             ),
         )
         for i, gpu in enumerate(gpus)

@@ -252,6 +252,8 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
                 "node",
                 "--memory-limit",
                 "2GB",
+                "--batched-interval",
+                "1ms",
             ],
             tmp_path / "node.log",
             env,
@@ -263,17 +265,22 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
             assert sorted(w["name"] for w in info) == ["node-gpu0", "node-gpu1"], logs(tmp_path)
             resources = {w["name"]: sorted(w["resources"]) for w in info}
             assert resources == {"node-gpu0": ["monarch-rank2"], "node-gpu1": ["monarch-rank3"]}
-            visible = client.run(
-                lambda dask_worker: (
+
+            def describe(dask_worker):  # nested: sent by value
+                from dask_monarch import dask_internals
+
+                return (
                     dask_worker.name,
                     os.environ.get("CUDA_VISIBLE_DEVICES"),
                     "dask_monarch" in dask_worker.plugins,
                     dask_worker.state.nthreads,
+                    dask_internals.gap(dask_worker.batched_stream),  # --batched-interval
                 )
-            )
+
+            visible = client.run(describe)
             assert sorted(visible.values()) == [
-                ("node-gpu0", "0,1", True, 1),
-                ("node-gpu1", "1,0", True, 1),
+                ("node-gpu0", "0,1", True, 1, 0.001),
+                ("node-gpu1", "1,0", True, 1, 0.001),
             ]
             with dm.Controller(client, world_size=2) as ctrl:
                 assert ctrl.resources == ["monarch-rank2", "monarch-rank3"]
