@@ -7,7 +7,7 @@ do: ``"helpers.remote_fns.boom"`` is a remote function's path. Keep this file fr
 imports: every worker that resolves such a path imports it.
 
 - ``clusters``: a throw-away cluster of a test's own (the ``throwaway_cluster`` fixture).
-- ``waiting``: ``wait_until``, the one polling loop, with a timeout that names what it awaited.
+- ``waiting``: ``wait_until``, the tests' one polling loop, with a timeout naming what it awaited.
 - ``raw``: short builders for raw protocol messages (``call``, ``fetch``, ``create_streams``).
 - ``remote_fns``: functions and actors the workers call by path.
 - ``gates``: remote functions that hold a lane until the test creates a file.

@@ -6,8 +6,6 @@ import weakref
 
 import torch
 
-from helpers.waiting import wait_until
-
 
 def pair(x):
     return x + 1, x * 2
@@ -487,4 +485,8 @@ def until_lane_busy(stream_id, timeout=60.0):
     from dask_monarch.worker.lane import current_lane
 
     other = current_lane().rank.lanes[stream_id]
-    wait_until(lambda: other.state != "idle", timeout, f"stream {stream_id}'s lane", every=0.001)
+    deadline = time.monotonic() + timeout  # its own loop, as gates.py says
+    while other.state == "idle":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stream {stream_id}'s lane did not start within {timeout}s")
+        time.sleep(0.001)
