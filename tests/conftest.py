@@ -77,8 +77,8 @@ def _throwaway_cluster(
     """
     with dask.config.set(config or {}):
         if plain:
-            options = {"threads_per_worker": 1, "processes": True, **options}
-            cluster = LocalCluster(n_ranks, host="127.0.0.1", dashboard_address=None, **options)
+            options = {"threads_per_worker": 1, "dashboard_address": None, **options}
+            cluster = LocalCluster(n_ranks, host="127.0.0.1", processes=True, **options)
         else:
             options = {"device": "cpu", "dashboard_address": None, **options}
             cluster = dm.LocalMeshCluster(n_ranks, **options)
