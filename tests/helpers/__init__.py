@@ -1,4 +1,5 @@
-"""What the tests share besides the fixtures of ``tests/conftest.py``.
+"""What the tests share besides the fixtures of ``tests/conftest.py`` (the shared clusters,
+and ``throwaway_cluster`` for a cluster of a test's own).
 
 ``tests/`` is on ``sys.path`` (pytest puts the rootdir conftest's folder there) and the
 rank workers inherit it (``LocalMeshCluster`` passes the client's ``sys.path`` on; the CLI
@@ -6,7 +7,6 @@ tests set ``PYTHONPATH``), so the workers import these modules by the same names
 do: ``"helpers.remote_fns.boom"`` is a remote function's path. Keep this file free of
 imports: every worker that resolves such a path imports it.
 
-- ``clusters``: a throw-away cluster of a test's own (the ``throwaway_cluster`` fixture).
 - ``waiting``: ``wait_until``, the tests' one polling loop, with a timeout naming what it awaited.
 - ``raw``: short builders for raw protocol messages (``call``, ``fetch``, ``create_streams``).
 - ``remote_fns``: functions and actors the workers call by path.
