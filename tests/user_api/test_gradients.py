@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from distributed import get_task_stream
 from helpers.task_stream import wait_until_recorded
-from helpers.waiting import wait_until
 from torch import nn
 
 import dask_monarch as dm
@@ -133,8 +134,9 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
         comms_lane = session.stream_ref(comms).id  # the comms lane exists before the step
         x = torch.randn(256, big)
         dm.inspect(x.sum())  # everything before the step has run ...
-        # ... and is reported: the first bucket's hook flushes at once
-        wait_until(session.controller.ranks_idle, 60, "the ranks to be idle", every=0.01)
+        deadline = time.monotonic() + 60
+        while not session.controller.ranks_idle() and time.monotonic() < deadline:
+            time.sleep(0.01)  # ... and is reported: the first bucket's hook flushes at once
         with get_task_stream(client2) as ts:
             # an event, not a timing: main's segment holding the step cannot end before the
             # comms lane started a segment, and that one (a bucket's borrow and reduce) waits

