@@ -1,16 +1,19 @@
 """Shared real clusters: starting one costs seconds, so tests share them per session.
 
-Tests that kill workers make their own throw-away cluster.
+Tests that kill workers, freeze them, or need workers started with other settings make
+their own throw-away cluster with the ``throwaway_cluster`` fixture. What else the tests
+share lives in the ``helpers`` package (``tests/helpers/``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import dask
 import pytest
 import torch
-from distributed import Client
+from distributed import Client, LocalCluster
 
 import dask_monarch as dm
 
@@ -56,6 +59,41 @@ def ctrl4(client4):
     controller = dm.Controller(client4, world_size=4)
     yield controller
     controller.close()
+
+
+@contextlib.contextmanager
+def _throwaway_cluster(
+    n_ranks: int = 2, *, config: dict | None = None, plain: bool = False, **options
+) -> Iterator[tuple[dm.LocalMeshCluster | LocalCluster, Client]]:
+    """A cluster of ``n_ranks`` workers on 127.0.0.1 and a client of it, once every worker
+    has registered; both closed on the way out, also when the start or the test fails.
+
+    ``config`` (dask config) holds from before the start to the close: the nannies hand it
+    to the workers they start, and the test's controllers read it. The workers are rank
+    workers of a ``LocalMeshCluster`` (CPU ranks, no dashboard unless ``options`` say
+    otherwise: ``device``, ``worker_options``, ``memory_limit``, ...), or with ``plain``
+    the plain workers of distributed's own ``LocalCluster`` (one thread each unless
+    ``options`` say otherwise), as a user's shared cluster has.
+    """
+    with dask.config.set(config or {}):
+        if plain:
+            options = {"threads_per_worker": 1, "dashboard_address": None, **options}
+            cluster = LocalCluster(n_ranks, host="127.0.0.1", processes=True, **options)
+        else:
+            options = {"device": "cpu", "dashboard_address": None, **options}
+            cluster = dm.LocalMeshCluster(n_ranks, **options)
+        with cluster, Client(cluster) as client:
+            client.wait_for_workers(n_ranks, timeout=240)
+            yield cluster, client
+
+
+@pytest.fixture(scope="session")
+def throwaway_cluster():
+    """Start a cluster of a test's own: ``with throwaway_cluster(n_ranks, config=...,
+    **options) as (cluster, client): ...``, in the test or in a fixture of the scope the
+    cluster should live for (a module's tests share one; a test that kills a worker gets
+    one of its own). distributed's ``gen_cluster`` is the model."""
+    return _throwaway_cluster
 
 
 def _user_mesh(client, **dims):

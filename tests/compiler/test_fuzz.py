@@ -10,10 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import dask
 import pytest
 import torch
-from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -55,12 +53,10 @@ def test_valid_sequences_are_never_refused_and_mutated_ones_mostly_are():
 
 
 @pytest.fixture(scope="module")
-def fuzz_client():
+def fuzz_client(throwaway_cluster):
     """A throw-away cluster: the sequences break controllers on purpose."""
-    with dask.config.set({"dask_monarch.timeouts.collective": "15s"}):
-        with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-            client.wait_for_workers(2)
-            yield client
+    with throwaway_cluster(2, config={"dask_monarch.timeouts.collective": "15s"}) as (_, client):
+        yield client
 
 
 @pytest.mark.timeout(900)

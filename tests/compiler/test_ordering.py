@@ -9,7 +9,8 @@ import dask
 import pytest
 import torch
 from distributed.utils import key_split
-from raw import S0, S1, call, create_streams, fetch, values
+from helpers.raw import S0, S1, call, create_streams, fetch, values
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -41,7 +42,15 @@ def test_500_dependent_in_place_ops_on_two_streams_and_two_ranks(client2):
                 x = Ref(10 + stream.id)
                 ctrl.send(
                     [0, 1],
-                    call(1 + i, None, "remote_fns.mix_", x, i + offset, mutates=[x], stream=stream),
+                    call(
+                        1 + i,
+                        None,
+                        "helpers.remote_fns.mix_",
+                        x,
+                        i + offset,
+                        mutates=[x],
+                        stream=stream,
+                    ),
                 )
             if i % 37 == 0:
                 ctrl.flush()
@@ -57,21 +66,16 @@ def test_500_dependent_in_place_ops_on_two_streams_and_two_ranks(client2):
         ctrl.close()
 
 
-def _wait_for_file(path, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            return True
-        time.sleep(0.02)
-    return False
+def _wait_for_file(path) -> None:
+    wait_until(lambda: os.path.exists(path), 60, f"the file {path}", every=0.02)
 
 
 def test_idle_timer_flushes_without_an_explicit_flush(client2, tmp_path):
     with dask.config.set({"dask_monarch.flush.idle": "20ms"}):
         with dm.Controller(client2, world_size=2) as ctrl:
             create_streams(ctrl, [0], S0)
-            ctrl.send(0, call(0, Ref(1), "remote_fns.touch", str(tmp_path / "idle")))
-            assert _wait_for_file(tmp_path / "idle")
+            ctrl.send(0, call(0, Ref(1), "helpers.remote_fns.touch", str(tmp_path / "idle")))
+            _wait_for_file(tmp_path / "idle")
 
 
 def test_size_trigger_and_explicit_flush(client2, tmp_path):
@@ -85,12 +89,13 @@ def test_size_trigger_and_explicit_flush(client2, tmp_path):
         with dm.Controller(client2, world_size=2) as ctrl:
             create_streams(ctrl, [0], S0)  # 1 message buffered
             ctrl.send(0, call(0, Ref(1), "torch.ones", 1))
-            ctrl.send(0, call(1, Ref(2), "remote_fns.touch", str(tmp_path / "size")))  # 3rd
-            assert _wait_for_file(tmp_path / "size")
-            ctrl.send(0, call(2, Ref(3), "remote_fns.touch", str(tmp_path / "explicit")))
-            assert not _wait_for_file(tmp_path / "explicit", timeout=0.5)
+            ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.touch", str(tmp_path / "size")))  # 3rd
+            _wait_for_file(tmp_path / "size")
+            ctrl.send(0, call(2, Ref(3), "helpers.remote_fns.touch", str(tmp_path / "explicit")))
+            time.sleep(0.5)
+            assert not os.path.exists(tmp_path / "explicit")  # buffered until the flush
             ctrl.flush()
-            assert _wait_for_file(tmp_path / "explicit")
+            _wait_for_file(tmp_path / "explicit")
 
 
 # ---------------------------------------------------------------- the compiler, without a cluster

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from raw import S0, S1, call, create_streams, fetch, values
+from helpers.raw import S0, S1, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -350,7 +350,7 @@ def test_raw_controller_refuses_with_device_exception_and_runs_nothing(client2, 
         ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 3))
         ctrl.sync(timeout=60)
         marker = tmp_path / "ran"
-        ctrl.send(BOTH, call(1, None, "remote_fns.touch", str(marker)))
+        ctrl.send(BOTH, call(1, None, "helpers.remote_fns.touch", str(marker)))
         ctrl.send(0, reduce_msg(10))
         ctrl.send(1, reduce_msg(10, shape=(4,)))
         with pytest.raises(dm.DeviceException, match="rank 1 has shape") as info:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw import S0, S1, call, create_streams, failures, fetch, values
+from helpers.raw import S0, S1, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -54,7 +54,7 @@ def test_path_without_module_and_remote_impl(ctrl):
     create_streams(ctrl, [0], S0)
     ctrl.send(0, call(0, Ref(1), "nodots", 1))
     ctrl.send(0, call(1, Ref(2), "torch.ones", 1))
-    ctrl.send(0, call(2, Ref(3), "remote_fns.remote_impl_holder", Ref(2)))
+    ctrl.send(0, call(2, Ref(3), "helpers.remote_fns.remote_impl_holder", Ref(2)))
     reports = failures(ctrl.sync())
     assert len(reports) == 1 and "paths must be fully qualified" in reports[0].error
     assert torch.equal(ctrl.get_ref(0, Ref(3), S0), torch.full((1,), 100.0))
@@ -79,11 +79,11 @@ def test_dependent_failure_is_reported_once(ctrl):
 def test_functions_returning_tuples_none_dicts_and_plain_values(ctrl):
     create_streams(ctrl, BOTH, S0)
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
-    ctrl.send(BOTH, call(1, [Ref(2), Ref(3)], "remote_fns.pair", Ref(1)))
-    ctrl.send(BOTH, call(2, None, "remote_fns.nothing", Ref(1)))
-    ctrl.send(BOTH, call(3, Ref(4), "remote_fns.number", Ref(1)))
-    ctrl.send(BOTH, call(4, [Ref(5), Ref(6), None], "remote_fns.as_dict", Ref(1)))
-    ctrl.send(BOTH, call(5, [Ref(7)], "remote_fns.pair", Ref(1)))  # wrong count
+    ctrl.send(BOTH, call(1, [Ref(2), Ref(3)], "helpers.remote_fns.pair", Ref(1)))
+    ctrl.send(BOTH, call(2, None, "helpers.remote_fns.nothing", Ref(1)))
+    ctrl.send(BOTH, call(3, Ref(4), "helpers.remote_fns.number", Ref(1)))
+    ctrl.send(BOTH, call(4, [Ref(5), Ref(6), None], "helpers.remote_fns.as_dict", Ref(1)))
+    ctrl.send(BOTH, call(5, [Ref(7)], "helpers.remote_fns.pair", Ref(1)))  # wrong count
     reports = failures(ctrl.sync())
     assert [r.seq for r in reports] == [5, 5]
     assert "unexpected number of returns from op, expected 1, got 2" in reports[0].error
@@ -158,7 +158,7 @@ def test_send_value_with_and_without_function_and_failing(ctrl):
     ctrl.send(0, fetch(1, Ref(1)))
     ctrl.send(BOTH, fetch(2, (Ref(1),), fn="torch.ops.aten.sum.default"))
     ctrl.send(1, fetch(3, (Ref(1), Ref(1))))  # two args and no function
-    ctrl.send(1, fetch(4, (Ref(1),), fn="remote_fns.boom", mutates=[Ref(1)]))
+    ctrl.send(1, fetch(4, (Ref(1),), fn="helpers.remote_fns.boom", mutates=[Ref(1)]))
     reports = ctrl.sync()
     got = values(reports)
     assert torch.equal(got[(1, 0)], torch.ones(3))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from raw import S0, call, create_streams
+from helpers.raw import S0, call, create_streams
 
 import dask_monarch as dm
 from dask_monarch import messages as m

@@ -9,8 +9,8 @@ import pytest
 import torch
 from distributed import get_task_stream
 from distributed.diagnostics.plugin import SchedulerPlugin
-from raw import S0, call, create_streams
-from task_stream import wait_until_recorded
+from helpers.raw import S0, call, create_streams
+from helpers.task_stream import wait_until_recorded
 
 import dask_monarch as dm
 from dask_monarch.controller import intake
@@ -104,7 +104,7 @@ def test_a_flush_becomes_ordinary_tasks_without_update_graph(client2, tmp_path):
         before = client2.run_on_scheduler(_update_count)
         with get_task_stream(client2) as task_stream:
             # the lanes are held busy, so the second flush must follow the first
-            ctrl.send(BOTH, call(0, None, "gates.wait_for_file", str(gate), 120))
+            ctrl.send(BOTH, call(0, None, "helpers.gates.wait_for_file", str(gate), 120))
             ctrl.flush()
             keys = list(ctrl._tails.values())  # held by the scheduler: the controller has keys
             ctrl.send(BOTH, call(1, Ref(2), "torch.ones", 3))
@@ -191,7 +191,7 @@ def test_the_scheduler_holds_the_tails_for_the_controller_and_lets_go_of_those_t
     ctrl = dm.Controller(client2, world_size=2)
     try:
         create_streams(ctrl, BOTH, S0)
-        ctrl.send(BOTH, call(0, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(BOTH, call(0, None, "helpers.gates.wait_for_file", str(gate), 120))
         ctrl.flush()
         for i in range(1, 4):  # flushes that follow the held ones
             ctrl.send(BOTH, call(i, Ref(i), "torch.ones", 3))
@@ -221,7 +221,7 @@ def test_a_tail_let_go_of_while_processing_is_kept_until_it_finished(client2, tm
     try:
         create_streams(ctrl, BOTH, S0)
         ctrl.sync()
-        ctrl.send(BOTH, call(0, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(BOTH, call(0, None, "helpers.gates.wait_for_file", str(gate), 120))
         ctrl.flush()
         keys = list(ctrl._tails.values())
         _until(

@@ -21,7 +21,7 @@ import dask
 import pytest
 import torch
 from distributed import Client, Future
-from raw import S0, S1, S3, call, create_streams, fetch, values
+from helpers.raw import S0, S1, S3, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -31,14 +31,13 @@ from dask_monarch.messages import Ref
 BOTH = [0, 1]
 BOUND = 60  # seconds: generous, it only turns a hang into a failure
 
-slow_copy = dm.remote("remote_fns.slow_copy", propagate=lambda x, seconds: x.clone())
+slow_copy = dm.remote("helpers.remote_fns.slow_copy", propagate=lambda x, seconds: x.clone())
 panic = dm.remote("__test_panic", propagate=lambda x: x.clone())
 
 
 @pytest.fixture(scope="module")
-def cluster3():
-    with dm.LocalMeshCluster(n_ranks=3, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(3)
+def cluster3(throwaway_cluster):
+    with throwaway_cluster(3) as (cluster, client):
         yield cluster, client
 
 
@@ -75,7 +74,8 @@ class RawMesh:
     def start(self) -> None:
         ctrl = self.ctrl
         ctrl.send(
-            BOTH, call(self.seq, Ref(self.ref + 1), "remote_fns.slow_copy", Ref(self.ref), 0.5)
+            BOTH,
+            call(self.seq, Ref(self.ref + 1), "helpers.remote_fns.slow_copy", Ref(self.ref), 0.5),
         )
         ctrl.flush()
         for i in range(5):  # each its own task, queued behind the slow one
@@ -240,7 +240,7 @@ def _blocked(client: Client, gate: str) -> dm.Controller:
     """A controller whose lanes wait on ``gate`` (a file the test creates to let them go)."""
     ctrl = dm.Controller(client, world_size=2)
     create_streams(ctrl, BOTH, S0)
-    ctrl.send(BOTH, call(0, None, "gates.wait_for_file", gate, 3 * BOUND))
+    ctrl.send(BOTH, call(0, None, "helpers.gates.wait_for_file", gate, 3 * BOUND))
     ctrl.send(BOTH, call(1, Ref(1), "torch.ones", 1))
     ctrl.flush()
     return ctrl

@@ -14,9 +14,9 @@ import warnings
 import dask.config
 import pytest
 import torch
-from distributed import Client
-from raw import S0, S1, S2, call, create_streams, fetch
-from workers import frozen
+from helpers.raw import S0, S1, S2, call, create_streams, fetch
+from helpers.waiting import wait_until
+from helpers.workers import frozen
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -35,20 +35,9 @@ STUCK = {
 
 
 @pytest.fixture(scope="module")
-def frozen_client():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def frozen_client(throwaway_cluster):
+    with throwaway_cluster(2) as (_, client):
         yield client
-
-
-def wait_until(predicate, timeout: float = 60.0, what: str = "a condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def liveness_warnings(caught) -> list[dm.LivenessWarning]:
@@ -129,7 +118,7 @@ def test_a_lane_blocked_on_a_borrow_gets_one_warning_and_timeouts_say_the_same(
             try:
                 # rank 0: the lender is held at a gate before its BorrowCreate, so the borrower
                 # stream waits at its first use, before the fetch of seq 2
-                ctrl.send(0, call(1, None, "gates.wait_for_file", str(gate), 120))
+                ctrl.send(0, call(1, None, "helpers.gates.wait_for_file", str(gate), 120))
                 ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
                 ctrl.send(0, m.BorrowFirstUse(1))
                 ctrl.send(0, fetch(2, Ref(2), stream=S1))
@@ -247,7 +236,7 @@ def test_waits_on_a_pipe_a_borrow_and_a_copy_are_named_and_end_with_their_contro
             m.CreatePipe(
                 pipe,
                 "echo",
-                "remote_fns.echo_loader",
+                "helpers.remote_fns.echo_loader",
                 1,
                 Ref(900),
                 m.ArgsKwargs.from_python((), {}),
@@ -304,7 +293,7 @@ def test_waits_on_a_pipe_a_borrow_and_a_copy_are_named_and_end_with_their_contro
 @pytest.mark.timeout(300)
 def test_mesh_future_result_timeout_names_the_stuck_lane(client2, tmp_path):
     gate = tmp_path / "gate"
-    hold = dm.remote("gates.wait_for_file", propagate=lambda path, timeout: None)
+    hold = dm.remote("helpers.gates.wait_for_file", propagate=lambda path, timeout: None)
     with dask.config.set(STUCK):
         mesh = dm.device_mesh(client2, gpu=2)
     try:

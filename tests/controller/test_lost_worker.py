@@ -10,17 +10,15 @@ import signal
 import time
 
 import pytest
-from distributed import Client
-from raw import S0, call, create_streams
+from helpers.raw import S0, call, create_streams
 
 import dask_monarch as dm
 from dask_monarch.messages import Ref
 
 
 @pytest.fixture
-def fresh_cluster():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def fresh_cluster(throwaway_cluster):
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 
@@ -37,7 +35,7 @@ def test_killed_worker_raises_device_exception_and_nothing_reruns(fresh_cluster,
     marker = str(tmp_path / "ran")
     ctrl = dm.Controller(client, world_size=2)
     create_streams(ctrl, [0, 1], S0)
-    ctrl.send(1, call(0, Ref(1), "remote_fns.sleep_then", 5.0, marker))
+    ctrl.send(1, call(0, Ref(1), "helpers.remote_fns.sleep_then", 5.0, marker))
     ctrl.flush()
     deadline = time.monotonic() + 30
     while _lines(marker) < 1 and time.monotonic() < deadline:
@@ -53,7 +51,7 @@ def test_killed_worker_raises_device_exception_and_nothing_reruns(fresh_cluster,
     assert time.monotonic() - start < 30
     assert info.value.rank == 1 and "lost connection" in str(info.value)
     # what the rank was running, read back from the segment's pickled payload
-    assert "it was running stream 0: CallFunction of remote_fns.sleep_then (seq 0)" in str(
+    assert "it was running stream 0: CallFunction of helpers.remote_fns.sleep_then (seq 0)" in str(
         info.value
     )
     with pytest.raises(dm.DeviceException):

@@ -125,7 +125,7 @@ def test_a_big_argument_is_freed_everywhere_once_it_ran(mesh2, client2):
     """A large tensor passed to a remote function is kept by no process once the call ran:
     not by the scheduler's tasks, not by the workers' tasks or event logs, not by the client."""
     token = mesh2._session.controller.token
-    fn = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x.clone())
+    fn = dm.remote("tests.helpers.remote_fns.first_plus", propagate=lambda x, big: x.clone())
     with mesh2.activate():
         x = torch.zeros(1)
         float(dm.inspect(x[0]))
@@ -260,7 +260,7 @@ def test_values_and_arguments_are_kept_by_no_process_once_they_ran(mesh2, client
     the graphs it sent, the scheduler no payload, the workers no report."""
     token = mesh2._session.controller.token
     reports = mesh2._session.controller._reports
-    fn = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x.clone())
+    fn = dm.remote("tests.helpers.remote_fns.first_plus", propagate=lambda x, big: x.clone())
     with mesh2.activate():
         x = torch.zeros(1)
         with dm.no_mesh.activate():

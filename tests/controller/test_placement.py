@@ -13,17 +13,15 @@ import time
 import dask.config
 import pytest
 import torch
-from distributed import Client
-from workers import frozen
+from helpers.workers import frozen
 
 import dask_monarch as dm
 from dask_monarch.controller import placement
 
 
 @pytest.fixture(scope="module")
-def client3():
-    with dm.LocalMeshCluster(n_ranks=3, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(3)
+def client3(throwaway_cluster):
+    with throwaway_cluster(3) as (_, client):
         yield client
 
 

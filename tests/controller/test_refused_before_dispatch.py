@@ -7,7 +7,7 @@ import contextlib
 import dask
 import pytest
 import torch
-from raw import S0, create_streams
+from helpers.raw import S0, create_streams
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -84,7 +84,7 @@ def test_a_wait_with_a_timeout_that_is_no_duration_is_refused(ctrl, mesh2, timeo
 def test_a_collective_that_times_out_names_the_member_it_waited_for(client2):
     with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
         mesh = dm.device_mesh(client2, gpu=2)
-    late = dm.remote("remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
+    late = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
     try:
         with mesh.activate():
             x = late(torch.ones(2), mesh.rank("gpu"), 1, 12.0)

@@ -15,7 +15,7 @@ import dask
 import pytest
 import torch
 from distributed import Client
-from raw import S0, S1, S3, call, create_streams, fetch, values
+from helpers.raw import S0, S1, S3, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -27,9 +27,8 @@ SMALL = 30  # small segments queued per lane
 
 
 @pytest.fixture(scope="module")
-def throwaway():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def throwaway(throwaway_cluster):
+    with throwaway_cluster(2) as (cluster, client):
         yield cluster, client
 
 
@@ -56,7 +55,7 @@ def _start(client: Client, i: int) -> dm.Controller:
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.send(BOTH, m.CreateDeviceMesh(Ref(50), ["gpu"], dm.ndslice.Slice(0, [2], [1])))
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
-    ctrl.send(BOTH, call(1, Ref(2), "remote_fns.slow_copy", Ref(1), 0.05, stream=S0))
+    ctrl.send(BOTH, call(1, Ref(2), "helpers.remote_fns.slow_copy", Ref(1), 0.05, stream=S0))
     ctrl.flush()
     for k in range(SMALL):
         ctrl.send(BOTH, call(2 + 2 * k, Ref(10 + k), "torch.ones", 1, stream=S0))
@@ -104,7 +103,9 @@ def _exit_with_error(client, address, i):
 
 def _blocked_borrow_then_close(client, address, i):
     ctrl = _start(client, i)
-    ctrl.send(BOTH, call(80, Ref(80), "remote_fns.slow_copy", Ref(1), 0.3))  # the lender is busy
+    ctrl.send(
+        BOTH, call(80, Ref(80), "helpers.remote_fns.slow_copy", Ref(1), 0.3)
+    )  # the lender is busy
     ctrl.send(BOTH, m.BorrowCreate(Ref(81), 1, Ref(80), S0, S1))
     ctrl.send(BOTH, m.BorrowFirstUse(1))  # S1 waits here for the lender
     ctrl.flush()

@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch.protocol import names
@@ -162,10 +163,9 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_script(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def own_cluster():
+def own_cluster(throwaway_cluster):
     """A throw-away 2-rank cluster: these tests signal its workers."""
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+    with throwaway_cluster(2) as (cluster, client):
         yield cluster, client
 
 
@@ -198,7 +198,7 @@ def test_interrupt_main_in_a_remote_function_costs_no_rank(own_cluster):
     mesh = dm.device_mesh(client, gpu=2)
     try:
         with mesh.activate():
-            interrupt = dm.remote("remote_fns.interrupt_main_then", propagate=lambda x: x)
+            interrupt = dm.remote("helpers.remote_fns.interrupt_main_then", propagate=lambda x: x)
             x = interrupt(torch.ones(2))
             assert dm.inspect(x).tolist() == [2.0, 2.0]  # the call ran to its end
             time.sleep(2)
@@ -214,7 +214,9 @@ def test_keyboard_interrupt_in_a_remote_function_is_that_calls_error(own_cluster
     mesh = dm.device_mesh(client, gpu=2)
     try:
         with mesh.activate():
-            raising = dm.remote("remote_fns.raise_keyboard_interrupt", propagate=lambda x: x)
+            raising = dm.remote(
+                "helpers.remote_fns.raise_keyboard_interrupt", propagate=lambda x: x
+            )
             bad = raising(torch.ones(2))
             with pytest.raises(dm.RemoteException, match="KeyboardInterrupt"):
                 dm.inspect(bad)
@@ -240,13 +242,12 @@ def test_client_closed_before_mesh_exit_ends_with_one_clear_error(own_cluster):
         mesh.exit()
     assert time.monotonic() - start < 60 and info.value.rank is None
     with Client(cluster) as other:  # the ranks were released
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def released() -> bool:
             held = other.run(lambda dask_worker: list(dask_worker.plugins["dask_monarch"].ranks))
-            if not any(token in tokens for tokens in held.values()):
-                break
-            time.sleep(0.2)
-        assert not any(token in tokens for tokens in held.values())
+            return not any(token in tokens for tokens in held.values())
+
+        wait_until(released, 30, f"the workers to release controller {token}", every=0.2)
 
 
 @pytest.mark.timeout(240)
@@ -336,14 +337,9 @@ def gaps(client) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.timeout(240)
-def test_a_controller_leaves_a_shared_clusters_gaps_alone(tmp_path):
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
-        ) as cluster,
-        Client(cluster.scheduler_address) as observer,
-    ):
-        observer.wait_for_workers(2)
+def test_a_controller_leaves_a_shared_clusters_gaps_alone(tmp_path, throwaway_cluster):
+    shared = throwaway_cluster(2, plain=True, dashboard_address="127.0.0.1:0")
+    with shared as (cluster, observer):
         before = gaps(observer)
         with Client(cluster.scheduler_address) as client:
             own_gap = client.scheduler_comm.interval

@@ -15,9 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from terminal import run_on_a_terminal, terminal_lines
+from helpers.terminal import run_on_a_terminal, terminal_lines
 
-TESTS = Path(__file__).parents[1]  # the helper modules (remote_fns, ...)
+TESTS = Path(__file__).parents[1]  # on PYTHONPATH: the helpers package (helpers.remote_fns, ...)
 BIN = Path(sys.executable).parent
 
 PRELUDE = """\
@@ -110,7 +110,7 @@ def test_remote_exception_exits_3_with_the_remote_traceback(tmp_path, address):
         ["run", "--scheduler-address", address, "-q", "script.py"],
         tmp_path,
         script="""
-        ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))
+        ctrl.send(1, call(0, Ref(1), "helpers.remote_fns.boom", 1))
         ctrl.sync()
         ctrl.get_ref(1, Ref(1), S0)  # raises dm.RemoteException
     """,
@@ -253,7 +253,7 @@ def test_a_remote_failure_nobody_fetched_fails_the_run(tmp_path, address):
 
         mesh = dm.device_mesh(gpu=2)
         with mesh.activate():
-            dm.remote("remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
+            dm.remote("helpers.remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
         print("script done")
         """)
     )

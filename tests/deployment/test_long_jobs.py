@@ -1,6 +1,6 @@
 """Long jobs lose a rank and finish with the weights of a run that lost none (issue 39 item 4).
 
-tests/long_job.py trains data-parallel on two ranks with data keyed by step.
+tests/helpers/long_job.py trains data-parallel on two ranks with data keyed by step.
 Each killing run starts its own embedded cluster (``dask-monarch run
 --ranks 2``), whose nanny brings the SIGKILLed worker back; the uninterrupted
 reference runs once on the shared cluster. The step a rank dies in is drawn at
@@ -46,7 +46,7 @@ def run_job(tmp_path: Path, *args: str, timeout: float = 480) -> tuple[dict, str
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
-        [DASK_MONARCH, "run", *args[:split], str(TESTS / "long_job.py"), str(out)]
+        [DASK_MONARCH, "run", *args[:split], str(TESTS / "helpers" / "long_job.py"), str(out)]
         + ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args[split + 1 :]],
         capture_output=True,
         text=True,

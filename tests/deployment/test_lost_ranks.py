@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
-import dask
 import pytest
 import torch
 from distributed import Client
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 
 pytestmark = pytest.mark.timeout(600)
+
+SHORT_LOST_WORKER_WINDOW = {"distributed.deploy.lost-worker-timeout": "100ms"}
 
 
 def _spin(stop) -> None:
@@ -57,13 +58,14 @@ async def _exit() -> None:
 
 def _replaced(client: Client, gone: set[str], n: int, timeout: float) -> list[str]:
     """Wait until ``n`` workers run, none of them at an address in ``gone``; their names."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def back() -> list[str] | None:
         workers = client.scheduler_info(n_workers=-1)["workers"]
         if len(workers) == n and not set(workers) & gone:
             return sorted(w["name"] for w in workers.values())
-        assert time.monotonic() < deadline, f"{n} ranks not back after {timeout}s: {workers}"
-        time.sleep(0.2)
+        return None
+
+    return wait_until(back, timeout, f"{n} ranks back, none at {sorted(gone)}", every=0.2)
 
 
 def _works(client: Client, n: int) -> None:
@@ -77,14 +79,9 @@ def _works(client: Client, n: int) -> None:
 
 
 @pytest.mark.parametrize("how", ["abort", "exit"])
-def test_ranks_killed_together_under_load_come_back(how):
+def test_ranks_killed_together_under_load_come_back(how, throwaway_cluster):
     kill = _abort if how == "abort" else _exit
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "100ms"}),
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2, timeout=240)
+    with throwaway_cluster(2, config=SHORT_LOST_WORKER_WINDOW) as (cluster, client):
         old = set(client.scheduler_info()["workers"])
         with cpu_load():
             client.run(kill, wait=False)  # both ranks at once
@@ -95,13 +92,8 @@ def test_ranks_killed_together_under_load_come_back(how):
         _works(client, 2)
 
 
-def test_a_rank_whose_nanny_gave_up_is_started_again_from_its_spec():
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "100ms"}),
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2, timeout=240)
+def test_a_rank_whose_nanny_gave_up_is_started_again_from_its_spec(throwaway_cluster):
+    with throwaway_cluster(2, config=SHORT_LOST_WORKER_WINDOW) as (cluster, client):
         nanny = cluster.workers["rank1"]
         gone = {nanny.worker_address}
         cluster.sync(nanny.close, reason="nanny-instantiate-failed")  # as a failed restart does
@@ -111,8 +103,7 @@ def test_a_rank_whose_nanny_gave_up_is_started_again_from_its_spec():
         ]
         # the cluster records its new nanny once the nanny's start returns, which may be just
         # after its worker registered with the scheduler
-        deadline = time.monotonic() + 60
-        while cluster.workers.get("rank1") in (None, nanny) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert cluster.workers["rank1"] is not nanny
+        wait_until(
+            lambda: cluster.workers.get("rank1") not in (None, nanny), what="rank1's new nanny"
+        )
         _works(client, 2)

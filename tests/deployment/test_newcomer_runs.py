@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from terminal import run_on_a_terminal
+from helpers.terminal import run_on_a_terminal
 
 from dask_monarch.deployment.workers import visible_gpus
 

@@ -1,7 +1,7 @@
 """The trust boundary: TLS end to end, the allow-list, plain-data-only unpickling, clean failures.
 
 One module-scoped TLS cluster whose workers allow only ``torch`` and
-``remote_fns`` functions and no pickled code (docs/security.md).
+``helpers.remote_fns`` functions and no pickled code (docs/security.md).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dask.config
 import psutil
 import pytest
 import torch
-from distributed import Client, Security
-from raw import S0, call, create_streams, failures, values
+from distributed import Security
+from helpers.raw import S0, call, create_streams, failures, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -74,16 +73,12 @@ def certs(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tls_client(certs):
-    restricted = {
-        "dask_monarch.functions.allow": ["torch", "remote_fns"],
+def tls_client(certs, throwaway_cluster):
+    restricted = {  # the nannies hand this config to their workers
+        "dask_monarch.functions.allow": ["torch", "helpers.remote_fns"],
         "dask_monarch.functions.allow-pickled": False,
     }
-    with dask.config.set(restricted):  # the nannies hand this config to their workers
-        cluster = dm.LocalMeshCluster(
-            2, "cpu", security=tls_security(*certs), dashboard_address=None
-        )
-    with cluster, Client(cluster) as client:
+    with throwaway_cluster(2, config=restricted, security=tls_security(*certs)) as (_, client):
         yield client
 
 

@@ -7,12 +7,12 @@ is not a LocalMeshCluster.
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
 from distributed import Client, Nanny, Scheduler, SpecCluster
 from distributed.utils_test import captured_logger
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch.protocol.names import RESOURCE_CAPACITY, rank_resource
@@ -55,14 +55,12 @@ def test_mixed_workers_keep_their_ranks_across_meshes():
         assert seen[3] == seen[0]
 
 
-def test_scale_adds_and_removes_rank_workers():
+def test_scale_adds_and_removes_rank_workers(throwaway_cluster):
     with (
         captured_logger("tornado.application", level=logging.ERROR) as tornado_log,
         captured_logger("distributed", level=logging.ERROR) as dask_log,
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
+        throwaway_cluster(2) as (cluster, client),
     ):
-        client.wait_for_workers(2, timeout=240)
         cluster.scale(3)
         client.wait_for_workers(3, timeout=240)
         assert cluster.n_ranks == 3 and sorted(cluster.worker_spec) == ["rank0", "rank1", "rank2"]
@@ -81,10 +79,12 @@ def test_scale_adds_and_removes_rank_workers():
         }
         mesh.exit()
         cluster.scale(1)
-        deadline = time.monotonic() + 240
-        while len(client.scheduler_info(n_workers=-1)["workers"]) != 1:
-            assert time.monotonic() < deadline, "scale(1) did not remove the workers"
-            time.sleep(0.2)
+        wait_until(
+            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1,
+            240,
+            "scale(1) to remove the workers",
+            every=0.2,
+        )
         remaining = client.scheduler_info(n_workers=-1)["workers"].values()
         assert [w["name"] for w in remaining] == ["rank0"] and cluster.n_ranks == 1
     for log in (tornado_log, dask_log):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gpus import GPUS
+from helpers.gpus import GPUS
 
 
 def pytest_collection_modifyitems(items: list) -> None:

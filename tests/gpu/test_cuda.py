@@ -13,11 +13,10 @@ import os
 import dask
 import pytest
 import torch
-from distributed import Client
-from gpus import GPUS, all_reduce, cuda_factory, needs_gpus
-from raw import S0, S1, S2, call, create_streams, fetch, values
+from helpers.gpus import GPUS, all_reduce, cuda_factory, needs_gpus
+from helpers.raw import S0, S1, S2, call, create_streams, fetch, values
+from helpers.workers import inlined_segments
 from torch import nn
-from workers import inlined_segments
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -29,23 +28,18 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def gpu_client():
+def gpu_client(throwaway_cluster):
     """One rank worker per GPU (rotated CUDA_VISIBLE_DEVICES), as users start them."""
-    with dm.LocalMeshCluster(n_ranks=GPUS, device="cuda") as cluster, Client(cluster) as client:
-        client.wait_for_workers(GPUS)
+    with throwaway_cluster(GPUS, device="cuda") as (_, client):
         yield client
 
 
 @pytest.fixture(scope="module")
-def shared_client():
+def shared_client(throwaway_cluster):
     """Two workers that see only the first GPU: their CUDA ranks share it."""
     first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     options = {"env": {"CUDA_VISIBLE_DEVICES": first, "OMP_NUM_THREADS": "1"}}
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2)
+    with throwaway_cluster(2, worker_options=options) as (_, client):
         yield client
 
 
@@ -57,7 +51,7 @@ def test_ranks_use_cuda_and_their_own_gpu(gpu_client):
     with cuda_ctrl(gpu_client, GPUS) as ctrl:
         assert all(d.startswith("cuda") for d in ctrl.devices)
         create_streams(ctrl, list(range(GPUS)), S0)
-        ctrl.send(list(range(GPUS)), fetch(0, (), fn="remote_fns.gpu_uuid"))
+        ctrl.send(list(range(GPUS)), fetch(0, (), fn="helpers.remote_fns.gpu_uuid"))
         uuids = values(ctrl.sync(timeout=120))
         assert len(set(uuids.values())) == GPUS
 
@@ -89,7 +83,9 @@ def test_borrows_across_streams_and_flushes(gpu_client):
 def test_first_segment_runs_on_a_new_cuda_stream(gpu_client):
     with cuda_ctrl(gpu_client) as ctrl:
         ctrl.send(0, m.CreateStream(S1, m.StreamCreationMode.CreateNewStream))
-        ctrl.send(0, call(0, Ref(1), "remote_fns.current_cuda_stream_is_default", stream=S1))
+        ctrl.send(
+            0, call(0, Ref(1), "helpers.remote_fns.current_cuda_stream_is_default", stream=S1)
+        )
         ctrl.send(0, fetch(1, Ref(1), stream=S1))
         assert values(ctrl.sync(timeout=120)) == {(1, 0): False}
 
@@ -137,11 +133,17 @@ def test_memory_returns_to_its_baseline_after_deletes(gpu_client):
     mesh = dm.device_mesh(gpu_client, gpu=1)
     try:
         with mesh.activate():
-            before = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+            before = dm.inspect(
+                dm.remote("helpers.remote_fns.cuda_allocated", propagate="inspect")()
+            )
             tensors = [torch.ones(16 * MiB // 4, device="cuda") for _ in range(8)]
-            during = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+            during = dm.inspect(
+                dm.remote("helpers.remote_fns.cuda_allocated", propagate="inspect")()
+            )
             del tensors
-            after = dm.inspect(dm.remote("remote_fns.cuda_allocated", propagate="inspect")())
+            after = dm.inspect(
+                dm.remote("helpers.remote_fns.cuda_allocated", propagate="inspect")()
+            )
         assert during - before >= 8 * 16 * MiB
         assert after <= before + MiB
     finally:
@@ -209,7 +211,7 @@ def test_nccl_collectives_and_a_pairwise_exchange_of_64_mib(gpu_client):
         ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         n = 64 * MiB // 4
-        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, call(0, Ref(1), "helpers.remote_fns.per_rank", MESH, n, device="cuda"))
         ctrl.send(ranks, all_reduce(Ref(2), Ref(1), (n,), MESH, S0))
         one, two = Slice(0, [1], [1]), Slice(1, [1], [1])
         ctrl.send(ranks, m.SendTensor(Ref(3), one, two, Ref(1), cuda_factory((n,)), S0, S0))
@@ -234,7 +236,7 @@ def test_a_rank_that_sends_and_receives_in_one_message_does_not_deadlock(gpu_cli
         ctrl.send(ranks, m.BackendNetworkInit())
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(S0, S0))
         n = 64 * MiB // 4
-        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, call(0, Ref(1), "helpers.remote_fns.per_rank", MESH, n, device="cuda"))
         ctrl.send(
             ranks,
             m.SendTensor(
@@ -332,7 +334,7 @@ def test_sends_between_streams_and_a_swap_on_nccl(gpu_client):
         n = 4 * MiB // 4
         f = cuda_factory((n,))
         one, two = Slice(0, [1], [1]), Slice(1, [1], [1])
-        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, call(0, Ref(1), "helpers.remote_fns.per_rank", MESH, n, device="cuda"))
         ctrl.send(ranks, m.SendTensor(Ref(2), one, two, Ref(1), f, S0, S1))  # 0 -> 1, 2 streams
         ctrl.send(ranks, m.SendTensor(Ref(3), one, two, Ref(1), f, S0, S0))  # a swap: two sends
         ctrl.send(ranks, m.SendTensor(Ref(3), two, one, Ref(1), f, S0, S0))  # of one result
@@ -354,7 +356,7 @@ def test_a_shift_and_a_chain_of_sends_on_three_gpus(gpu_client):
         n = 16 * MiB // 4
         f = cuda_factory((n,))
         one, two, three = (Slice(r, [1], [1]) for r in ranks)
-        ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, n, device="cuda"))
+        ctrl.send(ranks, call(0, Ref(1), "helpers.remote_fns.per_rank", MESH, n, device="cuda"))
         shift = m.SendTensor(Ref(2), Slice(0, [2], [1]), Slice(1, [2], [1]), Ref(1), f, S0, S0)
         ctrl.send(ranks, shift)
         ctrl.send([0, 1], m.SendTensor(Ref(3), one, two, Ref(1), f, S0, S0))
@@ -380,7 +382,7 @@ def test_a_pipeline_stage_hands_off_to_the_next_and_back(gpu_client):
         back = out.to_mesh(stage0)  # the other way, on the same stream
         with stage0.activate():
             assert dm.inspect(back + activations).tolist() == [3.0, 6.0, 9.0, 12.0]
-            where = dm.remote("remote_fns.device_of", propagate="inspect")
+            where = dm.remote("helpers.remote_fns.device_of", propagate="inspect")
             assert dm.inspect(where(back)) == "cuda:0"  # each rank's own GPU
     finally:
         mesh.exit()
@@ -412,13 +414,13 @@ def test_pipes_made_on_the_gpu_and_fed_from_a_lane(gpu_client):
     mesh = dm.device_mesh(gpu_client, gpu=1)
     try:
         with mesh.activate():
-            pipe = dm.create_pipe("remote_fns.cuda_loader", 3, max_messages=1)
+            pipe = dm.create_pipe("helpers.remote_fns.cuda_loader", 3, max_messages=1)
             batches = [pipe.recv() for _ in range(3)]
             assert [dm.inspect(b).tolist() for b in batches] == [[float(i)] * 4 for i in range(3)]
-            where = dm.remote("remote_fns.device_of", propagate="inspect")
+            where = dm.remote("helpers.remote_fns.device_of", propagate="inspect")
             assert dm.inspect(where(batches[0])) == "cuda:0"
             echo = dm.create_pipe(
-                "remote_fns.cuda_echo_loader",
+                "helpers.remote_fns.cuda_echo_loader",
                 max_messages=1,
                 propagate=lambda: (torch.empty(4, device="cuda"), ""),
             )
@@ -478,13 +480,10 @@ def test_checkpoints_of_cuda_tensors_staged_on_their_own_stream(gpu_client, tmp_
         mesh.exit()
 
 
-def test_cuda_on_a_mesh_of_cpu_ranks_names_them():
+def test_cuda_on_a_mesh_of_cpu_ranks_names_them(throwaway_cluster):
     """A client with a GPU, ranks without: refused on the client, naming the ranks."""
     options = {"env": {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}}
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", worker_options=options) as cluster,
-        Client(cluster) as client,
-    ):
+    with throwaway_cluster(2, worker_options=options) as (_, client):
         mesh = dm.device_mesh(client, gpu=2)
         try:
             with mesh.activate():

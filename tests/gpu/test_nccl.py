@@ -11,12 +11,10 @@ import os
 import signal
 import time
 
-import dask
 import pytest
 import torch
-from distributed import Client, LocalCluster
-from gpus import all_reduce, needs_gpus
-from raw import S0, call, create_streams, fetch, values
+from helpers.gpus import all_reduce, needs_gpus
+from helpers.raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -30,15 +28,9 @@ MESH = Ref(100)
 
 
 @pytest.fixture(scope="module")
-def every_gpu_client():
+def every_gpu_client(throwaway_cluster):
     """Two plain workers, each seeing every GPU: the second claims GPU 1."""
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=2, processes=True, dashboard_address=None
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2)
+    with throwaway_cluster(2, plain=True, threads_per_worker=2) as (_, client):
         yield client
 
 
@@ -48,7 +40,7 @@ def test_ranks_of_a_worker_that_sees_every_gpu_keep_everything_on_their_own(ever
     fail on a tensor of another GPU), pipe values, actor state and the RNG state."""
     mesh = dm.device_mesh(every_gpu_client, gpu=2)
     try:
-        where = dm.remote("remote_fns.device_of", propagate="inspect")
+        where = dm.remote("helpers.remote_fns.device_of", propagate="inspect")
         with mesh.activate():
             devices = [dm.inspect(where(torch.zeros(1, device="cuda")), gpu=r) for r in range(2)]
             assert sorted(devices) == ["cuda:0", "cuda:1"]
@@ -63,10 +55,10 @@ def test_ranks_of_a_worker_that_sees_every_gpu_keep_everything_on_their_own(ever
             with pytest.warns(UserWarning, match="broadcast"):  # the other rank sends to `one`
                 moved = dm.to_mesh(x.slice_mesh(gpu=1 - one), mesh)
             assert dm.inspect(where(moved), gpu=one) == "cuda:1"  # its receive buffer
-            pipe = dm.create_pipe("remote_fns.cuda_loader", 2, max_messages=1)
+            pipe = dm.create_pipe("helpers.remote_fns.cuda_loader", 2, max_messages=1)
             batch = pipe.recv()
             assert dm.inspect(where(batch), gpu=one) == "cuda:1"
-            actors = mesh.spawn("on_gpu", __import__("remote_fns").CudaActor)
+            actors = mesh.spawn("on_gpu", __import__("helpers.remote_fns").remote_fns.CudaActor)
             assert actors.call("device").result(timeout=60)[one] == "cuda:1"
             dm.random.manual_seed(3)
             state = dm.random.get_state()
@@ -100,12 +92,11 @@ def test_one_gpu_per_worker_process_whatever_the_device_setting(every_gpu_client
 
 
 @pytest.fixture(scope="module")
-def failing_client():
+def failing_client(throwaway_cluster):
     """Two rank workers, one GPU each, with a short collective timeout."""
-    with dask.config.set({"dask_monarch.timeouts.collective": "15s"}):
-        with dm.LocalMeshCluster(n_ranks=2, device="cuda") as cluster, Client(cluster) as client:
-            client.wait_for_workers(2)
-            yield client
+    short = {"dask_monarch.timeouts.collective": "15s"}
+    with throwaway_cluster(2, config=short, device="cuda") as (_, client):
+        yield client
 
 
 def _in_an_all_reduce(ctrl):
@@ -116,7 +107,7 @@ def _in_an_all_reduce(ctrl):
     ctrl.send(ranks, m.BackendNetworkInit())
     ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
     ctrl.send(ranks, call(0, Ref(1), "torch.ones", 1 << 20, device="cuda"))
-    ctrl.send(1, call(1, None, "remote_fns.sleep_then", 120))
+    ctrl.send(1, call(1, None, "helpers.remote_fns.sleep_then", 120))
     ctrl.send(ranks, all_reduce(Ref(2), Ref(1), (1 << 20,), MESH, S0))
     ctrl.send(0, fetch(2, (Ref(2),), fn="torch.ops.aten.sum.default"))
     ctrl.flush()

@@ -16,7 +16,7 @@ import probes
 import pytest
 import torch
 from conftest import exit_quietly, make_hosts, registered
-from raw import S0, call, create_streams, fetch, values
+from helpers.raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
 from dask_monarch.messages import Ref

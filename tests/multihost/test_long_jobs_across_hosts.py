@@ -1,7 +1,7 @@
 """Long jobs across hosts: a host cut off the network mid-step costs a restart or a step, not
 the job (issue 39 item 4).
 
-Three namespace hosts with one rank worker each; tests/long_job.py trains on
+Three namespace hosts with one rank worker each; tests/helpers/long_job.py trains on
 ``dp=2`` (the first two hosts) through ``dask-monarch run --scheduler-file``,
 checkpointing to a directory every host sees. At a step drawn at random the
 job asks the test to cut rank 1's host off the network; the job must finish on
@@ -53,7 +53,7 @@ def _job(hosts, tmp_path: Path, *args: str, cut_at: int | None = None) -> tuple[
     out, signal, log = tmp_path / "out.pt", tmp_path / "signal", tmp_path / "stderr.txt"
     command = [
         DASK_MONARCH, "run", "--scheduler-file", str(hosts.tmp / "sched.json"), "--ranks", "2",
-        *args[:split], str(TESTS / "long_job.py"), str(out), "--steps", str(STEPS),
+        *args[:split], str(TESTS / "helpers" / "long_job.py"), str(out), "--steps", str(STEPS),
         "--signal", str(signal), *args[split + 1 :],
     ]  # fmt: skip
     if cut_at is not None:

@@ -14,7 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from raw import S0, S1, call, create_streams, fetch
+from helpers.raw import S0, S1, call, create_streams, fetch
+from helpers.waiting import wait_until
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
@@ -50,15 +51,6 @@ def lane(entry: dict, rank: int, stream) -> dict:
 def dashboard(client2) -> str:
     """The scheduler's dashboard root (the LocalMeshCluster preloads the page)."""
     return client2.dashboard_link.rsplit("/", 1)[0]
-
-
-def wait_until(predicate, timeout=30.0, what="a condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_state_json_has_ranks_last_completed_seq_and_rates(ctrl, dashboard):
@@ -105,7 +97,7 @@ def test_worker_metrics_reach_the_scheduler(ctrl, client2):
 
 def test_failures_and_fatal_errors_are_reported_with_tracebacks(ctrl, dashboard):
     create_streams(ctrl, BOTH, S0)
-    ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))
+    ctrl.send(1, call(0, Ref(1), "helpers.remote_fns.boom", 1))
     ctrl.sync()
     (rank1,) = [r for r in mesh(dashboard, ctrl.token)["ranks"] if r["rank"] == 1]
     (error,) = rank1["errors"]
@@ -121,7 +113,7 @@ def test_a_waiting_lane_shows_what_a_liveness_warning_says(ctrl, dashboard, tmp_
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 4))
     ctrl.sync()
     try:
-        ctrl.send(0, call(1, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(0, call(1, None, "helpers.gates.wait_for_file", str(gate), 120))
         ctrl.send(0, m.BorrowCreate(Ref(2), 1, Ref(1), S0, S1))
         ctrl.send(0, m.BorrowFirstUse(1))
         ctrl.send(0, fetch(2, Ref(2), stream=S1))
@@ -257,11 +249,11 @@ def test_page_in_headless_chromium_shows_a_stream_waiting_at_a_borrow(ctrl, dash
     gate = tmp_path / "gate"
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 1000))
-    ctrl.send(1, call(1, Ref(2), "remote_fns.boom", Ref(1)))
+    ctrl.send(1, call(1, Ref(2), "helpers.remote_fns.boom", Ref(1)))
     ctrl.sync()
     try:
         # rank 0: the lender is held busy, so the borrower stream waits at its first use
-        ctrl.send(0, call(2, None, "gates.wait_for_file", str(gate), 120))
+        ctrl.send(0, call(2, None, "helpers.gates.wait_for_file", str(gate), 120))
         ctrl.send(0, m.BorrowCreate(Ref(3), 1, Ref(1), S0, S1))
         ctrl.send(0, m.BorrowFirstUse(1))
         ctrl.send(0, fetch(3, Ref(3), stream=S1))

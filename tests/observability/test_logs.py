@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from raw import S0, create_streams
+from helpers.raw import S0, create_streams
 
 import dask_monarch as dm
 from dask_monarch.logs import forward_worker_logs, plugin_name, stop_worker_logs

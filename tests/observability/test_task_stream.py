@@ -9,10 +9,9 @@ named after what dominates them (ops, reduce, fetch).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 
@@ -63,12 +62,12 @@ def test_training_loop_shows_spans_and_named_task_groups(client2, mesh2):
         total = w.reduce("gpu", "sum")
         dm.inspect(total)
     # fine performance metrics reach the scheduler with the workers' heartbeats: wait for one
-    deadline = time.monotonic() + 30
-    while True:
+
+    def with_metrics() -> dict | None:
         view = client2.run_on_scheduler(_scheduler_view)
-        if any(view[i]["metrics"] for i in ids["forward"]) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return view if any(view[i]["metrics"] for i in ids["forward"]) else None
+
+    view = wait_until(with_metrics, 30, "a heartbeat with the forward spans' metrics", every=0.2)
     for name, span_ids in ids.items():
         assert len(set(span_ids)) == steps  # a span per phase and step
         for span_id in span_ids:

@@ -282,7 +282,7 @@ def test_a_clock_offset_is_the_one_nearest_zero_that_the_round_trip_allows():
 def test_the_records_of_workers_on_this_host_lie_where_they_ran(ctrl):
     """No record is shifted by a guess: each lies between the client's clock readings
     around the work it records."""
-    from raw import S0, create_streams, fetch, values
+    from helpers.raw import S0, create_streams, fetch, values
 
     from dask_monarch.messages import Ref
 
@@ -304,7 +304,7 @@ def test_the_records_of_workers_on_this_host_lie_where_they_ran(ctrl):
 
 def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
     """The trace waits for the traced work without taking the reports a raw user syncs for."""
-    from raw import S0, create_streams, fetch, values
+    from helpers.raw import S0, create_streams, fetch, values
 
     from dask_monarch.messages import Ref
 
@@ -319,7 +319,7 @@ def test_a_raw_controllers_reports_outlive_the_trace(ctrl, tmp_path):
 def test_a_trace_of_every_mesh_leaves_out_a_broken_one_left_open(client2, tmp_path):
     """A mesh that broke and was never closed runs nothing more: ``dm.trace()`` traces the
     others instead of raising that mesh's old failure."""
-    from raw import S0, call, create_streams
+    from helpers.raw import S0, call, create_streams
 
     broken = dm.Controller(client2, world_size=1)
     mesh = None

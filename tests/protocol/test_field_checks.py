@@ -9,7 +9,7 @@ import pickle
 
 import dask
 import pytest
-from raw import S0, S1, S2, call, fetch
+from helpers.raw import S0, S1, S2, call, fetch
 
 from dask_monarch import messages as m
 from dask_monarch.controller.compiler import Compiler

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from distributed import Client
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 
@@ -19,13 +20,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(throwaway_cluster):
     """A cluster of this module's own: a call stuck in C keeps a worker's slot a while."""
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2)
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 
@@ -34,10 +31,7 @@ def _lines(path) -> int:
 
 
 def _started(path, n: int) -> None:
-    deadline = time.monotonic() + 60
-    while _lines(path) < n:
-        assert time.monotonic() < deadline, "the remote function never started"
-        time.sleep(0.05)
+    wait_until(lambda: _lines(path) >= n, 60, f"the remote function started {n} times")
 
 
 def _threads_of(token: str) -> int:
@@ -64,7 +58,7 @@ def test_a_spinning_function_is_interrupted_and_its_thread_and_slot_freed(client
     marker = str(tmp_path / "started")
     mesh = dm.device_mesh(client, gpu=2)
     token = mesh._session.controller.token
-    spin = dm.remote("remote_fns.spin", propagate=lambda x, path: x)
+    spin = dm.remote("helpers.remote_fns.spin", propagate=lambda x, path: x)
     with mesh.activate():
         out = spin(torch.ones(2), marker)
         later = out + 1  # queued behind it: never runs
@@ -90,7 +84,7 @@ def test_a_call_in_c_code_is_named_with_the_worker_to_restart(client, tmp_path):
     marker = str(tmp_path / "started")
     mesh = dm.device_mesh(client, gpu=2)
     token = mesh._session.controller.token
-    nap = dm.remote("remote_fns.sleep_in_c", propagate=lambda x, s, path: x)
+    nap = dm.remote("helpers.remote_fns.sleep_in_c", propagate=lambda x, s, path: x)
     with mesh.activate():
         nap(torch.ones(2), 12.0, marker)
     mesh._session.controller.flush()

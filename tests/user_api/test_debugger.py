@@ -18,15 +18,15 @@ import time
 import dask.config
 import pytest
 import torch
-from debug_fns import stop_and_double, stop_where_positive, stop_with_dm
-from distributed import Client
+from helpers.debug_fns import stop_and_double, stop_where_positive, stop_with_dm
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 
 pytestmark = pytest.mark.timeout(300)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FNS = os.path.join(os.path.dirname(HERE), "debug_fns.py")
+FNS = os.path.join(os.path.dirname(HERE), "helpers", "debug_fns.py")
 NO_ATTACH = {"dask_monarch.debug.attach": False}  # a wait never reads the test's stdin
 SHORT = {  # heartbeats every 200 ms; a stalled lane warns after 2 s
     "dask_monarch.timeouts.heartbeat": "200ms",
@@ -35,9 +35,8 @@ SHORT = {  # heartbeats every 200 ms; a stalled lane warns after 2 s
 
 
 @pytest.fixture(scope="module")
-def dbg_client():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def dbg_client(throwaway_cluster):
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 
@@ -56,13 +55,11 @@ def mesh_of(client, **config):
 
 
 def wait_paused(mesh, n: int, timeout: float = 120.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def paused() -> list | None:
         found = dm.debug.paused(mesh)
-        if len(found) >= n:
-            return found
-        time.sleep(0.1)
-    raise TimeoutError(f"{n} ranks did not pause within {timeout}s")
+        return found if len(found) >= n else None
+
+    return wait_until(paused, timeout, f"{n} ranks paused in the debugger", every=0.1)
 
 
 def test_pdb_commands_on_a_paused_rank_and_the_notice(dbg_client, capfd):
@@ -135,15 +132,12 @@ def test_a_collective_waits_for_the_paused_rank_and_the_warning_says_why(dbg_cli
         y = dm.remote(stop_where_positive, propagate=lambda x: x.clone())(r.float())
         total = y.reduce("gpu")  # rank 0 waits in the all-reduce for rank 1
         wait_paused(mesh, 1)
-        deadline = time.monotonic() + 120
 
         def about_the_debugger() -> list[str]:  # a loaded machine may warn of a slow start first
             issued = [str(w) for w in controller._liveness.issued]
             return [w for w in issued if "the debugger" in w]
 
-        while not about_the_debugger() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (warning, *_) = about_the_debugger()
+        (warning, *_) = wait_until(about_the_debugger, 120, "a warning about the debugger")
         assert "on the debugger: rank 1 paused at" in warning
         assert f"{FNS}:23 in stop_where_positive" in warning and "dm.debug.attach(1)" in warning
         assert "all-reduce" in warning or "allreduce" in warning  # rank 0's wait names rank 1
@@ -204,10 +198,9 @@ def test_a_collective_timing_out_on_a_paused_rank_says_so(dbg_client):
         text = str(failed.value)
         assert "meanwhile paused in the debugger: rank 1 at" in text
         assert "dask_monarch.timeouts.collective" in text
-        deadline = time.monotonic() + 60  # the broken controller's pause ends on its own
-        while dm.debug.paused(client=dbg_client) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert dm.debug.paused(client=dbg_client) == []
+        wait_until(  # the broken controller's pause ends on its own
+            lambda: dm.debug.paused(client=dbg_client) == [], 60, "the pause to end"
+        )
 
 
 class _Terminal(io.StringIO):
@@ -229,11 +222,11 @@ def test_the_progress_line_gives_the_terminal_to_a_paused_rank(dbg_client):
         while_paused = terminal.getvalue()
         dm.debug.continue_all(mesh)
         assert dm.inspect(y).tolist() == [3.0]
-        deadline = time.monotonic() + 30
-        while "dask-monarch:" not in terminal.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for line in lines:
-            line.stop()
+        try:
+            wait_until(lambda: "dask-monarch:" in terminal.getvalue(), 30, "the line again")
+        finally:
+            for line in lines:
+                line.stop()
     assert while_paused == ""  # not drawn over the pdb prompt
     assert "dask-monarch:" in terminal.getvalue()  # drawn again once resumed
     assert "2 paused in the debugger" in log.getvalue()

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import os
 
-import long_job
 import pytest
 import torch
-from distributed import Client
+from helpers import long_job
 
 import dask_monarch as dm
 
@@ -18,12 +17,8 @@ pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.fixture(scope="module")
-def client():
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2)
+def client(throwaway_cluster):
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 

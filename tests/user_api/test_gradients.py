@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from distributed import get_task_stream
-from task_stream import wait_until_recorded
+from helpers.task_stream import wait_until_recorded
 from torch import nn
 
 import dask_monarch as dm
@@ -124,7 +124,7 @@ def test_ddp_hooks_reduce_on_the_comms_lane_while_backward_runs_on_main(client2,
     flushes could otherwise fall so that main ran all its work before comms got any."""
     comms = dm.Stream("ddp_overlap")
     big = 512
-    busy = dm.remote("remote_fns.until_lane_busy", propagate=lambda *a: None)
+    busy = dm.remote("helpers.remote_fns.until_lane_busy", propagate=lambda *a: None)
     with mesh2.activate():
         dm.random.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(big, big) for _ in range(6)])
@@ -186,7 +186,7 @@ def test_ddp_hooks_no_sync_accumulates_then_reduces_the_sum_once(mesh2):
         assert torch.allclose(g1, w, atol=1e-6) and torch.equal(g0, g1)
 
 
-_hold = dm.remote("gates.wait_for_file", propagate=lambda path, timeout: None)
+_hold = dm.remote("helpers.gates.wait_for_file", propagate=lambda path, timeout: None)
 
 
 def test_ddp_hooks_leave_buckets_to_the_next_flush_while_the_ranks_are_busy(mesh2, tmp_path):

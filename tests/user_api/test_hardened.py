@@ -1,7 +1,7 @@
 """The hardened mode (docs/security.md) runs real programs end to end (issue 35 item 3).
 
 The ranks here accept no pickled code (``dask_monarch.functions.allow-pickled:
-false``) and call only ``torch`` and this suite's ``remote_fns`` by path: every
+false``) and call only ``torch`` and this suite's ``helpers.remote_fns`` by path: every
 message and wire step the user API sends must be plain data to the restricted
 unpickler, and the paths dask_monarch sends for itself must need no allow-list
 entry. The programs are the notebooks' kinds: collectives, remote functions
@@ -14,24 +14,20 @@ from __future__ import annotations
 import dask
 import pytest
 import torch
-from distributed import Client
 
 import dask_monarch as dm
 
 pytestmark = pytest.mark.timeout(300)
 
 HARDENED = {
-    "dask_monarch.functions.allow": ["torch", "remote_fns"],
+    "dask_monarch.functions.allow": ["torch", "helpers.remote_fns"],
     "dask_monarch.functions.allow-pickled": False,
 }
 
 
 @pytest.fixture(scope="module")
-def hardened_client():
-    with dask.config.set(HARDENED):  # the nannies hand this config to their workers
-        cluster = dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None)
-    with cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def hardened_client(throwaway_cluster):
+    with throwaway_cluster(2, config=HARDENED) as (_, client):  # the nannies hand it on
         yield client
 
 
@@ -63,13 +59,13 @@ def test_ops_collectives_and_fetches(hmesh):
 def test_remote_functions_with_and_without_propagate(hmesh):
     with hmesh.activate():
         x = torch.ones(3)
-        declared = dm.remote("remote_fns.scaled", propagate=lambda x, by: x)
+        declared = dm.remote("helpers.remote_fns.scaled", propagate=lambda x, by: x)
         assert dm.inspect(declared(x, 2)).tolist() == [2.0] * 3
-        learned = dm.remote("remote_fns.scaled")  # propagation run on a rank
+        learned = dm.remote("helpers.remote_fns.scaled")  # propagation run on a rank
         assert dm.inspect(learned(x, 3)).tolist() == [3.0] * 3
-        inspected = dm.remote("remote_fns.number", propagate="inspect")
+        inspected = dm.remote("helpers.remote_fns.number", propagate="inspect")
         assert inspected.call_on_shard_and_fetch(x) == 30
-        failing = dm.remote("remote_fns.boom", propagate=lambda x: x)
+        failing = dm.remote("helpers.remote_fns.boom", propagate=lambda x: x)
         with pytest.raises(dm.RemoteException, match="boom from a remote function"):
             dm.inspect(failing(x))
         assert dm.inspect(x + 1).tolist() == [2.0] * 3
@@ -100,7 +96,7 @@ def test_borrows_on_a_second_stream_that_is_then_dropped(hmesh):
 
 def test_pipes(hmesh):
     with hmesh.activate():
-        pipe = dm.create_pipe("remote_fns.loader", 3)
+        pipe = dm.create_pipe("helpers.remote_fns.loader", 3)
         batches = [pipe.recv() for _ in range(3)]
         assert [dm.inspect(b[0]).tolist() for b in batches] == [[0.0] * 2, [1.0] * 2, [2.0] * 2]
 
@@ -117,9 +113,9 @@ def test_recordings(hmesh):
 
 
 def test_resident_objects_sends_between_meshes_and_generators(hmesh):
-    add = dm.remote("remote_fns.add_to_total", propagate=lambda obj, x: torch.empty(()))
+    add = dm.remote("helpers.remote_fns.add_to_total", propagate=lambda obj, x: torch.empty(()))
     with hmesh.activate():
-        total = dm.OpaqueRef("remote_fns.running_total", 10)
+        total = dm.OpaqueRef("helpers.remote_fns.running_total", 10)
         assert dm.inspect(add(total, torch.ones(2))).item() == 12.0
         total.drop()
         dm.random.manual_seed(0)

@@ -258,7 +258,7 @@ def test_mesh_future_is_awaitable(mesh2):
 
 def test_mesh_future_awaits_a_remote_failure(mesh2):
     with mesh2.activate():
-        bad = dm.remote("tests.remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
+        bad = dm.remote("tests.helpers.remote_fns.boom", propagate=lambda t: t)(torch.ones(2))
 
     async def fetch() -> None:
         await dm.fetch_shard(bad)
@@ -328,7 +328,7 @@ def test_dask_refuses_a_mesh_future_as_a_value_saying_what_to_call(client2, mesh
 
 
 def test_a_mesh_future_as_a_remote_function_argument_is_refused(mesh2):
-    first_plus = dm.remote("tests.remote_fns.first_plus", propagate=lambda x, big: x)
+    first_plus = dm.remote("tests.helpers.remote_fns.first_plus", propagate=lambda x, big: x)
     with mesh2.activate():
         x = torch.ones(2)
         future = dm.fetch_shard(x)
@@ -358,7 +358,7 @@ def test_dm_gather_gives_the_values_of_mesh_futures_and_dask_futures(client2, me
 
 
 def test_dm_gather_of_a_failed_mesh_future_raises_or_skips(client2, mesh2):
-    boom = dm.remote("tests.remote_fns.boom", propagate=lambda x: x)
+    boom = dm.remote("tests.helpers.remote_fns.boom", propagate=lambda x: x)
     with mesh2.activate():
         x = torch.ones(2)
         bad = dm.fetch_shard(boom(x))

@@ -11,14 +11,14 @@ import dask_monarch as dm
 
 pytestmark = pytest.mark.timeout(180)
 
-bump = dm.remote("remote_fns.resident_bump", propagate=lambda obj, by=1.0: torch.empty(()))
-fail = dm.remote("remote_fns.resident_fail", propagate=lambda obj: torch.empty(()))
-alive = dm.remote("remote_fns.residents_alive", propagate="inspect")
+bump = dm.remote("helpers.remote_fns.resident_bump", propagate=lambda obj, by=1.0: torch.empty(()))
+fail = dm.remote("helpers.remote_fns.resident_fail", propagate=lambda obj: torch.empty(()))
+alive = dm.remote("helpers.remote_fns.residents_alive", propagate="inspect")
 
 
 def test_an_object_per_rank_keeps_its_state_between_calls(mesh2):
     with mesh2.activate():
-        obj = dm.OpaqueRef("remote_fns.Resident", 1.0, rank=mesh2.rank("gpu"))
+        obj = dm.OpaqueRef("helpers.remote_fns.Resident", 1.0, rank=mesh2.rank("gpu"))
         first = bump(obj, 2.0)
         second = bump(obj, by=3.0)
         on0, on1 = dm.inspect((first, second), gpu=0), dm.inspect((first, second), gpu=1)
@@ -33,9 +33,9 @@ def test_an_object_per_rank_keeps_its_state_between_calls(mesh2):
 def test_the_object_is_deleted_on_the_ranks_when_the_handle_dies(mesh2):
     with mesh2.activate():
         before = alive.call_on_shard_and_fetch(shard={"gpu": 1})
-        kept = dm.OpaqueRef("remote_fns.Resident", 0.0)
-        dropped = dm.OpaqueRef("remote_fns.Resident", 0.0)
-        collected = dm.OpaqueRef("remote_fns.Resident", 0.0)
+        kept = dm.OpaqueRef("helpers.remote_fns.Resident", 0.0)
+        dropped = dm.OpaqueRef("helpers.remote_fns.Resident", 0.0)
+        collected = dm.OpaqueRef("helpers.remote_fns.Resident", 0.0)
         during = alive.call_on_shard_and_fetch(shard={"gpu": 1})
         dropped.drop()
         del collected
@@ -49,7 +49,9 @@ def test_the_object_is_deleted_on_the_ranks_when_the_handle_dies(mesh2):
 
 def test_a_failing_factory_poisons_only_what_uses_the_object(mesh2):
     with mesh2.activate():
-        broken = dm.OpaqueRef("remote_fns.Resident", 0.0, rank=mesh2.rank("gpu"), fail_rank=1)
+        broken = dm.OpaqueRef(
+            "helpers.remote_fns.Resident", 0.0, rank=mesh2.rank("gpu"), fail_rank=1
+        )
         used = bump(broken)
         independent = torch.ones(2) * 3
         with pytest.raises(dm.RemoteException, match="refused to start on rank 1") as info:
@@ -57,13 +59,13 @@ def test_a_failing_factory_poisons_only_what_uses_the_object(mesh2):
         assert info.value.rank == 1
         assert dm.inspect(independent, gpu=1).tolist() == [3.0, 3.0]
         # the workers live: a new object on the same ranks works
-        fine = dm.OpaqueRef("remote_fns.Resident", 5.0)
+        fine = dm.OpaqueRef("helpers.remote_fns.Resident", 5.0)
         assert dm.inspect(bump(fine), gpu=1).item() == 6.0
 
 
 def test_a_failing_use_poisons_its_results_not_the_object(mesh2):
     with mesh2.activate():
-        obj = dm.OpaqueRef("remote_fns.Resident", 0.0)
+        obj = dm.OpaqueRef("helpers.remote_fns.Resident", 0.0)
         bad = fail(obj)
         with pytest.raises(dm.RemoteException, match="this use of a Resident at 0.0 failed"):
             dm.inspect(bad)
@@ -72,9 +74,9 @@ def test_a_failing_use_poisons_its_results_not_the_object(mesh2):
 
 def test_objects_are_checked_on_the_client(mesh2):
     comms = dm.Stream("opaque_other")
-    guess = dm.remote("remote_fns.resident_bump")  # propagate=None would run it on rank 0
+    guess = dm.remote("helpers.remote_fns.resident_bump")  # propagate=None would run it on rank 0
     with mesh2.activate():
-        obj = dm.OpaqueRef("remote_fns.Resident", 0.0)
+        obj = dm.OpaqueRef("helpers.remote_fns.Resident", 0.0)
         with pytest.raises(ValueError, match="propagate="):
             guess(obj)
         with comms.activate(), pytest.raises(TypeError, match="WRONG_STREAM"):

@@ -27,7 +27,7 @@ def test_the_user_waits_once_it_is_max_ahead_of_its_ranks(client2):
     mesh = _mesh(client2)
     try:
         session = mesh._session
-        slow_copy = dm.remote("remote_fns.slow_copy", propagate=lambda x, s: x.clone())
+        slow_copy = dm.remote("helpers.remote_fns.slow_copy", propagate=lambda x, s: x.clone())
         with mesh.activate():
             x = slow_copy(torch.zeros(4), SLEEP_S)
             start, behind = time.monotonic(), []

@@ -8,7 +8,6 @@ import gc
 import dask
 import pytest
 import torch
-from distributed import Client
 
 import dask_monarch as dm
 
@@ -389,11 +388,11 @@ def _explode(x):
     raise RuntimeError("nobody looked at this failure")
 
 
-def test_lost_worker_is_a_device_exception():
+def test_lost_worker_is_a_device_exception(throwaway_cluster):
     import os
     import signal
 
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
+    with throwaway_cluster(2) as (_, client):
         mesh = dm.device_mesh(client, gpu=2)
         with mesh.activate():
             x = torch.ones(2)

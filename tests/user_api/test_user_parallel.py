@@ -219,7 +219,7 @@ def test_process_group_in_a_remote_function(mesh):
 
 def test_loader_pipe_feeds_the_mesh(mesh):
     with mesh.activate():
-        pipe = dm.create_pipe("remote_fns.loader", 3, max_messages=2)
+        pipe = dm.create_pipe("helpers.remote_fns.loader", 3, max_messages=2)
         batches = [pipe.recv() for _ in range(3)]
         got = [dm.inspect(b[0], host=1, gpu=0) for b in batches]
     assert [g.tolist() for g in got] == [[100.0, 100.0], [101.0, 101.0], [102.0, 102.0]]
@@ -228,7 +228,9 @@ def test_loader_pipe_feeds_the_mesh(mesh):
 def test_pipe_with_propagate_and_send(mesh):
     with mesh.activate():
         pipe = dm.create_pipe(
-            "remote_fns.echo_loader", max_messages=1, propagate=lambda: (torch.empty(2), 0, 0)
+            "helpers.remote_fns.echo_loader",
+            max_messages=1,
+            propagate=lambda: (torch.empty(2), 0, 0),
         )
         pipe.send(torch.ones(2) * 3)
         doubled, _, _ = pipe.recv()
@@ -236,7 +238,7 @@ def test_pipe_with_propagate_and_send(mesh):
 
 
 def test_actor_mesh_calls(mesh):
-    import remote_fns
+    from helpers import remote_fns
 
     with mesh.activate():
         actors = mesh.spawn("acc", remote_fns.Accumulator, 1.0)

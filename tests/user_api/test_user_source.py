@@ -14,13 +14,12 @@ import linecache
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-import dask.config
 import pytest
 import torch
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch.controller.session import live_sessions
@@ -89,24 +88,18 @@ def test_the_dashboard_error_rows_show_the_lines(client2, mesh2):
     assert errors and all('raise ValueError("batch has a positive sum!")' in e for e in errors)
 
 
-def test_pdb_lists_a_notebook_function_and_the_notice_shows_the_line(capfd):
+def test_pdb_lists_a_notebook_function_and_the_notice_shows_the_line(capfd, throwaway_cluster):
     cell = notebook_cell(CELL.replace("y * 3", "y * 3  # the last line"))
     name = cell["inspect_batch"].__code__.co_filename
-    from distributed import Client
-
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster,
-        Client(cluster) as client,
-        dask.config.set({"dask_monarch.debug.attach": False}),
-    ):
+    with throwaway_cluster(2, config={"dask_monarch.debug.attach": False}) as (_, client):
         mesh = dm.device_mesh(client, gpu=2)
         try:
             with mesh.activate():
                 y = dm.remote(cell["inspect_batch"], propagate=lambda x: x)(torch.ones(2))
-                found = []
-                while len(found) < 2:
-                    time.sleep(0.1)
-                    found = dm.debug.paused(mesh)
+                found = wait_until(
+                    lambda: paused if len(paused := dm.debug.paused(mesh)) >= 2 else None,
+                    what="both ranks paused in the debugger",
+                )
                 assert found[0].where == f"{name}:13 in inspect_batch: breakpoint()", found[0]
                 text = dm.debug.attach(0, ["l", "ll", "c"], echo=False)
                 assert "(Pdb rank 0) l\n[EOF]" not in text, text  # the old answer

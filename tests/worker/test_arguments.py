@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw import S0, call, create_streams, failures
+from helpers.raw import S0, call, create_streams, failures
 
 from dask_monarch.messages import Ref
 
@@ -29,7 +29,7 @@ def test_refs_inside_lists_and_tuples_are_resolved_and_containers_kept(ctrl):
         call(
             4,
             Ref(5),
-            "remote_fns.describe",
+            "helpers.remote_fns.describe",
             Ref(1),
             [Ref(2), 2, None],
             (Ref(1), "a", torch.float32),
@@ -39,7 +39,9 @@ def test_refs_inside_lists_and_tuples_are_resolved_and_containers_kept(ctrl):
         ),
     )
     # containers of containers take the pytree walk: the same answer
-    ctrl.send(BOTH, call(5, Ref(6), "remote_fns.describe", [[Ref(1)], (Ref(2),)], d={"x": Ref(1)}))
+    ctrl.send(
+        BOTH, call(5, Ref(6), "helpers.remote_fns.describe", [[Ref(1)], (Ref(2),)], d={"x": Ref(1)})
+    )
     assert ctrl.sync() == []
     for rank in BOTH:
         assert torch.equal(ctrl.get_ref(rank, Ref(3), S0), torch.tensor([1.0, 1, 0, 0, 0]))
@@ -65,11 +67,13 @@ def test_the_first_bad_ref_in_order_decides_the_error(ctrl):
     """A missing ref is a fresh failure, an errored one a dependent failure: whichever comes
     first in the arguments (lists included, kwargs last) decides, as the pytree walk does."""
     _setup(ctrl)
-    ctrl.send(BOTH, call(2, Ref(3), "remote_fns.boom", Ref(1)))  # fails: r3 holds an error
+    ctrl.send(BOTH, call(2, Ref(3), "helpers.remote_fns.boom", Ref(1)))  # fails: r3 holds an error
     ctrl.send(BOTH, call(3, Ref(4), "torch.ops.aten.cat.default", [Ref(3), Ref(99)]))
     ctrl.send(BOTH, call(4, Ref(5), "torch.ops.aten.cat.default", [Ref(1), Ref(99), Ref(3)]))
-    ctrl.send(BOTH, call(5, Ref(6), "remote_fns.describe", [Ref(1)], k=[Ref(3)], j=Ref(98)))
-    ctrl.send(BOTH, call(6, Ref(7), "remote_fns.describe", [Ref(1), 2], k=(Ref(98), Ref(3))))
+    ctrl.send(BOTH, call(5, Ref(6), "helpers.remote_fns.describe", [Ref(1)], k=[Ref(3)], j=Ref(98)))
+    ctrl.send(
+        BOTH, call(6, Ref(7), "helpers.remote_fns.describe", [Ref(1), 2], k=(Ref(98), Ref(3)))
+    )
     reports = failures(ctrl.sync())
     assert sorted((r.seq, r.rank) for r in reports) == [
         (2, 0),
@@ -120,7 +124,7 @@ def test_lists_and_tuples_of_leaves_skip_the_pytree_walk(ctrl, client2):
         ctrl.send(BOTH, call(3, Ref(4), "torch.ops.aten.view.default", Ref(3), [5, 1]))
         ctrl.send(BOTH, call(4, Ref(5), "torch.ops.aten.sum.dim_IntList", Ref(4), [0], True))
         ctrl.send(BOTH, call(5, Ref(6), "torch.ops.aten.randn.default", [2, 2], dtype=None))
-        ctrl.send(BOTH, call(6, Ref(7), "remote_fns.describe", {"nested": Ref(1)}))  # walks
+        ctrl.send(BOTH, call(6, Ref(7), "helpers.remote_fns.describe", {"nested": Ref(1)}))  # walks
         assert ctrl.sync() == []
     finally:
         walks = client2.run(_walks)

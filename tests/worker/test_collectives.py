@@ -5,7 +5,7 @@ from __future__ import annotations
 import dask
 import pytest
 import torch
-from raw import S0, S1, call, create_streams, failures, fetch, values
+from helpers.raw import S0, S1, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -37,7 +37,9 @@ def setup_mesh(ctrl, sizes, names, streams=(S0,), split=(), mesh=MESH, ranks=Non
 
 
 def make_inputs(ctrl, ranks, ref, shape, dtype=torch.float32, stream=S0, mesh=MESH):
-    ctrl.send(ranks, call(0, ref, "remote_fns.per_rank", mesh, *shape, dtype=dtype, stream=stream))
+    ctrl.send(
+        ranks, call(0, ref, "helpers.remote_fns.per_rank", mesh, *shape, dtype=dtype, stream=stream)
+    )
 
 
 def reduce_msg(
@@ -130,7 +132,7 @@ def test_stack_scatter_in_place_and_out(ctrl):
 def test_errored_input_takes_part_with_zeros_and_reports_nothing(ctrl):
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     make_inputs(ctrl, [0], Ref(1), (3,))
-    ctrl.send(1, call(0, Ref(1), "remote_fns.boom", 1))  # rank 1's input fails
+    ctrl.send(1, call(0, Ref(1), "helpers.remote_fns.boom", 1))  # rank 1's input fails
     ctrl.send([0, 1], reduce_msg(Ref(2), Ref(1), (3,), ["gpu"], ReduceOp.SUM))
     ctrl.send([0, 1], fetch(5, Ref(2)))
     reports = ctrl.sync(timeout=120)
@@ -146,8 +148,8 @@ def test_collectives_on_two_streams_interleave_without_deadlock(ctrl):
         make_inputs(ctrl, [0, 1], Ref(1), (2,), stream=stream)
     # rank 0 is slow on stream 0, rank 1 on stream 1: each rank reaches the two streams'
     # collectives in a different order; separate communicators keep them apart
-    ctrl.send(0, call(1, Ref(5), "remote_fns.slow_copy", Ref(1), 0.3, stream=S0))
-    ctrl.send(1, call(1, Ref(5), "remote_fns.slow_copy", Ref(1), 0.3, stream=S1))
+    ctrl.send(0, call(1, Ref(5), "helpers.remote_fns.slow_copy", Ref(1), 0.3, stream=S0))
+    ctrl.send(1, call(1, Ref(5), "helpers.remote_fns.slow_copy", Ref(1), 0.3, stream=S1))
     for i in range(10):
         for stream in (S0, S1):
             ctrl.send(
@@ -202,7 +204,7 @@ def test_send_tensor_across_streams_on_one_rank(ctrl):
 def test_send_tensor_of_an_errored_value_sends_zeros(ctrl):
     setup_mesh(ctrl, [2], ["gpu"])
     ctrl.send([0, 1], m.BackendNetworkPointToPointInit(S0, S0))
-    ctrl.send(0, call(0, Ref(1), "remote_fns.boom", 1))
+    ctrl.send(0, call(0, Ref(1), "helpers.remote_fns.boom", 1))
     factory = Factory((2,), torch.float32, torch.strided, "cpu")
     ctrl.send(
         [0, 1],
@@ -293,7 +295,8 @@ def test_process_group_udf(ctrl4):
     make_inputs(ctrl4, world, Ref(1), (2,))
     results = [Ref(20 + i) for i in range(6)]
     ctrl4.send(
-        world, call(5, results, "remote_fns.pg_collectives", Ref(1), group, MESH, groups=[group])
+        world,
+        call(5, results, "helpers.remote_fns.pg_collectives", Ref(1), group, MESH, groups=[group]),
     )
     got = fetch_all(ctrl4, world, results)
     x = [expected_input(r, (2,)) for r in world]

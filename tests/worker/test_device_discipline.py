@@ -8,7 +8,7 @@ and events as a log; these tests read it (docs/architecture.md, "Streams and han
 from __future__ import annotations
 
 import torch
-from raw import S0, S1, S2, call, create_streams, fetch, values
+from helpers.raw import S0, S1, S2, call, create_streams, fetch, values
 
 from dask_monarch import messages as m
 from dask_monarch.messages import Factory, Ref
@@ -19,7 +19,7 @@ BOTH = [0, 1]
 
 def log_of(ctrl, rank, seq, stream=S0):
     """The device log of ``rank`` as seen from ``stream`` after everything sent so far."""
-    ctrl.send(rank, fetch(seq, (), fn="remote_fns.device_log", stream=stream))
+    ctrl.send(rank, fetch(seq, (), fn="helpers.remote_fns.device_log", stream=stream))
     return values(ctrl.sync(timeout=60))[(seq, rank)]
 
 
@@ -32,7 +32,7 @@ def handoffs(log, producer, consumer):
 def test_the_first_segment_after_create_stream_runs_in_the_new_stream(ctrl):
     """CreateStream and the first ops of a stream arrive in one segment: they run in it."""
     ctrl.send(BOTH, m.CreateStream(S2, m.StreamCreationMode.CreateNewStream))
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.current_stream_name", stream=S2))
+    ctrl.send(BOTH, call(0, Ref(1), "helpers.remote_fns.current_stream_name", stream=S2))
     ctrl.send(BOTH, fetch(1, Ref(1), stream=S2))
     assert values(ctrl.sync(timeout=60)) == {(1, 0): "2", (1, 1): "2"}
 
@@ -40,7 +40,9 @@ def test_the_first_segment_after_create_stream_runs_in_the_new_stream(ctrl):
 def test_every_step_runs_in_its_own_lanes_stream(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
     for seq, stream in enumerate((S0, S1, S0, S1)):
-        ctrl.send(BOTH, call(seq, Ref(10 + seq), "remote_fns.current_stream_name", stream=stream))
+        ctrl.send(
+            BOTH, call(seq, Ref(10 + seq), "helpers.remote_fns.current_stream_name", stream=stream)
+        )
     for seq, stream in enumerate((S0, S1, S0, S1)):
         ctrl.send(BOTH, fetch(4 + seq, Ref(10 + seq), stream=stream))
     got = values(ctrl.sync(timeout=60))

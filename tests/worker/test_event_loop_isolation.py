@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from remote_fns import SlowUnpickle
+from helpers.remote_fns import SlowUnpickle
 
 import dask_monarch as dm
 
@@ -38,11 +38,11 @@ def test_a_slow_unpickle_and_a_slow_del_leave_another_controllers_loop_alone(cli
     try:
         with victim.activate():  # warm: lanes made, first flush done
             dm.inspect(torch.zeros(1))
-        plus = dm.remote("remote_fns.plus", propagate=lambda x, n: x)
+        plus = dm.remote("helpers.remote_fns.plus", propagate=lambda x, n: x)
         with culprit.activate():
             x = torch.zeros(2)
             dm.inspect(x)
-            slow = dm.OpaqueRef("remote_fns.SlowDel", STALL_S)
+            slow = dm.OpaqueRef("helpers.remote_fns.SlowDel", STALL_S)
             dm.inspect(x)  # the object exists on the ranks
             slow.drop()  # its __del__ sleeps, wherever the rank frees it
             late = plus(x, SlowUnpickle(1, STALL_S))  # unpickling the argument sleeps

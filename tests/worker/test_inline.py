@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw import call, fetch
-from workers import inlined_segments
+from helpers.raw import call, fetch
+from helpers.workers import inlined_segments
 
 import dask_monarch as dm
 from dask_monarch.messages import DeleteRefs, Ref
@@ -31,13 +31,13 @@ def test_a_small_op_its_fetch_and_the_status_probe_are_quick():
 @pytest.mark.parametrize(
     "step",
     [
-        call(1, Ref(3), "remote_fns.pair", Ref(1)),  # user code can do anything
+        call(1, Ref(3), "helpers.remote_fns.pair", Ref(1)),  # user code can do anything
         call(1, Ref(3), "torch.ops.aten.arange.default", 10**9),  # not a bounded op
         call(1, Ref(3), "torch.ops.aten.view.default", Ref(1), [2, 2]),  # a list argument
         call(1, Ref(3), "torch.ops.c10d.barrier.default", Ref(1)),  # not ATen
         call(1, Ref(3), "torch.ops.aten.add.Tensor", Ref(9), 1),  # not a tensor here (yet)
         call(1, Ref(3), "torch.ops.aten._to_copy.default", Ref(1), device=torch.device("cpu")),
-        fetch(2, Ref(1), fn="remote_fns.number"),  # a function computes the value
+        fetch(2, Ref(1), fn="helpers.remote_fns.number"),  # a function computes the value
     ],
     ids=["user function", "arange", "list argument", "c10d", "unknown ref", "device", "fn"],
 )
@@ -89,7 +89,7 @@ def test_a_fetch_runs_on_the_event_loop_and_a_user_function_on_its_lane(client2,
         assert quick >= before + 5 * 2  # both ranks' segment of each round trip
         rank0 = [mesh2._session.controller.workers[0]]
         quick = inlined_segments(client2, mesh2, rank0)
-        where = dm.remote("remote_fns.thread_name", propagate=lambda *a: "")
+        where = dm.remote("helpers.remote_fns.thread_name", propagate=lambda *a: "")
         assert where.call_on_shard_and_fetch(x).startswith("monarch-")  # the lane's thread
         big = torch.zeros(QUICK_NUMEL + 1)
         assert dm.inspect((big + 1).sum()).item() == QUICK_NUMEL + 1
@@ -99,7 +99,7 @@ def test_a_fetch_runs_on_the_event_loop_and_a_user_function_on_its_lane(client2,
 
 @pytest.mark.timeout(120)
 def test_a_failure_passed_on_by_the_loop_is_raised_like_any_other(client2, mesh2):
-    boom = dm.remote("remote_fns.boom", propagate=lambda x: x)
+    boom = dm.remote("helpers.remote_fns.boom", propagate=lambda x: x)
     with mesh2.activate():
         x = torch.ones(2)
         failed = boom(x)  # fails on the ranks, on the lane's thread
@@ -119,7 +119,7 @@ def test_a_failure_passed_on_by_the_loop_is_raised_like_any_other(client2, mesh2
 @pytest.mark.timeout(120)
 def test_segments_run_on_the_loop_are_ordinary_tasks_in_the_task_stream(client2, mesh2):
     from distributed import get_task_stream
-    from task_stream import wait_until_recorded
+    from helpers.task_stream import wait_until_recorded
 
     token = mesh2._session.controller.token
     with mesh2.activate():
@@ -140,24 +140,18 @@ def test_segments_run_on_the_loop_are_ordinary_tasks_in_the_task_stream(client2,
 
 
 @pytest.mark.timeout(180)
-def test_the_switch_keeps_every_segment_on_its_lane():
-    import dask
-    from distributed import Client
-
-    with dask.config.set({"dask_monarch.worker.inline-segments": False}):
-        with (
-            dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-            Client(cluster) as client,
-        ):
-            mesh = dm.device_mesh(client, gpu=2)
-            with mesh.activate():
-                x = torch.zeros(())
-                for _ in range(3):
-                    x = x + 1
-                    dm.inspect(x)
-                assert dm.inspect(x).item() == 3
-            assert inlined_segments(client, mesh) == 0
-            mesh.exit()
+def test_the_switch_keeps_every_segment_on_its_lane(throwaway_cluster):
+    no_inlining = {"dask_monarch.worker.inline-segments": False}
+    with throwaway_cluster(2, config=no_inlining) as (_, client):
+        mesh = dm.device_mesh(client, gpu=2)
+        with mesh.activate():
+            x = torch.zeros(())
+            for _ in range(3):
+                x = x + 1
+                dm.inspect(x)
+            assert dm.inspect(x).item() == 3
+        assert inlined_segments(client, mesh) == 0
+        mesh.exit()
 
 
 # -- no user code on the loop (DESIGN decision 17) ---------------------------------------------
@@ -166,7 +160,7 @@ def test_the_switch_keeps_every_segment_on_its_lane():
 def test_steps_holding_a_users_value_are_not_unpickled_on_the_loop():
     import pickle
 
-    from remote_fns import SlowUnpickle
+    from helpers.remote_fns import SlowUnpickle
 
     from dask_monarch.worker.inline import small_steps
 

@@ -12,8 +12,7 @@ import sys
 import dask
 import pytest
 import torch
-from distributed import Client
-from raw import S0, S1, S2, call, create_streams
+from helpers.raw import S0, S1, S2, call, create_streams
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -25,9 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def client():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as c:
-        c.wait_for_workers(2)
+def client(throwaway_cluster):
+    with throwaway_cluster(2) as (_, c):
         yield c
 
 
@@ -231,39 +229,36 @@ def test_a_set_ref_value_that_exits_when_unpickled_breaks_only_its_controller(ct
 # -------------------------------------------------------------------- a rank that dies anyway
 
 
-def test_a_process_exit_names_what_the_lane_was_running():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as c:
+def test_a_process_exit_names_what_the_lane_was_running(throwaway_cluster):
+    with throwaway_cluster(2) as (_, c):
         controller = dm.Controller(c, world_size=2)
         try:
             create_streams(controller, [0, 1], S0)
             controller.send([0, 1], call(0, Ref(1), "torch.ones", 2))
             controller.sync(timeout=120)
-            controller.send(1, call(1, Ref(2), "remote_fns.exit_process", Ref(1)))
+            controller.send(1, call(1, Ref(2), "helpers.remote_fns.exit_process", Ref(1)))
             with pytest.raises(dm.DeviceException) as info:
                 controller.sync(timeout=120)
             text = str(info.value)
             assert "rank 1" in text and "lost connection" in text
-            assert "stream 0: CallFunction of remote_fns.exit_process (seq 1)" in text
+            assert "stream 0: CallFunction of helpers.remote_fns.exit_process (seq 1)" in text
         finally:
             controller.close()
 
 
-def test_a_memory_limit_kill_says_so():
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", memory_limit="1GiB") as cluster,
-        Client(cluster) as c,
-    ):
+def test_a_memory_limit_kill_says_so(throwaway_cluster):
+    with throwaway_cluster(2, memory_limit="1GiB") as (_, c):
         controller = dm.Controller(c, world_size=2)
         try:
             create_streams(controller, [0, 1], S0)
             controller.send([0, 1], call(0, Ref(1), "torch.ones", 2))
             controller.sync(timeout=120)
-            controller.send(0, call(1, Ref(2), "remote_fns.allocate", Ref(1), 1536))
+            controller.send(0, call(1, Ref(2), "helpers.remote_fns.allocate", Ref(1), 1536))
             with pytest.raises(dm.DeviceException) as info:
                 controller.sync(timeout=120)
             text = str(info.value)
             assert "rank 0" in text and "memory limit" in text
-            assert "remote_fns.allocate" in text
+            assert "helpers.remote_fns.allocate" in text
         finally:
             controller.close()
 

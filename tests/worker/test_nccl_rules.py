@@ -16,8 +16,7 @@ import re
 import dask
 import pytest
 import torch
-from distributed import Client, LocalCluster
-from raw import S0, S1, call, create_streams, fetch, values
+from helpers.raw import S0, S1, call, create_streams, fetch, values
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dask_monarch as dm
@@ -88,7 +87,7 @@ def setup(ctrl, ranks, streams=(S0,), split=True, p2p=((S0, S0),)):
         ctrl.send(ranks, m.SplitComm(["gpu"], MESH, S0))
     for src, dst in p2p:
         ctrl.send(ranks, m.BackendNetworkPointToPointInit(src, dst))
-    ctrl.send(ranks, call(0, Ref(1), "remote_fns.per_rank", MESH, 3))
+    ctrl.send(ranks, call(0, Ref(1), "helpers.remote_fns.per_rank", MESH, 3))
 
 
 def all_reduce(result, tensor, shape=(3,), device="cpu"):
@@ -108,7 +107,7 @@ def test_every_communicator_of_an_emulated_rank_is_checked(ctrl):
     setup(ctrl, BOTH)
     ctrl.send(BOTH, all_reduce(Ref(2), Ref(1)))
     ctrl.send(BOTH, m.SendTensor(Ref(3), one(0), one(1), Ref(1), factory(), S0, S0))
-    ctrl.send(BOTH, fetch(1, (), fn="remote_fns.checked_communicators"))
+    ctrl.send(BOTH, fetch(1, (), fn="helpers.remote_fns.checked_communicators"))
     got = values(ctrl.sync(timeout=60))
     for rank in BOTH:
         checked = got[(1, rank)]
@@ -226,7 +225,7 @@ def test_three_ranks_shift_chain_and_swap_under_the_emulation(ctrl3):
     ctrl3.send([1, 2], m.SendTensor(Ref(4), one(1), one(2), Ref(3), f, S0, S0))
     ctrl3.send([0, 1], m.SendTensor(Ref(5), one(0), one(1), Ref(1), f, S0, S0))  # a swap: two
     ctrl3.send([0, 1], m.SendTensor(Ref(5), one(1), one(0), Ref(1), f, S0, S0))  # sends, one ref
-    ctrl3.send(ranks, fetch(1, (), fn="remote_fns.checked_communicators"))
+    ctrl3.send(ranks, fetch(1, (), fn="helpers.remote_fns.checked_communicators"))
     got = values(ctrl3.sync(timeout=120))
     assert got[(1, 1)]["p2p/0/0"] == 6  # the shift: 1 call with 2 peers; the chain 2; the swap 2
     assert torch.equal(ctrl3.get_ref(1, Ref(2), S0), per_rank(0))
@@ -260,7 +259,7 @@ def test_a_failed_input_and_a_receive_buffer_are_made_on_the_ranks_own_device(cl
     ctrl = dm.Controller(client2, world_size=2)
     try:
         setup(ctrl, BOTH)
-        ctrl.send(BOTH, call(1, Ref(2), "remote_fns.boom", 1))
+        ctrl.send(BOTH, call(1, Ref(2), "helpers.remote_fns.boom", 1))
         ctrl.send(BOTH, all_reduce(Ref(3), Ref(2), device="cuda:0"))
         ctrl.send(
             BOTH, m.SendTensor(Ref(4), one(0), one(1), Ref(2), factory(device="cuda:0"), S0, S0)
@@ -280,24 +279,19 @@ def test_a_failed_input_and_a_receive_buffer_are_made_on_the_ranks_own_device(cl
 
 
 @pytest.fixture(scope="module")
-def counting_client():
+def counting_client(throwaway_cluster):
     """A plain (daemonic) Dask worker, whose pipes run their producers in threads, whose rank
-    threads enter remote_fns.CountOps (the switch TORCH_CUDA_SANITIZER uses for torch's
+    threads enter helpers.remote_fns.CountOps (the switch TORCH_CUDA_SANITIZER uses for torch's
     sanitizer); no segment runs on the event loop."""
     settings = {
-        "dask_monarch.worker.dispatch-mode": "remote_fns.CountOps",
+        "dask_monarch.worker.dispatch-mode": "helpers.remote_fns.CountOps",
         "dask_monarch.worker.inline-segments": False,
         # Dask's default, said again: the process-wide value may have been left at False by
         # the rank nannies of other clusters, which set it around their starts
         "distributed.worker.daemon": True,
     }
-    with dask.config.set(settings):  # the workers take the config they are started with
-        cluster = LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None
-        )
-    with cluster, Client(cluster) as client:
-        client.wait_for_workers(1)
-        yield client
+    with throwaway_cluster(1, config=settings, plain=True) as (_, client):  # the workers
+        yield client  # take the config they are started with
 
 
 def _pipe(ctrl, fn, *args):
@@ -310,7 +304,7 @@ PIPE = Ref(901)
 
 def test_the_dispatch_mode_switch_reaches_every_thread_that_runs_rank_work(counting_client):
     """Both lanes, a pipe's producer thread and an actor's constructor see their ops."""
-    import remote_fns
+    from helpers import remote_fns
 
     ctrl = dm.Controller(counting_client, world_size=1)
     try:
@@ -319,10 +313,10 @@ def test_the_dispatch_mode_switch_reaches_every_thread_that_runs_rank_work(count
             ctrl.send(0, call(seq, Ref(10 + seq), "torch.ones", 4, stream=stream))
             add = call(2 + seq, Ref(20 + seq), "torch.add", Ref(10 + seq), 1, stream=stream)
             ctrl.send(0, add)
-        _pipe(ctrl, "remote_fns.loader", 2)
+        _pipe(ctrl, "helpers.remote_fns.loader", 2)
         ctrl.send(0, m.PipeRecv(4, [Ref(30), Ref(31)], PIPE, S0))
         ctrl.spawn_actor(0, "zeros", remote_fns.ZerosActor)
-        ctrl.send(0, fetch(5, (), fn="remote_fns.ops_seen"))
+        ctrl.send(0, fetch(5, (), fn="helpers.remote_fns.ops_seen"))
         seen = values(ctrl.sync(timeout=60))[(5, 0)]
         for stream in (S0, S1):
             lane = ctrl._compiler.executor(stream.id)
@@ -342,18 +336,18 @@ def test_a_producer_thread_and_an_actor_run_on_the_ranks_device_and_hand_off(cou
     """The producer thread enters the rank's device and a stream of its own; a value a lane
     sends it and a value it sends back are hand-offs (an event each way, the block kept); an
     actor is built in a stream of its own, finished before a lane uses it."""
-    import remote_fns
+    from helpers import remote_fns
 
     ctrl = dm.Controller(counting_client, world_size=1)
     try:
         create_streams(ctrl, [0], S0)
-        _pipe(ctrl, "remote_fns.echo_loader")
+        _pipe(ctrl, "helpers.remote_fns.echo_loader")
         ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
         ctrl.send(0, m.SendValue(1, PIPE, [], None, ArgsKwargs.from_python((Ref(1),), {}), S0))
         ctrl.send(0, m.PipeRecv(2, [Ref(2), Ref(3), Ref(4)], PIPE, S0))
         ctrl.spawn_actor(0, "zeros", remote_fns.ZerosActor)
         ctrl.send(0, fetch(3, (Ref(2),)))
-        ctrl.send(0, fetch(4, (), fn="remote_fns.device_log"))
+        ctrl.send(0, fetch(4, (), fn="helpers.remote_fns.device_log"))
         got = values(ctrl.sync(timeout=60))
         assert torch.equal(got[(3, 0)], torch.full((2,), 2.0))
         log = got[(4, 0)]

@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from raw import S0, S1, call, create_streams, failures, fetch, values
+from helpers.raw import S0, S1, call, create_streams, failures, fetch, values
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -31,7 +32,7 @@ def create_pipe(
 @pytest.mark.exercises("CreatePipe", "PipeRecv")
 def test_loader_pipe_yields_batches_in_order(ctrl):
     create_streams(ctrl, BOTH, S0)
-    create_pipe(ctrl, BOTH, "remote_fns.loader", 5)
+    create_pipe(ctrl, BOTH, "helpers.remote_fns.loader", 5)
     for i in range(5):  # seqs increase on a stream
         ctrl.send(BOTH, m.PipeRecv(2 * i, [Ref(10 + i), Ref(20 + i)], PIPE, S0))
         ctrl.send(BOTH, fetch(2 * i + 1, ((Ref(10 + i), Ref(20 + i)),)))
@@ -48,7 +49,7 @@ def test_loader_pipe_yields_batches_in_order(ctrl):
 def test_back_pressure_with_max_messages_1(ctrl, tmp_path):
     create_streams(ctrl, [0], S0)
     path = str(tmp_path / "produced")
-    create_pipe(ctrl, [0], "remote_fns.loader", 10, path=path, max_messages=1)
+    create_pipe(ctrl, [0], "helpers.remote_fns.loader", 10, path=path, max_messages=1)
     ctrl.sync(timeout=60)
 
     def produced():
@@ -57,23 +58,20 @@ def test_back_pressure_with_max_messages_1(ctrl, tmp_path):
         with open(path) as f:
             return len(f.read().splitlines())
 
-    deadline = time.monotonic() + 60  # the producer process starts, then fills the buffer
-    while produced() < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the producer process starts, then fills the buffer
+    wait_until(lambda: produced() >= 2, 60, "two messages produced")
     time.sleep(1)
     assert produced() == 2  # one waiting in the buffer, one blocked in send
     ctrl.send(0, m.PipeRecv(0, [Ref(1), Ref(2)], PIPE, S0))
     ctrl.send(0, m.PipeRecv(1, [Ref(3), Ref(4)], PIPE, S0))
     ctrl.sync(timeout=60)
-    deadline = time.monotonic() + 10
-    while produced() < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert 3 <= produced() <= 4
+    wait_until(lambda: produced() >= 3, 10, "a third message produced")
+    assert produced() <= 4
 
 
 def test_crashing_producer_is_a_reported_user_error(ctrl):
     create_streams(ctrl, BOTH, S0)
-    create_pipe(ctrl, BOTH, "remote_fns.crashing_loader")
+    create_pipe(ctrl, BOTH, "helpers.remote_fns.crashing_loader")
     ctrl.send(BOTH, m.PipeRecv(0, [Ref(1)], PIPE, S0))
     ctrl.send(BOTH, m.PipeRecv(1, [Ref(2)], PIPE, S0))
     ctrl.send(BOTH, call(2, Ref(3), "torch.ones", 1))  # the worker carries on
@@ -88,7 +86,7 @@ def test_crashing_producer_is_a_reported_user_error(ctrl):
 
 def test_send_value_into_a_pipe_and_rank_coordinates(ctrl):
     create_streams(ctrl, BOTH, S0)
-    create_pipe(ctrl, BOTH, "remote_fns.echo_loader")
+    create_pipe(ctrl, BOTH, "helpers.remote_fns.echo_loader")
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
     ctrl.send(BOTH, m.SendValue(1, PIPE, [], None, ArgsKwargs.from_python((Ref(1),)), S0))
     ctrl.send(BOTH, m.PipeRecv(2, [Ref(2), Ref(3), Ref(4)], PIPE, S0))
@@ -102,7 +100,7 @@ def test_send_value_into_a_pipe_and_rank_coordinates(ctrl):
 
 def test_pipe_producer_runs_in_its_own_process(ctrl, client2):
     create_streams(ctrl, [0], S0)
-    create_pipe(ctrl, [0], "remote_fns.loader", 1)
+    create_pipe(ctrl, [0], "helpers.remote_fns.loader", 1)
     ctrl.sync(timeout=60)
     address = ctrl.workers[0]
     worker_pid = client2.run(os.getpid, workers=[address])[address]
@@ -182,6 +180,6 @@ def test_spawn_actor_errors_come_back(ctrl):
 
 
 def _accumulator():
-    import remote_fns
+    from helpers import remote_fns
 
     return remote_fns.Accumulator

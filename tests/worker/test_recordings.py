@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw import S0, S1, call, create_streams, failures, fetch, values
+from helpers.raw import S0, S1, call, create_streams, failures, fetch, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -96,13 +96,13 @@ def test_replay_frees_each_intermediate_after_its_last_use(ctrl):
     chain = [m.RecordingFormal(Ref(10), 0, S0)]
     chain += [call(0, Ref(11 + i), "torch.ops.aten.add.Tensor", Ref(10 + i), 1) for i in range(50)]
     chain += [
-        call(0, Ref(100), "remote_fns.tensors_held", Ref(60)),
+        call(0, Ref(100), "helpers.remote_fns.tensors_held", Ref(60)),
         m.RecordingResult(Ref(100), 0, S0),
         m.RecordingResult(Ref(60), 1, S0),
     ]
     define(ctrl, [0], chain, nresults=2, nformals=1)
     ctrl.send(0, call(0, Ref(1), "torch.zeros", 3))
-    ctrl.send(0, call(1, Ref(2), "remote_fns.tensors_held"))
+    ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.tensors_held"))
     ctrl.send(0, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1)]))
     assert ctrl.sync() == []
     held_before = int(ctrl.get_ref(0, Ref(2), S0))  # Ref(1)
@@ -138,8 +138,8 @@ def test_later_calls_are_skipped_after_a_failure(ctrl, tmp_path):
         ctrl,
         [0],
         [
-            call(0, Ref(10), "remote_fns.boom", 1),
-            call(0, Ref(11), "remote_fns.touch", marker),
+            call(0, Ref(10), "helpers.remote_fns.boom", 1),
+            call(0, Ref(11), "helpers.remote_fns.touch", marker),
             m.RecordingResult(Ref(11), 0, S0),
         ],
         nresults=1,
@@ -188,8 +188,8 @@ def test_settled_plans_replay_as_generated_code_with_the_same_errors(
         [
             m.RecordingFormal(fx, 0, S0),
             call(0, a, "torch.ops.aten.add.Tensor", fx, 1),
-            call(0, b, "remote_fns.positive", a),
-            call(0, c, "remote_fns.touch", str(ran), b),
+            call(0, b, "helpers.remote_fns.positive", a),
+            call(0, c, "helpers.remote_fns.touch", str(ran), b),
             m.RecordingResult(b, 0, S0),
             m.RecordingResult(c, 1, S0),
         ],
@@ -252,7 +252,7 @@ def test_recording_with_a_borrow_and_a_reduce(ctrl):
         nresults=1,
         nformals=1,
     )
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.per_rank", mesh, 3))
+    ctrl.send(BOTH, call(0, Ref(1), "helpers.remote_fns.per_rank", mesh, 3))
     for seq in (1, 2):  # borrows inside are new on every replay
         ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 + 10 * seq)], [Ref(1)]))
     ctrl.send(BOTH, fetch(3, Ref(20), stream=S1))
@@ -284,7 +284,7 @@ def test_constant_lists_of_torch_operators_are_compiled_once(ctrl, client2):
             m.RecordingFormal(fx, 0, S0),
             call(0, v, "torch.ops.aten.view.default", fx, [3, 2]),
             call(0, s, "torch.ops.aten.sum.dim_IntList", v, [0]),
-            call(0, g, "remote_fns.grow", s, [7]),
+            call(0, g, "helpers.remote_fns.grow", s, [7]),
             m.RecordingResult(g, 0, S0),
         ],
         nresults=1,

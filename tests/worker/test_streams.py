@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from raw import S0, S1, S2, S3, call, create_streams, failures, fetch, values
+from helpers.raw import S0, S1, S2, S3, call, create_streams, failures, fetch, values
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -23,8 +24,12 @@ def borrow(ctrl, ranks, bid, result, tensor, src, dst):
 def test_streams_of_a_rank_run_at_once(ctrl):
     """Two streams wait on one 2-party barrier: it completes only if both run together."""
     create_streams(ctrl, BOTH, S0, S1)
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S0))
-    ctrl.send(BOTH, call(1, Ref(2), "remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S1))
+    ctrl.send(
+        BOTH, call(0, Ref(1), "helpers.remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S0)
+    )
+    ctrl.send(
+        BOTH, call(1, Ref(2), "helpers.remote_fns.barrier_wait", f"proof-{ctrl.token}", stream=S1)
+    )
     assert ctrl.sync(timeout=60) == []
     for rank in BOTH:
         assert torch.equal(ctrl.get_ref(rank, Ref(1), S0), torch.ones(1))
@@ -33,8 +38,8 @@ def test_streams_of_a_rank_run_at_once(ctrl):
 
 def test_each_stream_has_its_own_thread(ctrl):
     create_streams(ctrl, [0], S0, S1)
-    ctrl.send(0, call(0, Ref(1), "remote_fns.thread_name", stream=S0))
-    ctrl.send(0, call(1, Ref(2), "remote_fns.thread_name", stream=S1))
+    ctrl.send(0, call(0, Ref(1), "helpers.remote_fns.thread_name", stream=S0))
+    ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.thread_name", stream=S1))
     ctrl.sync()
     names = {ctrl.get_ref(0, Ref(1), S0), ctrl.get_ref(0, Ref(2), S1)}
     assert len(names) == 2 and all(ctrl.token in name for name in names)
@@ -60,7 +65,7 @@ def test_borrow_shares_storage_and_in_place_changes_come_back(ctrl):
 
 def test_borrowing_an_errored_value_reports_once(ctrl):
     create_streams(ctrl, BOTH, S0, S1)
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.boom", 1))
+    ctrl.send(BOTH, call(0, Ref(1), "helpers.remote_fns.boom", 1))
     borrow(ctrl, BOTH, 1, Ref(2), Ref(1), S0, S1)
     ctrl.send(BOTH, m.BorrowFirstUse(1))
     ctrl.send(BOTH, call(1, Ref(3), "torch.ops.aten.neg.default", Ref(2), stream=S1))
@@ -135,7 +140,7 @@ def test_four_streams_with_interleaved_borrows_do_not_deadlock(ctrl):
             call(
                 10 + i,
                 Ref(30 + i),
-                "remote_fns.slow_copy",
+                "helpers.remote_fns.slow_copy",
                 Ref(20 + i),
                 0.2,
                 stream=streams[(i + 1) % 4],
@@ -158,7 +163,7 @@ def test_four_streams_with_interleaved_borrows_do_not_deadlock(ctrl):
 def test_request_status_waits_for_a_stream_blocked_at_first_use(ctrl):
     create_streams(ctrl, [0], S0, S1)
     ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
-    ctrl.send(0, call(1, Ref(2), "remote_fns.slow_copy", Ref(1), 1.0))  # the lender is busy
+    ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.slow_copy", Ref(1), 1.0))  # the lender is busy
     borrow(ctrl, 0, 1, Ref(3), Ref(2), S0, S1)
     ctrl.send(0, m.BorrowFirstUse(1))  # S1 blocks here for about a second
     ctrl.send(0, fetch(2, Ref(3), stream=S1))
@@ -254,19 +259,22 @@ def test_drop_stream_runs_after_the_streams_work_then_ends_its_lane(ctrl, client
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.sync()
     before = client2.run(_lanes_and_threads, ctrl.token)
-    ctrl.send(BOTH, call(0, Ref(1), "remote_fns.sleep_then", 0.5, str(tmp_path / "ran"), stream=S1))
+    ctrl.send(
+        BOTH,
+        call(0, Ref(1), "helpers.remote_fns.sleep_then", 0.5, str(tmp_path / "ran"), stream=S1),
+    )
     ctrl.send(BOTH, fetch(1, Ref(1), stream=S1))
     ctrl.drop_stream(BOTH, S1)  # queued behind the sleep: it must not cut it short
     ctrl.send(BOTH, call(2, Ref(2), "torch.ones", 2))
     got = values(ctrl.sync(timeout=60))
     assert torch.equal(got[(1, 0)], torch.ones(1)) and torch.equal(got[(1, 1)], torch.ones(1))
     assert len((tmp_path / "ran").read_text().split()) == 2
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def only_lane_0() -> dict | None:
         after = client2.run(_lanes_and_threads, ctrl.token)
-        if all(lanes == ["0"] for lanes, _, _ in after.values()):
-            break
-        time.sleep(0.1)
+        return after if all(lanes == ["0"] for lanes, _, _ in after.values()) else None
+
+    after = wait_until(only_lane_0, 30, "lane 1 dropped on both ranks")
     for address, (lanes, threads, nthreads) in after.items():
         assert lanes == ["0"]
         assert not any(t.startswith(f"monarch-{ctrl.token}-1_") for t in threads)

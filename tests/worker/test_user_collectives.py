@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from distributed import Client
 
 import dask_monarch as dm
 
@@ -15,13 +14,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def own_client():
+def own_client(throwaway_cluster):
     """A cluster of this module's own: before the fix, these calls killed its workers."""
-    with (
-        dm.LocalMeshCluster(n_ranks=2, device="cpu", dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2)
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 
@@ -30,7 +25,9 @@ def test_a_mismatched_user_all_reduce_leaves_the_workers_alive(own_client, how):
     pids = own_client.run(os.getpid)
     mesh = dm.device_mesh(own_client, gpu=2)
     try:
-        reduce = dm.remote("remote_fns.mismatched_all_reduce", propagate=lambda x, pg, r, h: x[0])
+        reduce = dm.remote(
+            "helpers.remote_fns.mismatched_all_reduce", propagate=lambda x, pg, r, h: x[0]
+        )
         with mesh.activate():
             pg = mesh.process_group("gpu")
             x = torch.ones(4)
@@ -54,7 +51,7 @@ def test_user_collectives_that_agree_run_as_before(own_client):
     mesh = dm.device_mesh(own_client, gpu=2)
     try:
         everything = dm.remote(
-            "remote_fns.pg_collectives",
+            "helpers.remote_fns.pg_collectives",
             propagate=lambda x, pg, mesh: (
                 x.clone(),
                 torch.stack([x, x]),
@@ -80,7 +77,7 @@ def test_a_mismatched_user_receive_fails_the_call_not_the_worker(own_client):
     pids = own_client.run(os.getpid)
     mesh = dm.device_mesh(own_client, gpu=2)
     try:
-        exchange = dm.remote("remote_fns.mismatched_send", propagate=lambda x, pg, r: x[0])
+        exchange = dm.remote("helpers.remote_fns.mismatched_send", propagate=lambda x, pg, r: x[0])
         with mesh.activate():
             out = exchange(torch.ones(4), mesh.process_group("gpu"), mesh.rank("gpu"))
             with pytest.raises(dm.RemoteException, match="the send carried 7 elements"):

@@ -14,7 +14,8 @@ import time
 import dask
 import pytest
 from distributed import Client
-from raw import S0, call, create_streams
+from helpers.raw import S0, call, create_streams
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -27,9 +28,8 @@ COLLECTIVE_TIMEOUT = 120.0  # what the waits must not last
 
 
 @pytest.fixture(scope="module")
-def client():
-    with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
+def client(throwaway_cluster):
+    with throwaway_cluster(2) as (_, client):
         yield client
 
 
@@ -42,12 +42,10 @@ def running(client: Client, token: str) -> list[str]:
     return [key for keys in client.run(_running, token).values() for key in keys]
 
 
-def wait_until(predicate, timeout: float, what: str) -> float:
+def seconds_until_free(client: Client, ctrl: dm.Controller) -> float:
+    """Seconds until the workers run no task of ``ctrl`` (its lane gave up its wait)."""
     start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    wait_until(lambda: not running(client, ctrl.token), 2 * COLLECTIVE_TIMEOUT, "the lane")
     return time.monotonic() - start
 
 
@@ -72,7 +70,7 @@ def rank0_in_a_rendezvous_rank1_never_joins(client: Client) -> dm.Controller:
 def test_a_rendezvous_gives_up_when_its_controller_is_closed(client):
     ctrl = rank0_in_a_rendezvous_rank1_never_joins(client)
     ctrl.close(timeout=0)
-    took = wait_until(lambda: not running(client, ctrl.token), 2 * COLLECTIVE_TIMEOUT, "the lane")
+    took = seconds_until_free(client, ctrl)
     print(f"the lane was free {took:.1f}s after close")
     assert took < COLLECTIVE_TIMEOUT / 2  # not at the collective timeout
 
@@ -84,9 +82,7 @@ def test_a_rendezvous_gives_up_when_its_controller_fails(client):
         ctrl.send(1, call(1, None, "__test_panic"))
         with pytest.raises(dm.DeviceException):
             ctrl.sync(timeout=120)
-        took = wait_until(
-            lambda: not running(client, ctrl.token), 2 * COLLECTIVE_TIMEOUT, "the lane"
-        )
+        took = seconds_until_free(client, ctrl)
         print(f"the lane was free {took:.1f}s after the failure")
         assert took < COLLECTIVE_TIMEOUT / 2
     finally:
@@ -127,7 +123,7 @@ def test_a_group_whose_peer_left_after_arriving_is_given_up_with_its_controller(
     time.sleep(2)  # past the arrivals, inside gloo's connect
     assert running(client, ctrl.token)
     ctrl.close(timeout=0)
-    took = wait_until(lambda: not running(client, ctrl.token), 2 * COLLECTIVE_TIMEOUT, "the lane")
+    took = seconds_until_free(client, ctrl)
     print(f"the lane was free {took:.1f}s after close")
     assert took < COLLECTIVE_TIMEOUT / 2
 

@@ -7,9 +7,9 @@ waits here first.
 
 from __future__ import annotations
 
-import time
-
 from distributed import Client
+
+from helpers.waiting import wait_until
 
 UNFINISHED = ("waiting", "queued", "processing", "no-worker")
 
@@ -25,7 +25,9 @@ def _unfinished(token: str, dask_scheduler=None) -> list:
 
 def wait_until_recorded(client: Client, token: str, timeout: float = 60) -> None:
     """Return once no segment task of the controller ``token`` is left unfinished."""
-    deadline = time.monotonic() + timeout
-    while left := client.run_on_scheduler(_unfinished, token):
-        assert time.monotonic() < deadline, f"segments still unfinished: {left}"
-        time.sleep(0.02)
+    wait_until(
+        lambda: not client.run_on_scheduler(_unfinished, token),
+        timeout,
+        f"controller {token}'s segments to finish",
+        every=0.02,
+    )

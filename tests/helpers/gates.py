@@ -1,4 +1,7 @@
-"""Remote functions that block a lane until the test lets them go (by creating a file)."""
+"""Remote functions that block a lane until the test lets them go (by creating a file).
+
+Their loops are their own, not ``helpers.waiting.wait_until``: the liveness reports name the
+innermost frame of a running call, and the tests look for ``wait_for_file`` there."""
 
 import os
 import time

@@ -1,4 +1,4 @@
-"""Remote functions that stop in the debugger, for tests/user_api/test_debugger.py (by path)."""
+"""Remote functions that stop in the debugger (test_debugger.py asserts their line numbers)."""
 
 import torch
 

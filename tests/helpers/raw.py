@@ -1,4 +1,4 @@
-"""Short builders for raw protocol messages in tests (``from raw import call, fetch, ...``)."""
+"""Short builders for raw protocol messages in tests (``from helpers.raw import call, ...``)."""
 
 from __future__ import annotations
 

@@ -485,7 +485,7 @@ def until_lane_busy(stream_id, timeout=60.0):
     from dask_monarch.worker.lane import current_lane
 
     other = current_lane().rank.lanes[stream_id]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout  # its own loop, as gates.py says
     while other.state == "idle":
         if time.monotonic() > deadline:
             raise TimeoutError(f"stream {stream_id}'s lane did not start within {timeout}s")
