@@ -399,14 +399,14 @@ class Mesh:
             if compiled:
                 step = dm.compile(step)
             trace = time.perf_counter()
-            dm.inspect(step(torch.tensor(gpt2_batch(0).tolist())).reduce("dp", "avg"))
+            dm.inspect(step(gpt2_batch(0)).reduce("dp", "avg"))
             trace = time.perf_counter() - trace
             controller = mesh._session.controller
             before = self._cpu()
             flushes, messages = controller.flushes, controller.messages_sent
             start = time.perf_counter()
             for i in range(steps):
-                loss = step(torch.tensor(gpt2_batch(i + 1).tolist()))
+                loss = step(gpt2_batch(i + 1))  # drawn on the ranks, as each DDP rank does
             dm.inspect(loss.reduce("dp", "avg")).item()
             elapsed = time.perf_counter() - start
             after = self._cpu()
