@@ -82,6 +82,14 @@ with mesh.activate():
 """
 
 
+def _as_a_terminals_job() -> None:
+    """Ctrl-C as a terminal delivers it: whatever started the test suite (a CI runner, a
+    background job, ``time``) may have left SIGINT ignored or blocked, which every child
+    inherits; a shell's foreground job has neither."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted_run(tmp_path: Path, name: str, script: str) -> tuple:
     """Run ``script`` under ``dask-monarch run`` in a process group of its own (a terminal's
     foreground job: the SIGINT reaches every process) and press Ctrl-C once it printed
@@ -97,6 +105,7 @@ def interrupted_run(tmp_path: Path, name: str, script: str) -> tuple:
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_a_terminals_job,
     )
     try:
         wait_for_line(process, "ready", timeout=180)
