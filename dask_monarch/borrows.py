@@ -115,8 +115,7 @@ class Borrow:
             if views:
                 session.send(ranks, m.DeleteRefs([h._ref for h in views]))
             for h in storage.handles:
-                h._owns_ref = False
-                h._dropped = h._dropped or f"the borrow {self.id} it came from was dropped"
+                h.disown(f"the borrow {self.id} it came from was dropped")
             session.send(ranks, m.BorrowLastUse(self.id))
             session.send(ranks, m.BorrowDrop(self.id))
             seq = session.new_seq()
@@ -137,8 +136,7 @@ class Borrow:
         """
         with self.session.lock:
             for h in self.borrowed._storage.handles:
-                h._owns_ref = False
-                h._dropped = h._dropped or why
+                h.disown(why)
             origin = self.origin._storage
             if self.mutable:
                 origin.lent_mutably = None

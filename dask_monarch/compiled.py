@@ -393,7 +393,7 @@ def _disown(capture: Capture) -> list[weakref.ref]:
     (internal to the recording: the replay deletes them)."""
     internal, capture.created = capture.created, []
     for h in internal:
-        h._owns_ref = False
+        h.disown()
     return [weakref.ref(h) for h in internal]
 
 
@@ -500,7 +500,7 @@ def _abandon(capture: Capture) -> None:
     """A trace failed: nothing it captured was sent, so its handles and borrows name
     nothing on the ranks and must not be deleted or dropped there."""
     for h in capture.created:
-        h._owns_ref = False
+        h.disown()
     for borrow in capture.borrows:
         if not borrow.dropped:
             borrow.forget("the compiled function that borrowed it failed")
@@ -571,10 +571,7 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
 
 def _rebind(h: Tensor, ref: m.Ref, traced: bool) -> None:
     """Point handle ``h``, made by a traced call and held since, at a replay's new value."""
-    if h._owns_ref:
-        h._session.drop_ref(h._mesh._ranks, h._ref, h._nbytes())
-    h._ref = ref
-    h._owns_ref = True
+    h.rebind(ref)
     if not traced:
         h._storage.forget_known()
 

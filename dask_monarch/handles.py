@@ -67,6 +67,20 @@ class Handle:
                 self._owns_ref = False
                 self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
 
+    def disown(self, why: str | None = None) -> None:
+        """Leave the value on the ranks to someone else (a recording, a borrow's end, a dry
+        run): this handle will not delete it. ``why``: the handle is unusable from now on."""
+        self._owns_ref = False
+        if why is not None and self._dropped is None:
+            self._dropped = why
+
+    def rebind(self, ref: m.Ref) -> None:
+        """Point the handle at ``ref`` (a replay's new value), deleting the value it owned."""
+        if self._owns_ref:
+            self._session.drop_ref(self._mesh._ranks, self._ref, self._nbytes())
+        self._ref = ref
+        self._owns_ref = True
+
     @property
     def dropped(self) -> bool:
         return self._dropped is not None

@@ -568,7 +568,7 @@ class Session:
                 for storage in stand_in.storages():  # nothing on the ranks to delete
                     for handle in storage.handles:
                         if handle._ref.id >= first_id:
-                            handle._owns_ref = False
+                            handle.disown()
                 self._restore(real, stand_in, saved, definers, first_seq, first_id)
 
     @staticmethod
