@@ -21,6 +21,9 @@ from conftest import exit_quietly, make_hosts, registered, wait_for_host
 
 import dask_monarch as dm
 
+# The tests are phases of one run on shared hosts, in file order (above): never shuffled.
+pytestmark = pytest.mark.random_order(disabled=True)
+
 COLLECTIVE_TIMEOUT = 15.0  # seconds; the default (60 s) would only make the test slower
 WORKER_TTL = "20s"  # the scheduler drops a silent worker after this (Dask's default: 5 min)
 times: dict[str, float] = {}
