@@ -125,11 +125,15 @@ def set_task_spec(ts: Any, spec: Task) -> None:
     ts.run_spec = spec
 
 
+def scheduler_streams(scheduler: Scheduler) -> dict[str, BatchedSend]:
+    """The scheduler's batched streams, by the address (or client id) at their other end."""
+    return {**scheduler.stream_comms, **scheduler.client_comms}
+
+
 def lower_scheduler_gaps(scheduler: Scheduler, interval: float, address: str = "") -> None:
     """Lower the gap of the scheduler's batched streams to ``interval`` seconds: to the worker
     or client at ``address``, or (``""``) to every one it has."""
-    streams = {**scheduler.stream_comms, **scheduler.client_comms}
-    for key, comm in streams.items():
+    for key, comm in scheduler_streams(scheduler).items():
         if not address or key == address:
             lower_gap(comm, interval)
 

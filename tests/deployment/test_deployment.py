@@ -318,7 +318,7 @@ def test_the_batched_interval_opt_in_lowers_the_stock_clusters_gaps(tmp_path):
     def scheduler_gaps(dask_scheduler) -> dict:
         from dask_monarch import dask_internals
 
-        streams = {**dask_scheduler.stream_comms, **dask_scheduler.client_comms}
+        streams = dask_internals.scheduler_streams(dask_scheduler)
         return {address: dask_internals.gap(stream) for address, stream in streams.items()}
 
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
