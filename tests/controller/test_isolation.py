@@ -22,6 +22,7 @@ import pytest
 import torch
 from distributed import Client, Future
 from helpers.raw import S0, S1, S3, call, create_streams, fetch, values
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -49,12 +50,27 @@ def client(cluster3):
 
 
 def _budget(dask_worker) -> tuple:
+    """The worker's thread budget as (threads, tasks executing, ranks held); a settled worker
+    has its configured threads, nothing executing and no rank (no lane holds a slot)."""
     plugin = dask_worker.plugins.get("dask_monarch")
     return (
         dask_worker.state.nthreads,
         len(dask_worker.state.executing),
         sorted(plugin.ranks) if plugin is not None else [],
     )
+
+
+def _wait_settled(client: Client, workers: list[str], why: str) -> None:
+    """Wait until ``workers`` hold no lane, task or rank: the state each test starts from and
+    must leave behind, whatever ran before it on this shared cluster."""
+
+    registered = client.scheduler_info(n_workers=-1)["workers"]  # the threads each started with
+    quiet = {a: (registered[a]["nthreads"], 0, []) for a in workers}
+
+    def settled() -> bool:
+        return client.run(_budget, workers=workers) == quiet
+
+    wait_until(settled, timeout=BOUND, what=f"{workers} to have their whole thread budget {why}")
 
 
 # -- meshes that keep working ------------------------------------------------------------------
@@ -196,7 +212,7 @@ BREAKS = [
 @pytest.mark.parametrize("way", BREAKS, ids=lambda f: f.__name__.removeprefix("break_"))
 def test_a_broken_mesh_never_touches_the_others_on_its_client(client, way, n_meshes):
     order = choose_workers(client, 3, "auto", None)
-    baseline = {a: b for a, b in client.run(_budget).items() if a in order[:2]}
+    _wait_settled(client, order[:2], "before it starts (an earlier victim may still wind down)")
     kinds = (
         [RawMesh, UserMesh, RawMesh]
         if way is break_user_mesh_by_panic
@@ -224,13 +240,7 @@ def test_a_broken_mesh_never_touches_the_others_on_its_client(client, way, n_mes
         for other in others:
             other.close()
     # the surviving workers got their whole thread budget back (a lost worker included)
-    deadline = time.monotonic() + BOUND
-    while True:
-        now = {a: b for a, b in client.run(_budget).items() if a in order[:2]}
-        if now == baseline or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert now == baseline
+    _wait_settled(client, order[:2], "back")
 
 
 # -- the client under a controller ------------------------------------------------------------
