@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
+import psutil
 import torch
 from distributed import Client
 
@@ -63,6 +65,11 @@ def gpt2_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
     return run, n
 
 
+def _cpu(workers: list) -> list[float]:
+    """CPU seconds (user + system) of this process, then of each of ``workers``."""
+    return [sum(p.cpu_times()[:2]) for p in [psutil.Process(), *workers]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", choices=("op", "gpt2"), default="op")
@@ -79,15 +86,23 @@ def main() -> None:
         run(max(1, n // 10))  # warm: lanes, propagation caches, the optimizer's state
         controller = mesh._session.controller
         sent = controller.messages_sent
+        workers = [psutil.Process(pid) for pid in client.run(os.getpid).values()]
+        before = _cpu(workers)
         wall, cpu = time.perf_counter(), time.thread_time()
         run(n)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        spent = [(after - start) / n * 1e6 for start, after in zip(before, _cpu(workers))]
         messages = (controller.messages_sent - sent) / n
         unit = "op" if args.what == "op" else "step"
         print(
             f"per {unit}: {wall / n * 1e6:.1f} us wall, {cpu / n * 1e6:.1f} us of the user "
             f"thread's CPU; {messages:.0f} messages per {unit}, "
             f"{cpu / n / max(messages, 1) * 1e6:.1f} us of CPU per message"
+        )
+        print(
+            f"CPU per {unit}, us: this process (client and scheduler) {spent[0]:.1f}, ranks "
+            + ", ".join(f"{s:.1f}" for s in spent[1:])
+            + f"; all {sum(spent):.1f} on {psutil.cpu_count()} cores"
         )
         profile = cProfile.Profile()
         profile.enable()

@@ -36,6 +36,10 @@ _SCALE = frozenset({"add", "sub", "rsub"})  # exact only without a scale (alpha)
 
 def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
     """Whether (and how) the client can know the values ``info``'s op makes: 0 when not."""
+    if not info.value_free:  # the common answer first: an input whose value is unknown
+        for h in handles:
+            if h._known is None:
+                return 0
     if info.seeded or not (info.exact or info.value_free or _integral(handles, plan)):
         return 0
     if info.exact and kwargs.get("alpha", 1) != 1 and _base(info) in _SCALE:

@@ -267,10 +267,13 @@ class Plan:
     kind: str
     outputs: tuple[Output | None, ...]
     cuda: bool = False  # an output is a CUDA tensor: a mesh with CPU ranks refuses the op
+    fresh: bool = False  # one tensor, a new value: no view, no argument returned
 
     def __post_init__(self) -> None:
         cuda = any(o is not None and o.meta[4].type == "cuda" for o in self.outputs)
         object.__setattr__(self, "cuda", cuda)
+        only = self.outputs[0] if self.kind == "tensor" else None
+        object.__setattr__(self, "fresh", only is not None and only.alias is None)
 
 
 _warm = False
@@ -314,6 +317,11 @@ class Propagator:
                 self._cache.clear()
             plan = self._cache[key] = self._propagate(func, info, args, kwargs)
         return plan
+
+    def cached(self, info: OpInfo, args: tuple, handles: list[Tensor]) -> Plan | None:
+        """The plan :meth:`plan` made for these positional ``args`` before, or None (no
+        propagation: the fast path of Python operators, which then takes the general one)."""
+        return self._cache.get((id(info), _key(args, handles), ()))
 
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         return plan_of(self.run_fake(func, args, kwargs), info)

@@ -8,6 +8,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dask_monarch as dm
+from dask_monarch import client_values
+from dask_monarch import messages as m
 from dask_monarch import tensor as mesh_tensor
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,47 +36,66 @@ EXPRESSIONS = [
 ]
 
 
-def _recorded(monkeypatch, expression: str, env: dict, direct: bool) -> list:
-    """What :func:`dispatch` was called with for ``expression`` (tensors by name)."""
+def _recorded(expression: str, env: dict, direct: bool) -> list:
+    """The calls ``expression`` sends to the ranks: (function, args with tensors by name)."""
     calls = []
-    dispatch = mesh_tensor.dispatch
-    names = {id(v): k for k, v in env.items()}
+    session = next(iter(env.values()))._session
+    send = session.send
+    names = {v._ref.id: k for k, v in env.items()}
 
-    def spy(func, args, kwargs):
-        calls.append((func, tuple(names.get(id(a), a) for a in args), kwargs))
-        return dispatch(func, args, kwargs)
+    def spy(ranks, message):
+        if type(message) is m.CallFunction:
+            args, kwargs, payload, flat = message.args_kwargs
+            args = tuple(names.get(a.id, a) if type(a) is m.Ref else a for a in args)
+            calls.append((message.function, args, kwargs, payload, flat))
+        return send(ranks, message)
 
-    monkeypatch.setattr(mesh_tensor, "dispatch", spy)
-    if not direct:
-        monkeypatch.setattr(mesh_tensor, "_direct_op", lambda *a: None)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(session, "send", spy)
+        if not direct:
+            patch.setattr(mesh_tensor, "_direct_op", lambda *a: None)
         result = eval(expression, {}, env)
-    finally:
-        monkeypatch.undo()
     return calls, result
 
 
-def test_operators_send_what_torchs_dispatcher_sends(mesh2, monkeypatch):
+@pytest.mark.parametrize("n", [4, 5000], ids=["values-known-to-the-client", "values-on-ranks"])
+def test_operators_send_what_torchs_dispatcher_sends(mesh2, monkeypatch, n):
+    """Small tensors the client made keep their values on the client (client_values: the
+    general path mirrors each op); larger ones take the fused path once propagation is
+    cached (the torch-way pass caches it)."""
     with mesh2.activate():
-        t = torch.arange(4, dtype=torch.float32) + 1
-        u = torch.full((4,), 2.0)
-        i = torch.arange(4)
+        t = torch.arange(n, dtype=torch.float32) + 1
+        u = torch.full((n,), 2.0)
+        i = torch.arange(n)
         env = {"t": t, "u": u, "i": i}
+        general = []
+        monkeypatch.setattr(mesh_tensor, "dispatch", _counting(mesh_tensor.dispatch, general))
         for expression in EXPRESSIONS:
-            via_torch, slow = _recorded(monkeypatch, expression, env, direct=False)
-            direct, fast = _recorded(monkeypatch, expression, env, direct=True)
+            via_torch, slow = _recorded(expression, env, direct=False)
+            general.clear()
+            direct, fast = _recorded(expression, env, direct=True)
             assert direct == via_torch, expression
+            if n > client_values.MAX_ELEMENTS:
+                assert not general, f"{expression}: the fused path was not taken"
             assert (fast.shape, fast.dtype, fast.stride()) == (
                 slow.shape,
                 slow.dtype,
                 slow.stride(),
             )
             assert dm.inspect(fast).tolist() == dm.inspect(slow).tolist(), expression
-    local = {"t": torch.arange(4.0) + 1, "u": torch.full((4,), 2.0), "i": torch.arange(4)}
+    local = {"t": torch.arange(n) + 1.0, "u": torch.full((n,), 2.0), "i": torch.arange(n)}
     expected = [eval(expression, {}, local).tolist() for expression in EXPRESSIONS]
     with mesh2.activate():
         got = [dm.inspect(eval(expression, {}, env)).tolist() for expression in EXPRESSIONS]
     assert got == expected
+
+
+def _counting(dispatch, calls: list):
+    def counted(func, args, kwargs):
+        calls.append(func)
+        return dispatch(func, args, kwargs)
+
+    return counted
 
 
 def test_the_direct_way_is_taken_only_when_nothing_else_would_see_the_op(mesh2):
