@@ -425,5 +425,8 @@ def _key_of(x: Any, handles: list[Tensor]) -> tuple:
                 return (mkey, i)
         return (mkey, -1)
     if t is list or t is tuple or t is torch.Size:
-        return (t, tuple(_key_of(v, handles) for v in x))
+        for v in x:
+            if type(v) is not int:
+                return (t, tuple([_key_of(v, handles) for v in x]))
+        return (t, tuple(x))  # a shape or dims, the usual list: its ints are their own keys
     raise Uncacheable(t)
