@@ -28,11 +28,9 @@ with its baseline in the same run:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import signal
-import socket
 import statistics
 import tempfile
 import time
@@ -40,8 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from distributed import Client
+from gloo_ranks import GlooRanks
 from torch import nn
 
 import dask_monarch as dm
@@ -70,60 +68,28 @@ def nbytes(mb: int) -> int:
 # -- the baseline: plain DCP in a torchrun-style job ----------------------------------------------
 
 
-def _dcp_rank(rank: int, world: int, port: int, threads: int, commands, results) -> None:
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
-    while True:
-        command = commands[rank].get()
-        if command is None:
-            break
-        kind, mb, path = command
-        state = state_like(mb)
-        dist.barrier()
-        start = time.perf_counter()
-        if kind == "save":
-            dcp.save(state, checkpoint_id=path)
-        else:
-            dcp.load(state, checkpoint_id=path)
-        dist.barrier()
-        results.put((rank, time.perf_counter() - start))
-    dist.destroy_process_group()
+def _dcp(rank: int, kind: str, mb: int, path: str) -> tuple[int, float]:
+    """One rank of a plain DCP job: save or load the state, timed between barriers."""
+    state = state_like(mb)
+    dist.barrier()
+    start = time.perf_counter()
+    if kind == "save":
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.load(state, checkpoint_id=path)
+    dist.barrier()
+    return rank, time.perf_counter() - start
 
 
-class PlainDCP:
+class PlainDCP(GlooRanks):
     """``world`` long-lived gloo processes that save or load when told."""
 
     def __init__(self, world: int, threads: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.world = world
-        self.commands = [ctx.Queue() for _ in range(world)]
-        self.results = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.context = mp.start_processes(
-            _dcp_rank,
-            args=(world, port, threads, self.commands, self.results),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
+        super().__init__(world, _dcp, threads)
 
-    def run(self, kind: str, mb: int, path: str) -> float:
-        for q in self.commands:
-            q.put((kind, mb, path))
-        return max(self.results.get(timeout=600)[1] for _ in range(self.world))
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.context.join(60)
+    def time(self, kind: str, mb: int, path: str) -> float:
+        """The slowest rank's seconds to ``kind`` (save or load) ``mb`` MiB at ``path``."""
+        return max(seconds for _, seconds in self.run(kind, mb, path))
 
 
 # -- bandwidth ----------------------------------------------------------------------------------
@@ -147,13 +113,13 @@ def bandwidth(client: Client, ranks: int, mb: int, repeat: int, root: str) -> No
             start = time.perf_counter()
             dm.checkpoint.save(state, mesh_dir)
             saved = time.perf_counter() - start
-            plain_saved = plain.run("save", mb, dcp_dir)
+            plain_saved = plain.time("save", mb, dcp_dir)
             start = time.perf_counter()
             dm.checkpoint.load(state, mesh_dir)
             with mesh.activate():
                 dm.inspect(state[f"layer{TENSORS - 1}.weight"][0, 0])  # every rank passed it
             loaded = time.perf_counter() - start
-            plain_loaded = plain.run("load", mb, dcp_dir)
+            plain_loaded = plain.time("load", mb, dcp_dir)
             if turn:
                 times["mesh save"].append(saved)
                 times["dcp save"].append(plain_saved)

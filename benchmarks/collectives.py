@@ -45,19 +45,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import glob
 import itertools
 import os
-import socket
 import statistics
 import time
 
 import latency
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from distributed import Client
+from gloo_ranks import GlooRanks
 
 import dask_monarch as dm
 from dask_monarch import messages as m
@@ -93,98 +91,65 @@ def _usage(pid: int) -> tuple[float, int]:
 # -- plain torch.distributed ---------------------------------------------------------------------
 
 
-def _plain(rank, port, sizes, commands, results):
-    """One of the two plain processes: runs ``(kind, size name, ops)`` commands until None."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=600),
-    )
-    tensors = {name: torch.ones(n) for name, n in sizes.items()}
-    while True:
-        command = commands[rank].get()
-        if command is None:
-            break
-        kind, name, ops, split = command
-        x, n = tensors[name], sizes[name]
-        received = []  # like SendTensor: every receive makes a new tensor
-        inside = 0.0  # split: the time spent in the operations' calls and waits
-        before = _usage(os.getpid()) if split else (0.0, 0)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(ops):
-            begun = time.perf_counter()
-            if kind == "reduce":
-                work = dist.all_reduce(x, async_op=split)
-            elif rank == 0:
-                work = dist.isend(x, 1) if split else dist.send(x, 1)
-            else:
-                received.append(torch.empty(n))
-                work = dist.irecv(received[-1], 0) if split else dist.recv(received[-1], 0)
-            if split:  # what the blocking calls do inside, with a clock read between ops
-                work.wait()
-                inside += time.perf_counter() - begun
-        ended = time.perf_counter()
-        dist.barrier()
-        elapsed = time.perf_counter() - start
-        after = _usage(os.getpid()) if split else (0.0, 0)
-        del received
-        if split:
-            results.put(
-                {
-                    "total": elapsed,
-                    "head": 0.0,
-                    "in the op": inside,
-                    "between ops": ended - start - inside,
-                    "tail": elapsed - (ended - start),
-                    "cpu": after[0] - before[0],
-                    "faults": after[1] - before[1],
-                }
-            )
+_tensors: dict[str, torch.Tensor] = {}  # a plain rank's operands, made on its first command
+
+
+def _plain(rank: int, sizes: dict, kind: str, name: str, ops: int, split: bool) -> tuple:
+    """One command of a plain rank: ``ops`` operations of ``kind`` on the ``name`` tensor,
+    timed between barriers (``split``: each operation timed too); ``(rank, figures)``."""
+    if not _tensors:
+        _tensors.update({size: torch.ones(n) for size, n in sizes.items()})
+    x, n = _tensors[name], sizes[name]
+    received = []  # like SendTensor: every receive makes a new tensor
+    inside = 0.0  # split: the time spent in the operations' calls and waits
+    before = _usage(os.getpid()) if split else (0.0, 0)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(ops):
+        begun = time.perf_counter()
+        if kind == "reduce":
+            work = dist.all_reduce(x, async_op=split)
         elif rank == 0:
-            results.put(elapsed)
-    dist.destroy_process_group()
+            work = dist.isend(x, 1) if split else dist.send(x, 1)
+        else:
+            received.append(torch.empty(n))
+            work = dist.irecv(received[-1], 0) if split else dist.recv(received[-1], 0)
+        if split:  # what the blocking calls do inside, with a clock read between ops
+            work.wait()
+            inside += time.perf_counter() - begun
+    ended = time.perf_counter()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    after = _usage(os.getpid()) if split else (0.0, 0)
+    del received
+    if not split:
+        return rank, elapsed
+    return rank, {
+        "total": elapsed,
+        "head": 0.0,
+        "in the op": inside,
+        "between ops": ended - start - inside,
+        "tail": elapsed - (ended - start),
+        "cpu": after[0] - before[0],
+        "faults": after[1] - before[1],
+    }
 
 
-class PlainTorch:
+class PlainTorch(GlooRanks):
     """Two gloo processes that stay up and time one batch of operations on request."""
 
     def __init__(self, sizes) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue(), ctx.SimpleQueue()]
-        self.results = ctx.SimpleQueue()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        self.context = mp.start_processes(
-            _plain,
-            args=(port, sizes, self.commands, self.results),
-            nprocs=2,
-            join=False,
-            start_method="spawn",
-        )
+        super().__init__(2, _plain)
+        self.sizes = sizes
 
     def time(self, kind: str, name: str, ops: int) -> float:
-        for queue in self.commands:
-            queue.put((kind, name, ops, False))
-        return self.results.get()
+        return dict(self.run(self.sizes, kind, name, ops, False))[0]  # rank 0's
 
     def timeline(self, kind: str, name: str, ops: int) -> dict[str, float]:
         """One batch with each operation timed: its parts in seconds, averaged over the ranks."""
         before = _usage(os.getpid())[0]
-        for queue in self.commands:
-            queue.put((kind, name, ops, True))
-        parts = _mean([self.results.get(), self.results.get()])
+        parts = _mean([figures for _, figures in self.run(self.sizes, kind, name, ops, True)])
         return {**parts, "others": _usage(os.getpid())[0] - before}
-
-    def close(self) -> None:
-        for queue in self.commands:
-            queue.put(None)
-        self.context.join()
 
 
 # -- dask_monarch --------------------------------------------------------------------------------

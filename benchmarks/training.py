@@ -44,9 +44,7 @@ steps), and ratios to DDP. The final weights of every path are compared with
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import time
 from collections import defaultdict
@@ -54,8 +52,8 @@ from collections import defaultdict
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from distributed import Client
+from gloo_ranks import GlooRanks
 from torch import nn
 
 import dask_monarch as dm
@@ -251,57 +249,20 @@ def _ddp_run(rank: int, hidden: int, batch_size: int, steps: int) -> tuple:
     return rank, elapsed, cpu, weights
 
 
-def _ddp_rank(rank: int, port: int, commands, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    while True:
-        command = commands[rank].get()
-        if command is None:
-            break
-        results.put(_ddp_run(rank, *command))
-    dist.destroy_process_group()
-
-
-class DDP:
+class DDP(GlooRanks):
     """4 long-lived gloo processes that train when told (so every round reuses them)."""
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.SimpleQueue()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        self.context = mp.start_processes(
-            _ddp_rank,
-            args=(port, self.commands, self.results),
-            nprocs=WORLD,
-            start_method="spawn",
-            join=False,
-        )
+        super().__init__(WORLD, _ddp_run)
 
-    def run(self, hidden: int | str, batch_size: int, steps: int) -> dict:
-        for q in self.commands:
-            q.put((hidden, batch_size, steps))
-        out = sorted(self.results.get() for _ in range(WORLD))
+    def train(self, hidden: int | str, batch_size: int, steps: int) -> dict:
+        out = sorted(self.run(hidden, batch_size, steps))
         ranks = batch_size if hidden == "gpt2" else WORLD
         return {
             "seconds": max(r[1] for r in out),
             "cpu": {f"rank {r[0]}": r[2] for r in out[:ranks]},
             "weights": out[0][3],
         }
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.context.join()
 
 
 # -- dask_monarch ---------------------------------------------------------------------------
@@ -484,7 +445,7 @@ def main() -> None:
                     if path == "local":
                         r = run_local(hidden, batch_size, args.steps)
                     elif path == "ddp":
-                        r = ddp.run(hidden, batch_size, args.steps)
+                        r = ddp.train(hidden, batch_size, args.steps)
                     else:
                         r = mesh.run(hidden, batch_size, args.steps, path == "compiled")
                     if round_ > 0:
@@ -494,7 +455,7 @@ def main() -> None:
                     if path == "local":
                         r = run_local_gpt2(args.steps)
                     elif path == "ddp":
-                        r = ddp.run("gpt2", ranks, args.steps)
+                        r = ddp.train("gpt2", ranks, args.steps)
                     else:
                         r = mesh.run_gpt2(ranks, args.steps, path == "compiled")
                     if round_ > 0:
