@@ -31,11 +31,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.commands import BIN
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 DEPLOYMENT = (ROOT / "docs" / "deployment.md").read_text()
-BIN = Path(sys.executable).parent
 
 NOT_RUN = {  # a command -> why a test does not run it
     "pip install": "an install: .ci/run installs from nothing, exactly as the README says",

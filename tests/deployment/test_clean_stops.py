@@ -19,22 +19,11 @@ import psutil
 import pytest
 import torch
 from distributed import Client
+from helpers.commands import child_environ, console_script
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch.protocol import names
-
-TESTS = Path(__file__).parents[1]
-BIN = Path(sys.executable).parent
-
-
-def environ() -> dict:
-    """The environment of a child process: it imports this checkout and the test helpers."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
-    )
-    return env
 
 
 def wait_for_line(process: subprocess.Popen, text: str, timeout: float) -> None:
@@ -95,11 +84,11 @@ def interrupted_run(tmp_path: Path, name: str, script: str) -> tuple:
     foreground job: the SIGINT reaches every process) and press Ctrl-C once it printed
     ``ready``: its exit code, its stderr, the processes it had started, the seconds it took."""
     (tmp_path / name).write_text(script)
-    command = [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "-q", name]
+    command = [console_script(), "run", "--ranks", "2", "--device", "cpu", "-q", name]
     process = subprocess.Popen(
         command,
         cwd=tmp_path,
-        env=environ(),
+        env=child_environ(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -312,7 +301,7 @@ def test_interpreter_exit_with_an_open_mesh_releases_it_with_one_message(own_clu
     done = subprocess.run(
         [sys.executable, "leave.py", cluster.scheduler_address],
         cwd=tmp_path,
-        env=environ(),
+        env=child_environ(),
         capture_output=True,
         text=True,
         timeout=120,

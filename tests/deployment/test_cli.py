@@ -7,18 +7,13 @@ starts the embedded LocalMeshCluster.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.commands import child_environ, console_script, explain, run_command
 from helpers.terminal import run_on_a_terminal, terminal_lines
-
-TESTS = Path(__file__).parents[1]  # on PYTHONPATH: the helpers package (helpers.remote_fns, ...)
-BIN = Path(sys.executable).parent
 
 PRELUDE = """\
 import sys
@@ -40,11 +35,6 @@ ctrl.send([0, 1], m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
 """
 
 
-def command(name: str = "dask-monarch") -> list[str]:
-    path = BIN / name
-    return [str(path)] if path.exists() else [shutil.which(name) or name]
-
-
 def run_cli(
     args: list[str],
     tmp_path: Path,
@@ -57,24 +47,7 @@ def run_cli(
     """Run the command (with ``script`` written to tmp_path/script.py as its SCRIPT)."""
     if script is not None:
         (tmp_path / "script.py").write_text(PRELUDE + textwrap.dedent(script))
-    environ = {**os.environ, **(env or {})}
-    # the workers of an embedded cluster import test helpers by path, as pytest's do
-    environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
-    )
-    return subprocess.run(
-        command(name) + args,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=environ,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def explain(done: subprocess.CompletedProcess) -> str:
-    return f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-4000:]}"
+    return run_command(args, tmp_path, env=env, timeout=timeout, name=name)
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +255,13 @@ def test_progress_line_never_garbles_the_script_output(tmp_path, address):
             time.sleep(0.1)
         """)
     )
-    environ = {
-        **os.environ,
-        "DASK_MONARCH__CLI__PROGRESS_DELAY": "0s",
-        "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "20ms",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p),
-    }
+    environ = child_environ(
+        {"DASK_MONARCH__CLI__PROGRESS_DELAY": "0s", "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "20ms"}
+    )
     code, raw = run_on_a_terminal(
-        command() + ["run", "--scheduler-address", address, "-q", "script.py"], tmp_path, environ
+        [console_script(), "run", "--scheduler-address", address, "-q", "script.py"],
+        tmp_path,
+        environ,
     )
     assert code == 0, raw
     shown = terminal_lines(raw)

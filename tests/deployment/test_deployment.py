@@ -7,20 +7,18 @@ Every process starts in its own session and its whole group is killed at the end
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from helpers.commands import console_script, logs, run_command, start, start_scheduler, stop
+from helpers.commands import explain as explain_run
 
 ROOT = Path(__file__).parents[2]
 PLUGINS = ROOT / "plugins"
-BIN = Path(sys.executable).parent
 
 SCRIPT = """\
 import json
@@ -62,82 +60,21 @@ print("dashboard lists the mesh", [c["mesh"] for c in state["controllers"]]
 """
 
 
-def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-        )
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    """Terminate each process group, then kill what is left."""
-    for process in processes:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the group: nannies' workers too
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=10)
-
-
-def wait_for_address(scheduler_file: Path, tmp_path: Path, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return json.loads(scheduler_file.read_text())["address"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.1)
-    raise TimeoutError(f"no scheduler file after {timeout}s\n{logs(tmp_path)}")
-
-
-def logs(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
-    )
-
-
 @pytest.mark.timeout(180)
 def test_dask_cli_cluster_with_preloads_runs_a_batch_script(tmp_path):
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    scheduler_file = tmp_path / "scheduler.json"
-    dask = str(BIN / "dask")
+    dask = console_script("dask")
     processes = []
     try:
-        processes.append(
-            start(
-                [
-                    dask,
-                    "scheduler",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--dashboard-address",
-                    "127.0.0.1:0",
-                    "--scheduler-file",
-                    str(scheduler_file),
-                    "--preload",
-                    str(PLUGINS / "dask_monarch_scheduler.py"),
-                ],
-                tmp_path / "scheduler.log",
-                env,
-            )
+        scheduler_file, address = start_scheduler(
+            tmp_path,
+            "--dashboard-address",
+            "127.0.0.1:0",
+            "--preload",
+            str(PLUGINS / "dask_monarch_scheduler.py"),
+            env=env,
+            processes=processes,
         )
-        address = wait_for_address(scheduler_file, tmp_path)
         # The address goes first, positionally: with --scheduler-file and no address,
         # `dask worker` takes the first preload option for the address (docs/deployment.md).
         common = [
@@ -174,25 +111,12 @@ def test_dask_cli_cluster_with_preloads_runs_a_batch_script(tmp_path):
             )
         )
         (tmp_path / "job.py").write_text(textwrap.dedent(SCRIPT))
-        done = subprocess.run(
-            [
-                str(BIN / "dask-monarch"),
-                "run",
-                "--scheduler-file",
-                str(scheduler_file),
-                "--ranks",
-                "2",
-                "-q",
-                "job.py",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
+        done = run_command(
+            ["run", "--scheduler-file", str(scheduler_file), "--ranks", "2", "-q", "job.py"],
+            tmp_path,
             env=env,
-            timeout=150,
-            stdin=subprocess.DEVNULL,
         )
-        explain = f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}\n{logs(tmp_path)}"
+        explain = f"{explain_run(done)}\n{logs(tmp_path)}"
         assert done.returncode == 0, explain
         assert "preloaded [True, True] gpus ['0', 'None']" in done.stdout, explain
         assert "resources ['monarch-rank0', 'monarch-rank1']" in done.stdout, explain
@@ -216,30 +140,12 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
     from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
 
     env = {**os.environ}
-    scheduler_file = tmp_path / "scheduler.json"
     processes = []
     try:
-        processes.append(
-            start(
-                [
-                    str(BIN / "dask"),
-                    "scheduler",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--no-dashboard",
-                    "--scheduler-file",
-                    str(scheduler_file),
-                ],
-                tmp_path / "scheduler.log",
-                env,
-            )
-        )
-        address = wait_for_address(scheduler_file, tmp_path)
+        _, address = start_scheduler(tmp_path, "--no-dashboard", env=env, processes=processes)
         node = start(
             [
-                str(BIN / "dask-monarch"),
+                console_script("dask-monarch"),
                 "worker",
                 address,
                 "--gpus",
@@ -322,20 +228,18 @@ def test_the_batched_interval_opt_in_lowers_the_stock_clusters_gaps(tmp_path):
         return {address: dask_internals.gap(stream) for address, stream in streams.items()}
 
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    scheduler_file = tmp_path / "scheduler.json"
-    dask = str(BIN / "dask")
+    dask = console_script("dask")
     processes = []
     try:
-        processes.append(
-            start(
-                [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                 "--scheduler-file", str(scheduler_file), "--preload", "dask_monarch.preload",
-                 "--monarch-batched-interval=1ms"],
-                tmp_path / "scheduler.log",
-                env,
-            )
-        )  # fmt: skip
-        address = wait_for_address(scheduler_file, tmp_path)
+        _, address = start_scheduler(
+            tmp_path,
+            "--no-dashboard",
+            "--preload",
+            "dask_monarch.preload",
+            "--monarch-batched-interval=1ms",
+            env=env,
+            processes=processes,
+        )
         common = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
                   "--no-dashboard", "--preload", "dask_monarch.preload"]  # fmt: skip
         processes.append(

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.commands import TESTS, run_command
 
-TESTS = Path(__file__).parents[1]
-DASK_MONARCH = str(Path(sys.executable).parent / "dask-monarch")
 STEPS = 8
 SAVE_EVERY = 2
 
@@ -41,19 +38,11 @@ def run_job(tmp_path: Path, *args: str, timeout: float = 480) -> tuple[dict, str
     """
     split = args.index("--")
     out = tmp_path / "out.pt"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [DASK_MONARCH, "run", *args[:split], str(TESTS / "helpers" / "long_job.py"), str(out)]
+    done = run_command(
+        ["run", *args[:split], str(TESTS / "helpers" / "long_job.py"), str(out)]
         + ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args[split + 1 :]],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
+        tmp_path,
         timeout=timeout,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-6000:]}"
     return torch.load(out), done.stderr
@@ -123,15 +112,11 @@ def test_a_remote_exception_is_not_restarted(tmp_path, cluster2):
         "    x = dm.remote(lambda: 1 / 0, propagate=lambda: torch.empty(1))()\n"
         "    dm.inspect(x)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    done = subprocess.run(
-        [DASK_MONARCH, "run", "--scheduler-address", cluster2.scheduler_address]
+    done = run_command(
+        ["run", "--scheduler-address", cluster2.scheduler_address]
         + ["--max-restarts", "3", str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
+        tmp_path,
         timeout=300,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 3, done.stderr
     assert done.stderr.count("run 0") == 1 and "run 1" not in done.stderr

@@ -6,31 +6,18 @@ alone), and the command says what it is doing while the cluster starts.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.commands import console_script, run_command
 from helpers.terminal import run_on_a_terminal
 
 from dask_monarch.deployment.workers import visible_gpus
 
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.timeout(300)
-
-
-def dask_monarch(args: list[str], cwd: Path, timeout: float = 240, **env: str):
-    return subprocess.run(
-        [str(BIN / "dask-monarch"), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, **env},
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def python(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -61,7 +48,9 @@ def test_run_on_a_cpu_host_with_cuda_visible_devices_starts_cpu_ranks(tmp_path):
         "    print('value', dm.inspect(torch.ones(2) * 3).tolist())\n"
         "mesh.exit()\n"
     )
-    done = dask_monarch(["run", "hello.py"], tmp_path, CUDA_VISIBLE_DEVICES="0")
+    done = run_command(
+        ["run", "hello.py"], tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=240
+    )
     assert done.returncode == 0, done.stderr
     assert "2 cpu ranks on an embedded cluster" in done.stderr, done.stderr
     assert "value [3.0, 3.0]" in done.stdout
@@ -84,7 +73,7 @@ def test_run_on_a_terminal_says_what_starts_and_shows_the_ranks_coming_up(tmp_pa
     what starts, and on a terminal a progress line counts the worker processes and ranks."""
     (tmp_path / "hello.py").write_text("print('hello from the script')\n")
     code, raw = run_on_a_terminal(
-        [str(BIN / "dask-monarch"), "run", "--ranks", "2", "--device", "cpu", "hello.py"], tmp_path
+        [console_script(), "run", "--ranks", "2", "--device", "cpu", "hello.py"], tmp_path
     )
     assert code == 0, raw
     first = raw.index("dask-monarch: starting an embedded cluster of 2 cpu ranks")

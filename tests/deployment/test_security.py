@@ -9,13 +9,13 @@ from __future__ import annotations
 import fractions
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 from distributed import Security
+from helpers.commands import run_command
 from helpers.raw import S0, call, create_streams, failures, values
 
 import dask_monarch as dm
@@ -24,7 +24,6 @@ from dask_monarch.messages import Ref
 
 pytestmark = pytest.mark.timeout(300)
 BOTH = [0, 1]
-TESTS = Path(__file__).parents[1]
 
 
 def make_certs(directory: Path) -> tuple[str, str]:
@@ -196,37 +195,11 @@ def test_cli_run_over_tls(tmp_path, certs):
         "    print('value', dm.inspect(torch.ones(2) * 5).tolist())\n"
         "mesh.exit()\n"
     )
-    bin_dir = Path(sys.executable).parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    }
-    done = subprocess.run(
-        [
-            str(bin_dir / "dask-monarch"),
-            "run",
-            "--ranks",
-            "2",
-            "--device",
-            "cpu",
-            "--dashboard-address",
-            "",
-            "--tls-ca-file",
-            cert,
-            "--tls-cert",
-            cert,
-            "--tls-key",
-            key,
-            "script.py",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
+    done = run_command(
+        ["run", "--ranks", "2", "--device", "cpu", "--dashboard-address", ""]
+        + ["--tls-ca-file", cert, "--tls-cert", cert, "--tls-key", key, "script.py"],
+        tmp_path,
         timeout=240,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "scheduler tls://" in done.stdout and "value [5.0, 5.0]" in done.stdout

@@ -9,13 +9,13 @@ host's own address (never 127.0.0.1).
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import probes
 import pytest
 import torch
 from conftest import exit_quietly, make_hosts, registered
+from helpers.commands import console_script
 from helpers.raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
@@ -138,7 +138,7 @@ def test_training_example_through_dask_monarch_run(hosts_client):
     hosts, _ = hosts_client
     result = subprocess.run(
         [
-            str(Path(sys.executable).parent / "dask-monarch"),
+            console_script(),
             "run",
             "--scheduler-address",
             hosts.scheduler_address,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,9 +22,9 @@ import dask
 import pytest
 import torch
 from conftest import make_hosts, wait_for_host
+from helpers.commands import TESTS, console_script
 
-TESTS = Path(__file__).parents[1]
-DASK_MONARCH = str(Path(sys.executable).parent / "dask-monarch")
+DASK_MONARCH = console_script()
 STEPS = 6
 ENV = {
     "DASK_MONARCH__TIMEOUTS__COLLECTIVE": "15s",  # a rank waiting on the cut one gives up sooner

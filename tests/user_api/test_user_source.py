@@ -12,13 +12,11 @@ from __future__ import annotations
 import json
 import linecache
 import os
-import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.commands import run_command
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
@@ -26,7 +24,6 @@ from dask_monarch.controller.session import live_sessions
 
 pytestmark = pytest.mark.timeout(300)
 
-BIN = Path(sys.executable).parent
 CELL = """\
 import torch
 
@@ -143,14 +140,10 @@ with mesh.activate():
 def test_a_dask_monarch_run_script_function_shows_its_lines(tmp_path, cluster2, client2):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [str(BIN / "dask-monarch"), "run", "-q", "--scheduler-address"]
-        + [cluster2.scheduler_address, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
+    done = run_command(
+        ["run", "-q", "--scheduler-address", cluster2.scheduler_address, str(script)],
+        tmp_path,
         timeout=200,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 3, done.stderr
     assert f'File "{script}", line 8, in normalise' in done.stderr, done.stderr
