@@ -22,6 +22,8 @@ from .handles import Handle
 from .protocol import messages as m
 
 if TYPE_CHECKING:
+    import torch
+
     from .controller.session import Session
     from .stream import Stream
     from .tensor import Tensor
@@ -70,6 +72,12 @@ class StorageInfo:
 
     def refs(self) -> list[int]:
         return [h._ref.id for h in self.handles if h._owns_ref]
+
+    def learn(self, handle: Tensor, value: torch.Tensor) -> None:
+        """The client knows the value of ``handle``, an alias of this storage: ``value``
+        (client_values)."""
+        handle._known = value
+        self.known = True
 
     def forget_known(self) -> None:
         """The ranks change this storage in a way the client does not follow: no alias's

@@ -111,7 +111,6 @@ def mirror(func: OpOverload, args: tuple, kwargs: dict, outputs: list, how: int)
             and value.dtype == handle.dtype
         ):
             if handle._known is not value:
-                handle._known = value
-                handle._storage.known = True
+                handle._storage.learn(handle, value)
         elif handle._known is not None:
             handle._storage.forget_known()

@@ -223,7 +223,7 @@ class Compiled:
                     )
                     if known is not None:
                         formal_values[index] = known.clone()
-                        formal._roots = frozenset((("formal", index),))
+                        capture.formal(formal, index)
                     storages.setdefault(id(t._storage), formal._storage)
                     capture.add(
                         t._mesh._ranks,

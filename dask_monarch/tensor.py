@@ -97,14 +97,14 @@ class Tensor(torch.Tensor, Handle):
         t._ref = ref
         t._owns_ref = owns_ref
         t._dropped = None
-        t._known = known  # the value, when the client knows it (client_values)
+        t._known = None  # the value, when the client knows it (client_values)
         fresh = storage is None
         if fresh:
             storage = StorageInfo()
         t._storage = storage
         storage.add(t)
         if known is not None:
-            storage.known = True
+            storage.learn(t, known)
         watch = session.watch
         if watch is not None:  # a dry run counts what each handle holds
             watch(ref.id, storage, extent(meta) * meta.dtype.itemsize if fresh else 0, mesh._ranks)

@@ -66,6 +66,7 @@ class Capture:
         #                                              before the trace first touched it)
         self.reads: list = []  # call sites where Python read a value the client knows
         self.read_roots: set = set()  # what those values came from (see roots())
+        self.derived: dict[int, frozenset] = {}  # traced ref id -> the roots of its known value
         self.locals: list = []  # (local tensor, its version): placed on the mesh inside
 
     @property
@@ -106,15 +107,20 @@ class Capture:
         ref = handle._ref.id
         if ref < self.first_id:
             return frozenset((ref,))
-        return getattr(handle, "_roots", frozenset())
+        return self.derived.get(ref, frozenset())
 
     def derive(self, outputs: Iterable[Any], inputs: Iterable[Any]) -> None:
         """The client computed the values of ``outputs`` from those of ``inputs``."""
         roots = frozenset().union(*(self.roots(h) for h in inputs))
-        first = self.first_id
+        first, derived = self.first_id, self.derived
         for out in outputs:
             if out is not None and out._ref.id >= first:
-                out._roots = roots | getattr(out, "_roots", frozenset())
+                ref = out._ref.id
+                derived[ref] = roots | derived.get(ref, frozenset())
+
+    def formal(self, handle: Any, index: int) -> None:
+        """The value the client knows of ``handle`` is the trace's argument ``index``."""
+        self.derived[handle._ref.id] = frozenset((("formal", index),))
 
     def read_known(self, handles: Iterable[Any], site: Any) -> None:
         """Python read the value of ``handles``, which the client knows, at ``site``: the
