@@ -424,6 +424,8 @@ def _key_of(x: Any, handles: list[Tensor]) -> tuple:
             if h._storage is storage:
                 return (mkey, i)
         return (mkey, -1)
+    if t is torch.Generator:  # its state changes the values an op draws, never their layout
+        return (t, x.device)
     if t is list or t is tuple or t is torch.Size:
         for v in x:
             if type(v) is not int:
