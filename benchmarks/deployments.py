@@ -34,18 +34,27 @@ from peers import fetch_latency
 
 import dask_monarch as dm
 
+# What a rank worker of LocalMeshCluster or `dask monarch worker` runs without (Dask's config
+# in the environment of the `dask` processes): no statistical profiler sampling every thread
+# 100 times a second, an event-loop tick of 200 ms (Dask's: 20 ms).
+LEAN = {
+    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+    "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "200ms",
+}
+
 
 @contextlib.contextmanager
-def stock(opt_in: bool):
+def stock(opt_in: bool, lean: bool = False):
     """``dask scheduler`` and two ``dask worker`` processes, as docs/deployment.md starts them."""
     folder = tempfile.mkdtemp(prefix="dm-deploy-")
     file = os.path.join(folder, "sched.json")
     extra = ["--monarch-batched-interval=1ms"] if opt_in else []
+    env = {**os.environ, **LEAN} if lean else None
     procs = [
         subprocess.Popen(
             ["dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
              "--scheduler-file", file, "--preload", "dask_monarch.preload", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )
     ]  # fmt: skip
     try:
@@ -63,7 +72,7 @@ def stock(opt_in: bool):
                     ["dask", "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
                      "--no-dashboard", "--preload", "dask_monarch.preload",
                      f"--monarch-rank={rank}", *extra],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                 )
             )  # fmt: skip
         with Client(address) as client:
@@ -103,6 +112,7 @@ def main() -> None:
         "embedded": embedded,
         "stock": lambda: stock(False),
         "stock + opt-in": lambda: stock(True),
+        "opt-in + lean": lambda: stock(True, lean=True),
     }
     results: dict[str, list[float]] = {name: [] for name in clusters}
     for round_ in range(args.repeat):

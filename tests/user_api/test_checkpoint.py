@@ -72,6 +72,7 @@ def test_model_and_adamw_round_trip_and_train_on_as_before(mesh2, tmp_path):
         assert torch.equal(got, want)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist=True
 def test_replicated_values_are_written_once_and_per_rank_ones_by_each_rank(mesh2, tmp_path):
     model, _ = _model(mesh2)
     with mesh2.activate():
