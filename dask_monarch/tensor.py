@@ -599,8 +599,9 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
         return value._ref
     t = type(value)
     if t is list or t is tuple:
-        if any(isinstance(v, torch.Tensor) for v in value):
-            return t(_scan(v, handles) for v in value)
+        for v in value:  # usually a shape or dims: no tensor in it
+            if isinstance(v, torch.Tensor):
+                return t(_scan(v, handles) for v in value)
         return value
     if isinstance(value, torch.Tensor):
         raise _LOCAL_INPUT
