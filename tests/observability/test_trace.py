@@ -38,11 +38,10 @@ def program(mesh: dm.DeviceMesh) -> dm.Tensor:
     return total, comms
 
 
-@pytest.fixture(scope="module")
-def traced(client2, tmp_path_factory):
-    """One traced run on a fresh 2-rank mesh: (trace object, its file's JSON, stream ids)."""
-    path = tmp_path_factory.mktemp("trace") / "run.json"
-    mesh = dm.device_mesh(client2, gpu=2)
+def traced_run(client, path) -> tuple:
+    """One traced run of :func:`program` on a fresh 2-rank mesh: (trace object, its file's
+    JSON, stream ids)."""
+    mesh = dm.device_mesh(client, gpu=2)
     try:
         with dm.trace(path, mesh=mesh) as run:
             total, comms = program(mesh)
@@ -59,6 +58,11 @@ def traced(client2, tmp_path_factory):
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return run, data, streams
+
+
+@pytest.fixture(scope="module")
+def traced(client2, tmp_path_factory):
+    return traced_run(client2, tmp_path_factory.mktemp("trace") / "run.json")
 
 
 def test_the_trace_has_a_track_per_rank_and_stream(traced):
@@ -161,8 +165,8 @@ def test_flows_link_the_borrow_and_the_collective(traced):
             )
 
 
-def test_the_dashboard_serves_the_latest_trace(traced, client2):
-    run, data, _ = traced
+def test_the_dashboard_serves_the_latest_trace(client2, tmp_path):
+    run, data, _ = traced_run(client2, tmp_path / "latest.json")  # any test may trace before
     base = client2.dashboard_link.rsplit("/", 1)[0]
     with urllib.request.urlopen(f"{base}/monarch/trace.json", timeout=30) as response:
         served = json.loads(response.read().decode())
