@@ -551,12 +551,8 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
         for h, ref in rebinds:
             _rebind(h, ref, traced)
         captured = [ref() for ref, _ in trace.captured]
-        changed = [
-            actuals[i]
-            if i is not None
-            else next((h for h in captured if h is not None and h._ref.id == ref), None)
-            for i, ref in trace.mutated
-        ]
+        by_id = {h._ref.id: h for h in reversed(captured) if h is not None}  # the first wins
+        changed = [actuals[i] if i is not None else by_id.get(ref) for i, ref in trace.mutated]
         mutates = mutated_refs([h for h in changed if h is not None], keep_known=traced)
         seq = session.new_seq()
         uses = [a._ref.id for a in actuals] + [h._ref.id for h in captured if h is not None]
