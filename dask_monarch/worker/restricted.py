@@ -105,7 +105,8 @@ def allowed_globals(user: bool = True) -> dict[str, Any]:
         value = getattr(m, name)
         if isinstance(value, type):
             found[f"{m.__name__}.{name}"] = value
-    found[f"{m.__name__}.memory_format"] = m.memory_format  # how batches name one
+    for how in (m.memory_format, m.storage, m.raw_tensor):  # how batches send these values
+        found[f"{m.__name__}.{how.__name__}"] = how
     for step in wire.STEPS:
         found[f"{wire.__name__}.{step.__name__}"] = step
     found[f"{ndslice.__name__}.Slice"] = ndslice.Slice
