@@ -58,6 +58,29 @@ def test_every_seed_variant_has_a_class_and_an_example():
     assert len(m.WORKER_MESSAGES) == 29  # 28 seed variants + CreatePipe
 
 
+
+def test_batches_send_tensors_as_their_bytes():
+    """A tensor in a message (a client value, a generator's state) travels as its storage's
+    bytes, not ``torch.save``'s archive; both loaders give back equal tensors, with their
+    strides, offsets and dtypes (those torch itself cannot pickle too)."""
+    from dask_monarch.worker.restricted import loads as restricted_loads
+
+    values = [
+        torch.arange(12.0).reshape(3, 4)[:, 1:],  # a view: its offset and strides
+        torch.randint(0, 64, (8, 16)),
+        torch.zeros(0),
+        torch.tensor([1, 2], dtype=torch.uint16),  # no typed storage class in torch
+        torch.ones(2, requires_grad=True),
+    ]
+    data = m.dumps(values)
+    assert b"_load_from_bytes" not in data
+    for loads in (pickle.loads, restricted_loads):
+        for value, back in zip(values, loads(data)):
+            assert back.dtype == value.dtype and torch.equal(back, value.detach())
+            assert back.stride() == value.stride()
+            assert back.storage_offset() == value.storage_offset()
+            assert back.requires_grad == value.requires_grad
+
 @pytest.mark.parametrize("msg", list(examples().values()), ids=lambda x: type(x).__name__)
 def test_messages_pickle_and_compare_by_value(msg):
     for dumps in (pickle.dumps, cloudpickle.dumps, m.dumps):
