@@ -27,6 +27,8 @@ from typing import Any
 
 import cloudpickle
 
+from . import tensor_bytes
+
 _code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
 
 
@@ -40,7 +42,8 @@ def dumps(obj: Any, protocol: int | None = None) -> bytes:
 class _SourcePickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, protocol: int | None = None) -> None:
         # the C pickler reads its dispatch table once, at construction
-        self.dispatch_table = ChainMap({types.CodeType: self._reduce_code}, super().dispatch_table)
+        ours = {types.CodeType: self._reduce_code, **tensor_bytes.REDUCERS}
+        self.dispatch_table = ChainMap(ours, super().dispatch_table)
         self._sent: dict[str, list[tuple[int, int]]] = {}  # file -> spans whose lines are sent
         super().__init__(file, protocol=protocol)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..protocol import messages as m
-from ..protocol import ndslice, wire
+from ..protocol import ndslice, tensor_bytes, wire
 
 __all__ = ["RestrictedPickleError", "loads", "loads_ours", "allowed_globals"]
 
@@ -105,8 +105,9 @@ def allowed_globals(user: bool = True) -> dict[str, Any]:
         value = getattr(m, name)
         if isinstance(value, type):
             found[f"{m.__name__}.{name}"] = value
-    for how in (m.memory_format, m.storage, m.raw_tensor):  # how batches send these values
-        found[f"{m.__name__}.{how.__name__}"] = how
+    found[f"{m.__name__}.memory_format"] = m.memory_format  # how batches name one
+    for build in (tensor_bytes.storage, tensor_bytes.raw_tensor):  # tensors as their bytes
+        found[f"{tensor_bytes.__name__}.{build.__name__}"] = build
     for step in wire.STEPS:
         found[f"{wire.__name__}.{step.__name__}"] = step
     found[f"{ndslice.__name__}.Slice"] = ndslice.Slice

@@ -58,7 +58,6 @@ def test_every_seed_variant_has_a_class_and_an_example():
     assert len(m.WORKER_MESSAGES) == 29  # 28 seed variants + CreatePipe
 
 
-
 def test_batches_send_tensors_as_their_bytes():
     """A tensor in a message (a client value, a generator's state) travels as its storage's
     bytes, not ``torch.save``'s archive; both loaders give back equal tensors, with their
@@ -80,6 +79,23 @@ def test_batches_send_tensors_as_their_bytes():
             assert back.stride() == value.stride()
             assert back.storage_offset() == value.storage_offset()
             assert back.requires_grad == value.requires_grad
+
+
+def test_pickled_arguments_send_tensors_as_their_bytes():
+    """Arguments that are not plain data (a generator, a local tensor beside a closure) are
+    cloudpickled into the message's payload: their tensors travel as bytes too, and load
+    with the restricted loader where nothing else in them needs code."""
+    from dask_monarch.worker.restricted import loads as restricted_loads
+
+    value = torch.arange(6.0).reshape(2, 3).t()
+    args = ArgsKwargs.from_python((Ref(1), value), {"scale": torch.tensor([2], dtype=torch.uint16)})
+    payload = args[2]
+    assert payload is not None and b"_load_from_bytes" not in payload
+    for loads in (pickle.loads, restricted_loads):
+        (ref, back), kwargs = loads(payload)
+        assert ref == Ref(1) and torch.equal(back, value) and back.stride() == value.stride()
+        assert kwargs["scale"].dtype == torch.uint16
+
 
 @pytest.mark.parametrize("msg", list(examples().values()), ids=lambda x: type(x).__name__)
 def test_messages_pickle_and_compare_by_value(msg):
@@ -120,7 +136,8 @@ def test_fetched_values_carry_cpu_storages_as_bytes():
     not through ``torch.save``; torch's tensor reducers still carry the rest, so dtype,
     shape, strides, offset, requires_grad and the tensor's class come back as they were,
     and the loaded tensors are writable."""
-    from dask_monarch.protocol.messages.values import dumps_value, storage
+    from dask_monarch.protocol.messages.values import dumps_value
+    from dask_monarch.protocol.tensor_bytes import storage
 
     values = [
         torch.arange(4.0),

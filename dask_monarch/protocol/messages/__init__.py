@@ -28,8 +28,6 @@ from .values import (
     as_ref,
     dumps,
     memory_format,
-    raw_tensor,
-    storage,
 )
 from .worker import (
     WORKER_MESSAGES,
@@ -134,8 +132,6 @@ for _cls in (
     *WORKER_MESSAGES,
     *CONTROLLER_MESSAGES,
     memory_format,  # named by batches (see dumps)
-    raw_tensor,
-    storage,
 ):
     _cls.__module__ = __name__
 del _cls

@@ -18,7 +18,7 @@ from typing import Any, Union
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .. import source
+from .. import source, tensor_bytes
 from ..ndslice import Slice
 from .checked import CheckedId, check_int, checked, instance_of, list_of, optional, register_checks
 
@@ -361,78 +361,12 @@ def dumps_value(value: Any) -> bytes:
     torch pickles a tensor as its storage, offset, sizes and strides (kept
     here), and the storage through ``torch.save`` into a buffer: 60 µs to
     dump and 80-290 µs to load for a 4-element tensor, on the path of every
-    fetch. As the bytes themselves (:func:`storage`): 5 and 20 µs.
+    fetch. As the bytes themselves (:mod:`..tensor_bytes`): 5 and 20 µs.
     """
     return _dump(value, _VALUE_REDUCERS)
 
 
-def storage(dtype: str, data: bytearray) -> torch.storage.TypedStorage:
-    """A CPU storage of ``torch.<dtype>`` over ``data``: how :func:`dumps_value` pickles one."""
-    kind = getattr(torch, dtype, None)
-    if not isinstance(kind, torch.dtype):
-        raise ValueError(f"torch.{dtype} is not a dtype")
-    if type(data) is not bytearray:  # torch.frombuffer wants a writable buffer
-        data = bytearray(data)
-    untyped = (
-        torch.frombuffer(data, dtype=torch.uint8).untyped_storage()  # shares data, keeps it
-        if data
-        else torch.UntypedStorage(0)
-    )
-    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=kind, _internal=True)
-
-
-def _reduce_storage(value: torch.storage.TypedStorage) -> tuple:
-    untyped = value._untyped_storage
-    if untyped.device.type != "cpu":  # torch's own way (to_cpu moves fetched tensors first)
-        return value.__reduce__()
-    raw = torch.empty(0, dtype=torch.uint8).set_(untyped)  # every byte of it, as uint8
-    return storage, (str(value._dtype).removeprefix("torch."), pickle.PickleBuffer(raw.numpy()))
-
-
-def _reduce_tensor(value: torch.Tensor) -> Any:
-    """torch pickles no tensor of a dtype without a typed storage class (complex32, uint16 to
-    uint64, the float8s, the bits types): those travel as their storage's bytes."""
-    if value.dtype not in _RAW_DTYPES or value.device.type != "cpu":
-        return value.__reduce_ex__(5)
-    raw = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
-    return raw_tensor, (
-        str(value.dtype).removeprefix("torch."),
-        tuple(value.shape),
-        value.stride(),
-        value.storage_offset(),
-        pickle.PickleBuffer(raw.numpy()),
-    )
-
-
-def raw_tensor(
-    dtype: str, shape: tuple, stride: tuple, offset: int, data: bytearray
-) -> torch.Tensor:
-    """A CPU tensor of ``torch.<dtype>`` over the bytes of its storage (:func:`_reduce_tensor`)."""
-    kind = getattr(torch, dtype, None)
-    if not isinstance(kind, torch.dtype):
-        raise ValueError(f"torch.{dtype} is not a dtype")
-    if type(data) is not bytearray:
-        data = bytearray(data)
-    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(kind).as_strided(shape, stride, offset)
-
-
-_RAW_DTYPES = frozenset(
-    d
-    for d in (
-        getattr(torch, name, None)
-        for name in (
-            "complex32 uint16 uint32 uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
-            "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 bits1x8 bits2x4 bits4x2 bits8 "
-            "bits16"
-        ).split()
-    )
-    if isinstance(d, torch.dtype)
-)
-_VALUE_REDUCERS = {  # dumps_value
-    torch.storage.TypedStorage: _reduce_storage,
-    torch.Tensor: _reduce_tensor,
-}
+_VALUE_REDUCERS = tensor_bytes.REDUCERS  # dumps_value
 _BATCH_REDUCERS = {torch.memory_format: _reduce_memory_format, **_VALUE_REDUCERS}  # dumps
 _tables: dict[tuple, dict] = {}  # (our reducers, size of copyreg's table) -> the merged table
 
