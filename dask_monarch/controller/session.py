@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import itertools
 import logging
 import os
@@ -676,18 +675,7 @@ _LAZY = (
 )
 
 
-class _GCState:
-    """Whether a cyclic collection is running (its finalizers may send messages)."""
-
-    collecting = False
-
-    @classmethod
-    def track(cls, phase: str, info: dict) -> None:
-        cls.collecting = phase == "start"
-
-
-_gc_state = _GCState
-gc.callbacks.append(_GCState.track)
+_gc_state = config.GCState  # a cyclic collection running: its finalizers may send messages
 
 
 def user_frame(f: Any = None) -> tuple[str, int, str] | None:
