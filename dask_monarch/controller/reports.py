@@ -75,7 +75,8 @@ class Reports:
         self.keep_inbox = True  # False once a listener consumes them (the user API)
         self.replies: dict[int, RefValue] = {}  # probe -> what it read
         self.listeners: list[Callable[[Any], None]] = []
-        self.on_done: Callable[[], None] | None = None  # after a batch that finished segments
+        # after a batch that finished segments, with the (rank, lane)s that did
+        self.on_done: Callable[[list], None] | None = None
         self.exited: set[int] = set()
         self.comms: dict[int, Comm] = {}  # rank -> its report stream
         self.beats: dict[int, Heartbeat] = {}  # rank -> its latest answer to the heartbeat
@@ -185,7 +186,7 @@ class Reports:
         delivered = []  # for the inbox and the listeners, in arrival order
         seqless = False  # a ValueFailed is among them: for the listeners only
         debugger = []  # DebuggerPaused reports, for on_debugger
-        finished = False  # a LaneDone is among them
+        finished = []  # the lanes whose LaneDone advanced
         with self.progress:
             for item in batch:
                 t = type(item)
@@ -194,7 +195,7 @@ class Reports:
                     if item.index > self.done.get(key, -1):
                         self.done[key] = item.index
                         self._idle = None
-                        finished = True
+                        finished.append(key)
                         queue = self.in_flight.get(key)
                         while queue and queue[0][0] <= item.index:
                             queue.popleft()
@@ -236,7 +237,7 @@ class Reports:
                 )
             self.progress.notify_all()
         if finished and self.on_done is not None:
-            self.on_done()
+            self.on_done(finished)
         for msg in delivered:
             for listener in self.listeners:
                 listener(msg)
