@@ -273,6 +273,33 @@ def test_ddp_hooks_lend_one_flat_copy_per_bucket(mesh2):
     borrows = [msg for ranks, msg in trace.messages if isinstance(msg, m.BorrowCreate)]
     assert len(hooks.buckets) == 1 and len(borrows) == 1
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+    # the gradients become views of the averaged bucket in one message, not one each
+    calls = [msg for _, msg in trace.messages if isinstance(msg, m.CallFunction)]
+    paths = [getattr(msg.function, "path", "") for msg in calls]
+    assert paths.count("dask_monarch.gradients.bucket_views") == 1
+    assert not [path for path in paths if "as_strided" in path]
+
+
+def test_ddp_hooks_gradients_are_views_of_their_bucket(mesh2):
+    """After backward each gradient is a view of its bucket's average (DDP's
+    ``gradient_as_bucket_view``): they share its storage, in order, with their own shapes."""
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        with dm.ddp_hooks(model, "gpu") as hooks:
+            _loss(model, mesh2).backward()
+        (bucket,) = hooks.buckets
+        grads = [p.grad for p in bucket]
+        assert len({id(g._storage) for g in grads}) == 1
+        end = 0  # one after the other, in the order they were accumulated
+        for g in sorted(grads, key=lambda g: g._mkey.offset):
+            assert g._mkey.offset == end
+            end += g.numel()
+        for p, g in zip(bucket, grads):
+            assert g.shape == p.shape and g.is_contiguous()
+        values = [dm.inspect(g, gpu=0) for g in grads]
+        p0 = bucket[0]
+        p0.grad.mul_(2)  # a change through one view is a change of the bucket
+        assert torch.equal(dm.inspect(p0.grad, gpu=0), values[0] * 2)
 
 
 def test_ddp_hooks_buckets_hold_one_dtype_and_flatten_any_gradient(mesh2):
