@@ -134,6 +134,7 @@ class Borrow:
             else:
                 session.invoke(seq, [], [])
                 origin.lent.discard(self)
+            storage.borrow = None  # its handles are unusable now; no cycle through the storage
             self.dropped = True
 
     def forget(self, why: str) -> None:
@@ -150,6 +151,7 @@ class Borrow:
                 origin.lent_mutably = None
             else:
                 origin.lent.discard(self)
+            self.borrowed._storage.borrow = None
             self.dropped = True
 
     def __enter__(self) -> Borrow:

@@ -73,25 +73,27 @@ def _integral(handles: list, plan: Plan) -> bool:
 def run(func: OpOverload, args: tuple, kwargs: dict, stand_ins: bool = False) -> Any:
     """``func`` run locally on the client's copies of its mesh tensors (or, ``stand_ins``, on
     fresh local tensors of their metadata): what the ranks compute, as local tensors."""
-
-    def local(x: Any) -> Any:
-        known = getattr(x, "_known", None)
-        if known is not None and not stand_ins:
-            return known
-        if known is not None or hasattr(x, "_known"):
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-        if type(x) is list or type(x) is tuple:
-            return type(x)(local(v) for v in x)
-        if isinstance(x, torch.device):
-            return _CPU
-        return x
-
-    local_kwargs = {k: local(v) for k, v in kwargs.items()} if kwargs else {}
+    local_kwargs = {k: _local(v, stand_ins) for k, v in kwargs.items()} if kwargs else {}
     if "device" in local_kwargs:
         local_kwargs["device"] = _CPU
-    local_args = [local(a) for a in args]
+    local_args = [_local(a, stand_ins) for a in args]
     with _no_python_dispatch():  # an active mesh must not see the local copies (1 us, where
         return func(*local_args, **local_kwargs)  # popping the mode stack takes 8)
+
+
+def _local(x: Any, stand_ins: bool) -> Any:
+    """``x`` as :func:`run` passes it to the op (a module-level function: a nested one that
+    calls itself is a reference cycle, garbage for the collector on every op)."""
+    known = getattr(x, "_known", None)
+    if known is not None and not stand_ins:
+        return known
+    if known is not None or hasattr(x, "_known"):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_local(v, stand_ins) for v in x)
+    if isinstance(x, torch.device):
+        return _CPU
+    return x
 
 
 def mirror(func: OpOverload, args: tuple, kwargs: dict, outputs: list, how: int) -> None:

@@ -676,6 +676,7 @@ class Precheck:
                             other.left -= 1
                             if other is not event and other.left == 0:
                                 self.work.append(other.lane)
+                        slot.events.clear()  # complete: no event and slot hold each other
             return event.left == 0
         if kind is _SIGNAL:
             self.signals[event.key] = self.signals.get(event.key, 0) + 1

@@ -41,17 +41,26 @@ def dumps(obj: Any, protocol: int | None = None) -> bytes:
 
 class _SourcePickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, protocol: int | None = None) -> None:
-        # the C pickler reads its dispatch table once, at construction
-        ours = {types.CodeType: self._reduce_code, **tensor_bytes.REDUCERS}
+        # the C pickler reads its dispatch table once, at construction; nothing in it refers
+        # back to the pickler (a bound method would: a cycle that kept each pickle's memo, the
+        # tensors it pickled among them, alive until the next garbage collection)
+        ours = {types.CodeType: _CodeWithSource(), **tensor_bytes.REDUCERS}
         self.dispatch_table = ChainMap(ours, super().dispatch_table)
-        self._sent: dict[str, list[tuple[int, int]]] = {}  # file -> spans whose lines are sent
         super().__init__(file, protocol=protocol)
 
-    def _reduce_code(self, code: types.CodeType) -> tuple[Callable, tuple]:
+
+class _CodeWithSource:
+    """Reduces a code object with its file name and the source lines it spans (once per span
+    per pickle)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[tuple[int, int]]] = {}  # file -> spans whose lines are sent
+
+    def __call__(self, code: types.CodeType) -> tuple[Callable, tuple]:
         rebuild, args = _code_reduce(code)
         filename, first, text = code.co_filename, code.co_firstlineno, None
         last = max(_lines(code), default=first)
-        sent = self._sent.setdefault(filename, [])
+        sent = self.sent.setdefault(filename, [])
         if not any(a <= first and last <= b for a, b in sent):
             lines = linecache.getlines(filename)[first - 1 : last]
             if lines:
