@@ -134,8 +134,7 @@ class Borrow:
             else:
                 session.invoke(seq, [], [])
                 origin.lent.discard(self)
-            storage.borrow = None  # its handles are unusable now; no cycle through the storage
-            self.dropped = True
+            self._release(storage)
 
     def forget(self, why: str) -> None:
         """Undo a borrow that never reached the ranks (its trace failed), on the client only.
@@ -151,8 +150,16 @@ class Borrow:
                 origin.lent_mutably = None
             else:
                 origin.lent.discard(self)
-            self.borrowed._storage.borrow = None
-            self.dropped = True
+            self._release(self.borrowed._storage)
+
+    def _release(self, storage: StorageInfo) -> None:
+        """Dropped: let go of both tensors. The borrowed ones are unusable, and a dropped
+        borrow that something still holds (a compiled function's trace holds the borrows it
+        made) must not keep the lender's handle alive: the trace would count it as held
+        outside, and its next replay would find it gone and trace again."""
+        storage.borrow = None
+        self.origin = self.borrowed = None
+        self.dropped = True
 
     def __enter__(self) -> Borrow:
         return self

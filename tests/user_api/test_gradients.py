@@ -247,6 +247,40 @@ def test_a_compiled_step_holds_forward_backward_hooks_and_optimizer(mesh2):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain[-1], replayed[-1]))
 
 
+def test_a_compiled_ddp_step_replays_across_garbage_collections(mesh2):
+    """The trace's dropped borrows let go of the lenders' handles: before, the bucket each
+    borrow lent stayed alive until the next collection, so the trace counted it as held
+    outside, and a replay after any collection found it gone, traced again, and after four
+    such calls ran eagerly (with a CompileWarning that blamed the function)."""
+    import gc
+    import warnings
+
+    with mesh2.activate():
+        model = _model(dm.random.manual_seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        hooks = dm.ddp_hooks(model, "gpu", bucket_bytes=200)  # flat and single buckets
+
+        @dm.compile
+        def step():
+            loss = _loss(model, mesh2)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        traces = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dm.CompileWarning)
+            for _ in range(8):
+                step()
+                traces.append(next(iter(step._traces.values())))
+                gc.collect()
+        dm.inspect(model[0].weight)
+        hooks.remove()
+    assert not step._eager and len({t.ref for t in traces}) == 1  # one recording
+    assert all(t is traces[-1] for t in traces[2:])  # traced (and confirmed), then replayed
+
+
 def test_ddp_hooks_lend_one_flat_copy_per_bucket(mesh2):
     """Each borrow costs every rank two hand-offs between its lane threads: a bucket of
     several gradients is lent as one flat copy, not gradient by gradient."""
