@@ -60,6 +60,9 @@ class Capture:
         self.created: list = []  # handles made while tracing: internal to the recording
         self.captured: dict[int, Any] = {}  # outside handles a traced op used, by ref id
         self.borrows: list = []  # borrows created while tracing
+        # the Streams its messages run on, by ref id: one made inside a traced function lives
+        # until the recording holds it (compiled.py), however soon its tensors are gone
+        self.streams: dict[int, Any] = {}
         # what a replay must find unchanged (dask_monarch.compile's guards):
         self.known: dict[int, tuple[Any, Any]] = {}  # outside ref id -> (handle, known value
         #                                              before the trace first touched it)
@@ -367,6 +370,9 @@ class Session:
             if isinstance(name, str):
                 self.controller.name_stream(ref, name)
             self.send_setup(self.world, m.CreateStream(ref, stream.creation_mode))
+        capture = self.capture
+        if capture is not None:
+            capture.streams[ref.id] = stream
         return ref
 
     def _stream_died(self, key: int, ref: m.StreamRef, _: weakref.ref) -> None:
