@@ -135,7 +135,9 @@ def test_tiny_gpt2_compiled_step_replays_and_trains_as_locally(mesh2, gpt2_init)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dm.CompileWarning)  # it must replay, not give up
         losses, weights, traces = _train_on_mesh(mesh, gpt2_init, make, compiled=True)
-    assert traces == 3  # the step that makes the state, the next, and the one confirming it
+    # the step that makes the optimizer's state, then the next, which makes nothing that
+    # outlives it (the buckets ddp_hooks lent die with the step) and replays from then on
+    assert traces == 2
     _equal_training(_train_locally(gpt2_init, make), losses, weights)
 
 
