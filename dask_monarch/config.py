@@ -106,10 +106,12 @@ def freeze_new_imports() -> None:
     The first fake-tensor propagation in a process imports torch's lazy stack
     (dynamo, sympy: some 800 modules, 117 000 objects); on a worker that
     freezes nothing else, each full collection after it walked them all
-    (44 ms each), and plain dispatch ran half as fast for seconds. The
-    controller asks at every flush: a user's imports after it started
-    (transformers: 470 modules, 60 000 objects) made each full collection of
-    the client take ~30 ms, about 1 ms per step of the tiny GPT-2.
+    (44 ms each), and plain dispatch ran half as fast for seconds.
+
+    Not done on the client after it started: everything alive then would be
+    frozen too, and a model dropped later whose tensors sit in a reference
+    cycle (``ddp_hooks``' hooks make one) would never be collected, its
+    tensors never deleted on the ranks.
     """
     if _frozen and len(sys.modules) != _modules_frozen and not GCState.collecting:
         _freeze()

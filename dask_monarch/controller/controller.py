@@ -376,7 +376,6 @@ class Controller:
     def _flush(self, final: bool | tuple[int, int]) -> None:
         """Flush; ``final`` before a wait: what would wait forever for more is refused (a wait
         on every lane, ``True``, or on one ``(rank, stream)``; see ``Compiler.compile``)."""
-        config.freeze_new_imports()  # the user's own imports since (transformers, ...)
         with self._flush_lock:
             with self._lock:
                 buffer, self._buffer = self._buffer, []
