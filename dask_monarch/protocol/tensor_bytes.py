@@ -14,12 +14,10 @@ workers that accept no pickled code allows them (worker/restricted.py).
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 
 def storage(dtype: str, data: bytearray) -> torch.storage.TypedStorage:
@@ -65,13 +63,9 @@ def _bytes_of(untyped: torch.UntypedStorage) -> pickle.PickleBuffer:
         return pickle.PickleBuffer(torch.empty(0, dtype=torch.uint8).set_(untyped).numpy())
 
 
-def _local() -> contextlib.AbstractContextManager:
-    """Plain local torch: no dispatch mode sees the tensors made here (a value is pickled or
-    loaded while a mesh is active: its mode would make them mesh tensors)."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else _PLAIN
-
-
-_PLAIN = contextlib.nullcontext()
+# Plain local torch: no dispatch mode sees the tensors made here (a value is pickled or loaded
+# while a mesh is active: its mode would make them mesh tensors); as client_values runs ops
+_local = torch._C._DisableTorchDispatch
 
 
 def raw_tensor(
