@@ -262,12 +262,19 @@ def claim_ranks(
     """
     if backend not in ("auto", "gloo"):
         raise ValueError(f"dask_monarch.backend must be 'auto' or 'gloo', got {backend!r}")
+    gloo_connect = config.get("comm.gloo-connect", "lazy")
+    if gloo_connect not in ("lazy", "eager"):
+        raise ValueError(
+            f"dask_monarch.comm.gloo-connect must be 'lazy' or 'eager', got {gloo_connect!r}"
+        )
     settings = {
         "device": device,
         "collective_timeout": config.seconds("timeouts.collective"),
         "backend": backend,
         # check NCCL's per-communicator order on every rank (worker/nccl_rules.py)
         "emulate_nccl": bool(config.get("comm.emulate-nccl", False)),
+        # gloo pairs connect at first use, not all at once per group (worker/groups.py)
+        "gloo_connect": gloo_connect,
     }
     ranks = {address: rank for rank, address in enumerate(workers)}
     replies = client.run(claim_rank, token, ranks, len(workers), settings, workers=workers)

@@ -121,6 +121,8 @@ class Comms:
         self.lock = threading.Lock()
         # dask_monarch.comm.emulate-nccl: each communicator's operations, checked (nccl_rules.py)
         self.emulate = bool(state.settings.get("emulate_nccl"))
+        # dask_monarch.comm.gloo-connect: gloo pairs connect at first use (groups.new_group)
+        self.lazy = state.settings.get("gloo_connect", "lazy") == "lazy"
         self.sequences: dict[Any, OpSequence] = {}  # group -> its checked sequence
         self.watch = NcclWatch(state)
 
@@ -169,6 +171,7 @@ class Comms:
                         timeout=self.timeout,
                         cuda=cuda,
                         device=state.torch_device,
+                        lazy=self.lazy,
                     )
                     checks = self.emulate and checked
                     built.append((pg, self._sequence(key, ranks) if checks else None))

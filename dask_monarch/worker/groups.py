@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -118,6 +119,7 @@ def new_group(
     timeout: float,
     cuda: str | None,
     device: torch.device | None = None,
+    lazy: bool = True,
 ) -> dist.ProcessGroup:
     """The group of global ``ranks`` as seen by global ``rank`` (a blocking rendezvous).
 
@@ -128,6 +130,12 @@ def new_group(
     rank's GPU): made lazily it would start inside the group's first
     operation, on whichever lane issues it first, uninterruptibly and in an
     order that differs between ranks.
+
+    ``lazy`` (``dask_monarch.comm.gloo-connect: lazy``): gloo connects a pair
+    of members at their first operation together, not every pair in the
+    constructor. A whole-mesh group then costs each rank the pairs its
+    operations use (two neighbours for a ring all-reduce, one peer per send)
+    instead of ``len(ranks) - 1`` connections made up front.
     """
     group_rank, size = ranks.index(rank), len(ranks)
     prefixed = dist.PrefixStore(prefix, store)
@@ -136,7 +144,7 @@ def new_group(
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = delta
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._devices = [gloo_device(host, lazy)]
     gloo = dist.ProcessGroupGloo(prefixed, group_rank, size, options)
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
@@ -158,6 +166,18 @@ def new_group(
     return pg
 
 
+def gloo_device(host: str, lazy: bool) -> dist.ProcessGroupGloo.Device:
+    """A gloo device bound to ``host`` whose pairs connect at first use if ``lazy`` (and the
+    installed torch knows how: 2.7 or later; older ones connect every pair up front)."""
+    try:
+        return dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy)
+    except TypeError:  # a torch without lazy_init
+        return dist.ProcessGroupGloo.create_device(hostname=host)
+
+
+RELEASED_HELD_S = 5.0  # a released group is kept this long off the lanes (release_group)
+
+
 def release_group(pg: dist.ProcessGroup) -> None:
     """Forget the group and stop its backends (a peer blocked in it then fails fast; an op
     of ours that waits on a peer ends at its timeout, off the lane: :func:`finish`).
@@ -165,6 +185,12 @@ def release_group(pg: dist.ProcessGroup) -> None:
     A group with an NCCL communicator is aborted rather than shut down: a
     shutdown waits for the kernels in flight, which wait forever for a peer
     that is gone; an abort ends them, and the worker goes on.
+
+    The group itself is let go of on a thread of its own, a few seconds later:
+    gloo's destructor joins the group's threads, and one of them may sit in an
+    operation whose peer is gone until the collective timeout. Dropped by
+    whoever held it last (a lane's failed segment, whose traceback names it),
+    it would hold that lane as long.
     """
     c10d._world.pg_group_ranks.pop(pg, None)
     try:
@@ -174,6 +200,13 @@ def release_group(pg: dist.ProcessGroup) -> None:
             pg.shutdown()
     except Exception as e:  # a group whose peers are gone may refuse; it is dropped anyway
         logger.debug("shutting down process group %r: %r", pg, e)
+    held = [pg]
+
+    def let_go() -> None:
+        time.sleep(RELEASED_HELD_S)
+        held.clear()  # the last reference, once the lanes let theirs go: joins its threads here
+
+    threading.Thread(target=let_go, name="dask_monarch-released-group", daemon=True).start()
 
 
 def finish(work: dist.Work, stopped: Callable[[], bool], poll: float = 0.05) -> bool:

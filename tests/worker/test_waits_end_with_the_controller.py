@@ -13,6 +13,7 @@ import time
 
 import dask
 import pytest
+import torch
 from distributed import Client
 from helpers.raw import S0, call, create_streams
 from helpers.waiting import wait_until
@@ -107,8 +108,14 @@ def _pretend_arrived(prefix: str, rank: int, token: str, dask_worker=None) -> No
 @pytest.mark.timeout(400)
 def test_a_group_whose_peer_left_after_arriving_is_given_up_with_its_controller(client):
     """Rank 1 came to the rendezvous and left: rank 0 sits in gloo's connect to it (which
-    retries until the collective timeout); closing the controller frees the lane at once."""
-    with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
+    retries until the collective timeout); closing the controller frees the lane at once.
+    Groups that connect every pair when made (``comm.gloo-connect: eager``); the next test
+    is the same with a group that connects at its first operation."""
+    settings = {
+        "dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s",
+        "dask_monarch.comm.gloo-connect": "eager",
+    }
+    with dask.config.set(settings):
         ctrl = dm.Controller(client, world_size=2)
     create_streams(ctrl, BOTH, S0)
     ctrl.send(BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice(0, [2], [1])))
@@ -121,6 +128,40 @@ def test_a_group_whose_peer_left_after_arriving_is_given_up_with_its_controller(
     ctrl.flush()
     wait_until(lambda: running(client, ctrl.token), 60, "rank 0 to enter the rendezvous")
     time.sleep(2)  # past the arrivals, inside gloo's connect
+    assert running(client, ctrl.token)
+    ctrl.close(timeout=0)
+    took = seconds_until_free(client, ctrl)
+    print(f"the lane was free {took:.1f}s after close")
+    assert took < COLLECTIVE_TIMEOUT / 2
+
+
+@pytest.mark.timeout(400)
+def test_a_lazy_group_whose_peer_left_is_given_up_in_its_first_operation(client):
+    """The same, with ``comm.gloo-connect: lazy`` (the default): rank 0's group is made
+    without connecting, and its first reduce sits in gloo's connect to rank 1 (inside the
+    operation, until the collective timeout); closing the controller frees the lane."""
+    with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
+        ctrl = dm.Controller(client, world_size=2)
+    create_streams(ctrl, BOTH, S0)
+    ctrl.send(BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice(0, [2], [1])))
+    ctrl.send(BOTH, m.BackendNetworkInit())
+    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
+    assert ctrl.sync(timeout=120) == []
+    client.run(
+        _pretend_arrived,
+        f"world/split/{MESH.id}/{S0.id}/gpu/0-1/",
+        1,
+        ctrl.token,
+        workers=[ctrl.workers[0]],
+    )
+    ctrl.send(0, m.SplitComm(["gpu"], MESH, S0))
+    factory = m.Factory((2,), torch.float32, torch.strided, "cpu")
+    ctrl.send(
+        0, m.Reduce(Ref(2), Ref(1), factory, MESH, S0, ["gpu"], m.ReduceOp.SUM, False, False, None)
+    )
+    ctrl.flush()
+    wait_until(lambda: running(client, ctrl.token), 60, "rank 0 to start the reduce")
+    time.sleep(2)  # inside the reduce's connect to rank 1
     assert running(client, ctrl.token)
     ctrl.close(timeout=0)
     took = seconds_until_free(client, ctrl)
