@@ -168,7 +168,7 @@ def new_group(
 
 def gloo_device(host: str, lazy: bool) -> dist.ProcessGroupGloo.Device:
     """A gloo device bound to ``host`` whose pairs connect at first use if ``lazy`` (and the
-    installed torch knows how: 2.7 or later; older ones connect every pair up front)."""
+    installed torch knows how: 2.8 or later; older ones connect every pair up front)."""
     try:
         return dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy)
     except TypeError:  # a torch without lazy_init
