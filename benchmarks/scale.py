@@ -24,6 +24,11 @@ size with its growth over the smallest size:
 * the time from the issue to the last rank's segment start (each rank's
   plugin stamps its segment starts: ``dm.trace``'s records).
 
+Beside them, on the same cluster just before, the baseline: plain Dask asked
+for what a flush asks of it, one tiny task pinned to each worker per round,
+all waited for and rank 0's result read (its round trip, client CPU and
+scheduler CPU per round).
+
 The figures go to benchmarks/RESULTS.md ("Control plane at scale").
 """
 
@@ -41,7 +46,7 @@ import time
 
 import psutil
 import torch
-from distributed import Client
+from distributed import Client, wait
 
 import dask_monarch as dm
 
@@ -124,12 +129,49 @@ class Cluster:
                 p.kill()
 
 
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+def _plain_dask(client: Client, rounds: int, cluster: Cluster, idle_rate: float) -> dict:
+    """The baseline: per round one tiny task pinned to each worker (what a flush asks of
+    Dask: a task per rank), all waited for, rank 0's result read, the futures let go of."""
+    me = psutil.Process()
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    trips = []
+    c0, s0, t0 = _cpu(me), _cpu(cluster.process), time.perf_counter()
+    for r in range(rounds + 3):
+        if r == 3:  # the first three warm the workers' connections
+            trips.clear()
+            c0, s0, t0 = _cpu(me), _cpu(cluster.process), time.perf_counter()
+        start = time.perf_counter()
+        futures = [
+            client.submit(_plus_one, i, workers=[w], allow_other_workers=False, pure=False)
+            for i, w in enumerate(workers)
+        ]
+        wait(futures)
+        futures[0].result()
+        trips.append(time.perf_counter() - start)
+        del futures
+    elapsed = time.perf_counter() - t0
+    return {
+        "dask_round_ms": statistics.median(trips) * 1e3,
+        "dask_client_cpu_ms": (_cpu(me) - c0) / rounds * 1e3,
+        "dask_scheduler_cpu_ms": (_cpu(cluster.process) - s0 - idle_rate * elapsed) / rounds * 1e3,
+    }
+
+
 def measure(ranks: int, rounds: int, per_process: int) -> dict:
     cluster = Cluster(ranks, per_process)
     me = psutil.Process()
     try:
         with Client(cluster.address, timeout="120s") as client:
             client.wait_for_workers(ranks, timeout=600)
+            time.sleep(1.0)
+            idle_start, idle_cpu = time.perf_counter(), _cpu(cluster.process)
+            time.sleep(2.0)
+            idle_rate = (_cpu(cluster.process) - idle_cpu) / (time.perf_counter() - idle_start)
+            baseline = _plain_dask(client, rounds, cluster, idle_rate)
             start = time.perf_counter()
             mesh = dm.device_mesh(client, rank=ranks)
             setup = time.perf_counter() - start
@@ -140,11 +182,6 @@ def measure(ranks: int, rounds: int, per_process: int) -> dict:
                         x = x + 1
                         dm.inspect(x)
                     time.sleep(1.0)
-                    idle_start, idle_cpu = time.perf_counter(), _cpu(cluster.process)
-                    time.sleep(2.0)
-                    idle_rate = (_cpu(cluster.process) - idle_cpu) / (
-                        time.perf_counter() - idle_start
-                    )
                     trips = []
                     path = os.path.join(cluster.folder, "trace.json")
                     origin = time.time()  # dm.trace's records count from its own start
@@ -173,6 +210,7 @@ def measure(ranks: int, rounds: int, per_process: int) -> dict:
         "scheduler_cpu_ms": scheduler_cpu * 1e3,
         "scheduler_idle_cpu": idle_rate,
         "last_start_ms": statistics.median(last_start) * 1e3 if last_start else float("nan"),
+        **baseline,
     }
 
 
@@ -210,7 +248,9 @@ def main() -> None:
             f"{n:5d} ranks: fetch {r['fetch_ms']:8.1f} ms, client CPU "
             f"{r['client_cpu_ms']:7.1f} ms, scheduler CPU {r['scheduler_cpu_ms']:7.1f} ms, "
             f"last rank's start {r['last_start_ms']:7.1f} ms per round; mesh made in "
-            f"{r['setup_s']:.1f} s",
+            f"{r['setup_s']:.1f} s\n{'':12s}plain Dask (a task per worker): round "
+            f"{r['dask_round_ms']:8.1f} ms, client CPU {r['dask_client_cpu_ms']:7.1f} ms, "
+            f"scheduler CPU {r['dask_scheduler_cpu_ms']:7.1f} ms per round",
             flush=True,
         )
     base = results[0]
@@ -219,7 +259,9 @@ def main() -> None:
         print(
             f"{r['ranks']:5d} ranks: fetch {r['fetch_ms'] / base['fetch_ms']:5.1f}x, client "
             f"{r['client_cpu_ms'] / base['client_cpu_ms']:5.1f}x, scheduler "
-            f"{r['scheduler_cpu_ms'] / max(base['scheduler_cpu_ms'], 1e-3):5.1f}x"
+            f"{r['scheduler_cpu_ms'] / max(base['scheduler_cpu_ms'], 1e-3):5.1f}x; plain Dask: "
+            f"round {r['dask_round_ms'] / base['dask_round_ms']:5.1f}x, scheduler "
+            f"{r['dask_scheduler_cpu_ms'] / max(base['dask_scheduler_cpu_ms'], 1e-3):5.1f}x"
         )
 
 
