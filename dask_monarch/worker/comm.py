@@ -218,14 +218,16 @@ class Comms:
         polls rather than inside gloo's store wait: it gives up as soon as the
         controller fails or releases the rank (a member that never comes would
         otherwise hold the lane until the collective timeout), and a timeout
-        names the members that never came.
+        names the members that never came. Each member polls one key, which
+        the last to arrive sets (:func:`announce_arrival`): polling every
+        member's key would cost the store ``N`` checks per member and poll,
+        ``N²`` in all, at hundreds of ranks more than it serves.
         """
         state = self.state
         store = dist.PrefixStore(prefix, self.store)
-        store.set(f"arrived/{state.rank}", b"1")
-        keys = [f"arrived/{r}" for r in ranks]
+        announce_arrival(store, state.rank, len(ranks))
         deadline = time.monotonic() + self.timeout
-        while not store.check(keys):
+        while not store.check([ALL_ARRIVED]):
             if state.abort.is_set():
                 raise FatalError(
                     f"{what}: rank {state.rank} stopped waiting for the rendezvous of ranks "
@@ -273,6 +275,17 @@ class Comms:
         self.remote.clear()
         self.sequences.clear()
         self.watch.clear()
+
+
+ALL_ARRIVED = "complete"  # the key of a rendezvous that every member reached
+
+
+def announce_arrival(store: dist.Store, rank: int, members: int) -> None:
+    """Mark ``rank`` arrived at the rendezvous of ``members`` ranks under ``store``'s prefix;
+    the last to arrive marks it complete (:data:`ALL_ARRIVED`)."""
+    store.set(f"arrived/{rank}", b"1")  # who came: a timeout names who did not
+    if store.add("arrivals", 1) == members:
+        store.set(ALL_ARRIVED, b"1")
 
 
 def comms_of(state: RankState) -> Comms:

@@ -100,9 +100,10 @@ def _pretend_arrived(prefix: str, rank: int, token: str, dask_worker=None) -> No
     import torch.distributed as dist
 
     from dask_monarch.protocol.names import PLUGIN_NAME
+    from dask_monarch.worker.comm import announce_arrival
 
     comms = dask_worker.plugins[PLUGIN_NAME].ranks[token].comms
-    dist.PrefixStore(prefix, comms.server).set(f"arrived/{rank}", b"1")
+    announce_arrival(dist.PrefixStore(prefix, comms.server), rank, 2)
 
 
 @pytest.mark.timeout(400)
