@@ -50,8 +50,8 @@ def seconds_until_free(client: Client, ctrl: dm.Controller) -> float:
     return time.monotonic() - start
 
 
-def rank0_in_a_rendezvous_rank1_never_joins(client: Client) -> dm.Controller:
-    """A controller whose rank 0 sits in the rendezvous of a SplitComm rank 1 never got."""
+def two_ranks_past_backend_network_init(client: Client) -> dm.Controller:
+    """A controller of two ranks that made the world group and a tensor r1 on stream S0."""
     with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
         ctrl = dm.Controller(client, world_size=2)
     create_streams(ctrl, BOTH, S0)
@@ -59,6 +59,12 @@ def rank0_in_a_rendezvous_rank1_never_joins(client: Client) -> dm.Controller:
     ctrl.send(BOTH, m.BackendNetworkInit())
     ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
     assert ctrl.sync(timeout=120) == []
+    return ctrl
+
+
+def rank0_in_a_rendezvous_rank1_never_joins(client: Client) -> dm.Controller:
+    """A controller whose rank 0 sits in the rendezvous of a SplitComm rank 1 never got."""
+    ctrl = two_ranks_past_backend_network_init(client)
     ctrl.send(0, m.SplitComm(["gpu"], MESH, S0))
     ctrl.flush()
     wait_until(lambda: running(client, ctrl.token), 60, "rank 0 to enter the rendezvous")
@@ -141,13 +147,7 @@ def test_a_lazy_group_whose_peer_left_is_given_up_in_its_first_operation(client)
     """The same, with ``comm.gloo-connect: lazy`` (the default): rank 0's group is made
     without connecting, and its first reduce sits in gloo's connect to rank 1 (inside the
     operation, until the collective timeout); closing the controller frees the lane."""
-    with dask.config.set({"dask_monarch.timeouts.collective": f"{COLLECTIVE_TIMEOUT}s"}):
-        ctrl = dm.Controller(client, world_size=2)
-    create_streams(ctrl, BOTH, S0)
-    ctrl.send(BOTH, m.CreateDeviceMesh(MESH, ["gpu"], Slice(0, [2], [1])))
-    ctrl.send(BOTH, m.BackendNetworkInit())
-    ctrl.send(BOTH, call(0, Ref(1), "torch.ones", 2))
-    assert ctrl.sync(timeout=120) == []
+    ctrl = two_ranks_past_backend_network_init(client)
     client.run(
         _pretend_arrived,
         f"world/split/{MESH.id}/{S0.id}/gpu/0-1/",
