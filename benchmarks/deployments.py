@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,8 @@ LEAN = {
 
 
 # The `dask` command of this Python's environment, also when the venv is not activated
-# (`.venv/bin/python benchmarks/deployments.py`); else the one on PATH.
-DASK = shutil.which("dask", path=os.path.dirname(sys.executable)) or "dask"
+# (`.venv/bin/python benchmarks/deployments.py`), as LocalMeshCluster starts its scheduler.
+DASK = (sys.executable, "-m", "dask")
 
 
 @contextlib.contextmanager
@@ -59,7 +58,7 @@ def stock(opt_in: bool, lean: bool = False):
     env = {**os.environ, **LEAN} if lean else None
     procs = [
         subprocess.Popen(
-            [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+            [*DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
              "--scheduler-file", file, "--preload", "dask_monarch.preload", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )
@@ -76,7 +75,7 @@ def stock(opt_in: bool, lean: bool = False):
         for rank in range(2):
             procs.append(
                 subprocess.Popen(
-                    [DASK, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
+                    [*DASK, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
                      "--no-dashboard", "--preload", "dask_monarch.preload",
                      f"--monarch-rank={rank}", *extra],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
