@@ -35,11 +35,12 @@ logger = logging.getLogger("dask_monarch.borrows")
 class StorageInfo:
     """What the client knows of one storage on the ranks: its live aliases and borrows."""
 
-    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "known", "__weakref__")
+    __slots__ = ("_handles", "_lent_mutably", "_lent", "borrow", "known", "lazy", "__weakref__")
 
     def __init__(self) -> None:
         self._handles: list[weakref.ref] = []  # live aliases (dead ones pruned when read)
         self.known = False  # some alias has a value the client knows (client_values)
+        self.lazy = False  # some alias is (or was) a view not sent yet (tensor.py)
         self._lent_mutably = None  # weakref to the Borrow that took this storage away
         # immutable borrows out of this storage; weak, so that a borrow nobody holds is
         # collected (and drops itself, with a warning)
@@ -204,6 +205,7 @@ def lend(stream: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
         src, dst = session.stream_ref(t._stream), session.stream_ref(stream)
         borrow_id, result = session.new_id(), session.new_ref()
         first_use(session, [t])
+        t._settle_views()  # the lender's views are refs before it lends their base
         if mutable:  # the borrower may change it: the client stops following its value
             t._storage.forget_known()
         borrowed = type(t)(t._mkey, session, t._mesh, stream, result)

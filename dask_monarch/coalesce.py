@@ -31,6 +31,7 @@ def coalescing(mesh: DeviceMesh | None = None) -> Iterator[None]:
     if session.capture is not None:  # nested: the outer block sends everything
         yield
         return
+    session.send_views()
     capture = session.capture = Capture("coalescing")
     try:
         yield

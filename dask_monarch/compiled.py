@@ -200,6 +200,7 @@ class Compiled:
                 raise RuntimeError(
                     "compiled functions cannot run inside coalescing() or another compiled function"
                 )
+            session.send_views()
             capture = session.capture = Capture("recording", session.new_id())
             stepped: list = []
             token = _stepped.set(stepped)
@@ -533,6 +534,7 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
             )
         for t in actuals:
             check_usable(t)
+            t._ref  # noqa: B018 (a lazy view passed in is sent before the recording's seq)
         first_use(session, actuals)
         held = [ref() for ref in trace.escaped]
         results, handles, rebinds = [], [], []

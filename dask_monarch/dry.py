@@ -140,6 +140,7 @@ def dry_run(mesh: DeviceMesh) -> Iterator[DryRun]:
     with session.lock:
         if session.closed:
             raise exited(mesh)
+        session.send_views()  # views made before are refs of before (session.substitute)
         dry = DryController(session.controller, session.new_id(), session.pending_fetches)
     run = DryRun(mesh, dry)
 

@@ -32,6 +32,7 @@ class Handle:
     _stream: Stream
     _owns_ref: bool  # deleting it on the ranks is this handle's job
     _dropped: str | None  # where it was dropped, once it was
+    _lazy = None  # a mesh tensor's view not sent yet (tensor.py); other handles never are
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -98,8 +98,9 @@ class Pipe:
             stream_ref = session.stream_ref(stream)
             handles = [h for h in tree_leaves(value) if isinstance(h, Tensor)]
             first_use(session, handles)
+            uses = [h._ref.id for h in handles]  # before the seq: naming a lazy view sends it
             seq = session.new_seq()
-            session.invoke(seq, [h._ref.id for h in handles], [])
+            session.invoke(seq, uses, [])
             session.send(
                 mesh._ranks,
                 m.SendValue(

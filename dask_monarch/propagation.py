@@ -125,6 +125,7 @@ class OpInfo:
     exact: bool = False  # its results are bit-identical on every device (client_values)
     value_free: bool = False  # its results depend on no input's value (zeros_like, fill_)
     answers: bool = False  # it returns Python values only (item, equal, allclose)
+    view: bool = False  # its one output is a view of its first argument, and it writes nothing
 
 
 # id(op) -> (op, its OpInfo). Keyed by id: an OpOverload hashes in Python (a call per lookup,
@@ -179,6 +180,11 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         namespace == "aten" and base in _EXACT,
         namespace == "aten" and (base, func._overloadname) in _VALUE_FREE,
         bool(schema.returns) and not makes_tensors,
+        namespace == "aten"
+        and aliases == [0]
+        and not writes
+        and not seeded
+        and str(schema.returns[0].type) == "Tensor",
     )
 
 

@@ -6,7 +6,8 @@ A :class:`Tensor` is a wrapper subclass holding only metadata (shape, dtype,
 device, strides) and the ref of the value on each rank. Torch calls on it,
 and factory calls under ``mesh.activate()``, come to :func:`dispatch`, which
 works out the outputs on the client (:mod:`.propagation`), checks the
-client-side rules, and sends one ``CallFunction`` to the mesh's ranks.
+client-side rules, and sends one ``CallFunction`` to the mesh's ranks (a view
+op sends none until something needs its ref: "lazy views" below).
 Autograd runs on the client over these handles, so ``loss.backward()`` sends
 the backward ops to the ranks too.
 
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import client_values, config, implicit_fetch
 from .borrows import StorageInfo, first_use
-from .handles import Handle, last_misuse, misuse
+from .handles import Handle, exited, last_misuse, misuse
 from .propagation import (
     DATA_DEPENDENT,
     OpInfo,
@@ -79,6 +80,7 @@ class Tensor(torch.Tensor, Handle):
         storage: StorageInfo | None = None,
         owns_ref: bool = True,
         known: torch.Tensor | None = None,
+        lazy: tuple | None = None,
     ) -> Tensor:
         t = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -94,8 +96,12 @@ class Tensor(torch.Tensor, Handle):
         t._session = session
         t._mesh = mesh
         t._stream = stream
-        t._ref = ref
-        t._owns_ref = owns_ref
+        if lazy is None:
+            t._ref = ref
+            t._owns_ref = owns_ref
+        else:  # a view not sent yet: no _ref until something names it (see _lazy_view)
+            t._lazy = lazy
+            t._owns_ref = False
         t._dropped = None
         t._known = None  # the value, when the client knows it (client_values)
         fresh = storage is None
@@ -111,6 +117,43 @@ class Tensor(torch.Tensor, Handle):
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getattr__(self, name: str) -> Any:
+        # only for attributes not found: a lazy view has no _ref until something names it
+        if name == "_ref" and self.__dict__.get("_lazy") is not None:
+            materialize(self)
+            return self._ref
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _root_id(self) -> int:
+        """The id of the ref a lazy view reads (the history's use of it)."""
+        h = self
+        while h._lazy is not None:
+            h = h._lazy[0]
+        return h._ref.id
+
+    def _settle_views(self) -> None:
+        """Send the lazy views of this tensor's storage: something is about to change what
+        their bases are (a drop, a new ref, a borrow, an in-place op)."""
+        if self._storage.lazy:
+            settle_views(self._storage)
+
+    # A lazy view dropped or disowned keeps its chain: views made from it still read it.
+
+    def drop(self) -> None:
+        if self._lazy is None:
+            self._settle_views()
+        Handle.drop(self)
+
+    def disown(self, why: str | None = None) -> None:
+        if why is None and self._lazy is None:  # else unusable, with the views of its storage
+            self._settle_views()
+        Handle.disown(self, why)
+
+    def rebind(self, ref: m.Ref) -> None:
+        self._settle_views()
+        self._lazy = None
+        Handle.rebind(self, ref)
 
     @classmethod
     def __torch_dispatch__(
@@ -167,7 +210,7 @@ class Tensor(torch.Tensor, Handle):
         return (
             f"dask_monarch.Tensor(shape={list(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, mesh={self._mesh!r}, stream={self._stream.name!r}, "
-            f"ref={self._ref}{state})"
+            f"ref={self._ref if self._lazy is None else 'lazy'}{state})"
         )
 
     def __format__(self, spec: str) -> str:
@@ -193,7 +236,7 @@ class Tensor(torch.Tensor, Handle):
             ("device", self.device),
             ("mesh", self._mesh._label()),
             ("stream", self._stream.name),
-            ("ref", f"{self._ref}{state}"),
+            ("ref", f"{self._ref if self._lazy is None else 'lazy (a view not sent yet)'}{state}"),
         )
         cells = "".join(f"<tr><th>{k}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
         return (
@@ -364,13 +407,13 @@ def _operation(func: OpOverload, args: tuple[Any, Any]) -> Any:
         return dispatch(func, args, {})
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
-    ref_args = (a._ref if type(a) is Tensor else a, b._ref if type(b) is Tensor else b)
+    ref_args = (_ref_arg(a) if type(a) is Tensor else a, _ref_arg(b) if type(b) is Tensor else b)
     with session.lock:
         stream_ref = session.stream_ref(stream)
         first_use(session, handles)
         ref = session.new_ref()
         out = Tensor(plan.outputs[0].meta, session, mesh, stream, ref)
-        seq = session.issue(handles, [ref.id], (out,))
+        seq = session.issue(handles, [ref.id], (out,), views=True)
         session.send(mesh._ranks, _call(seq, [ref], [], info.function, ref_args, {}, stream_ref))
     return out
 
@@ -608,7 +651,7 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
     """``value`` with mesh tensors replaced by their refs (one list level); collects handles."""
     if isinstance(value, Tensor):
         handles.append(value)
-        return value._ref
+        return value._ref if value._lazy is None else view_arg(value)
     t = type(value)
     if t is list or t is tuple:
         for v in value:  # usually a shape or dims: no tensor in it
@@ -625,6 +668,9 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     info = op_info(func)
     if info.answers:
         return python_value(func, args, kwargs)
+    if info.writes:  # lazy views of what it changes are sent first: their bases change
+        for h in _written(info, args, kwargs):
+            h._settle_views()
     handles: list[Tensor] = []
     try:
         ref_args = tuple([_scan(a, handles) for a in args])
@@ -642,6 +688,18 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         _check_gpus(mesh, info.function.path)
     how = client_values.kind(info, kwargs, handles, plan)
     session = mesh._session
+    if (
+        info.view
+        and not how
+        and session.lazy_views
+        and session.capture is None
+        and session.watch is None
+        and len(handles) == 1
+        and args[0] is handles[0]
+        and plan.kind == "tensor"
+        and plan.outputs[0].alias == 0
+    ):
+        return _lazy_view(handles[0], info, plan.outputs[0].meta, ref_args, ref_kwargs)
     with session.lock:
         stream_ref = session.stream_ref(stream)
         if handles:
@@ -676,7 +734,9 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if info.seeded and stream._generators is not None:
             function, inputs = _own_generator(func, info, stream, mesh, plan, handles, ref_kwargs)
         made = [o for o, r in zip(outputs, results) if r is not None]  # not the in-place ones
-        seq = session.issue(inputs, [r.id for r in results if r is not None] + mutates, made)
+        seq = session.issue(
+            inputs, [r.id for r in results if r is not None] + mutates, made, views=True
+        )
         session.send(
             mesh._ranks, _call(seq, results, mutates, function, ref_args, ref_kwargs, stream_ref)
         )
@@ -686,6 +746,85 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if capture is not None and capture.tracing:  # what a read of them would depend on
             capture.derive(outputs, () if how == client_values.VALUE_FREE else handles)
     return _returned(plan.kind, outputs)
+
+
+# -- lazy views ------------------------------------------------------------------------------
+# A view op (``view``, ``t``, ``detach``, ``transpose``...: its one output aliases its first
+# argument and it writes nothing) sends no message: its handle holds ``_lazy = (parent,
+# function, args, kwargs, depth)`` and no ``_ref``, and a call that reads it names it as a
+# ``RefView``, computed on the lane that reads it (docs/protocol.md §1.3, §2.2). About half of a
+# training step's ops are views, each a message, a ref, a delete and a rank's unpickling less.
+# Anything else that names its ref (a fetch, a borrow, a collective, a remote function, a
+# compiled block, a dry run) gets one: naming ``_ref`` sends the view's own CallFunction then
+# (``materialize``). Before its base's ref changes or goes (an in-place op on the storage, a
+# drop, a replay's new value, a borrow), the storage's views are sent (``settle_views``), so
+# a view always reads what it would have read as a message sent when it was made.
+
+MAX_VIEW_DEPTH = 8  # views of views kept lazy; a deeper one sends its parent first
+
+
+def _lazy_view(
+    base: Tensor, info: OpInfo, meta: TensorMeta, ref_args: tuple, ref_kwargs: dict
+) -> Tensor:
+    depth = 1 if base._lazy is None else base._lazy[4] + 1
+    if depth > MAX_VIEW_DEPTH:
+        materialize(base)
+        depth = 1
+    session = base._session
+    lazy = (base, info.function, ref_args[1:], ref_kwargs, depth)
+    out = Tensor(meta, session, base._mesh, base._stream, None, base._storage, lazy=lazy)
+    base._storage.lazy = True
+    session.unsent_views.add(out)
+    return out
+
+
+def view_arg(h: Tensor) -> m.Ref | m.RefView:
+    """What a call's arguments name for lazy view ``h``: its RefView (its ref once sent)."""
+    lazy = h._lazy
+    if lazy is None:
+        return h._ref
+    if h._session.capture is not None:  # a recording names refs only
+        materialize(h)
+        return h._ref
+    parent, function, args, kwargs, _ = lazy
+    base = parent._ref if parent._lazy is None else view_arg(parent)
+    return _tuple_new(m.RefView, (base, function, args, kwargs))
+
+
+def _ref_arg(h: Tensor) -> m.Ref | m.RefView:
+    return h._ref if h._lazy is None else view_arg(h)
+
+
+def materialize(h: Tensor) -> None:
+    """Send lazy view ``h`` as the CallFunction it would have been: it gets its own ref."""
+    session = h._session
+    with session.lock:
+        lazy = h._lazy
+        if lazy is None:
+            return
+        if session.closed:
+            raise exited(h._mesh)
+        parent, function, args, kwargs, _ = lazy
+        base = parent._ref if parent._lazy is None else view_arg(parent)
+        ref = session.new_ref()
+        stream_ref = session.stream_ref(h._stream)
+        first_use(session, [h])
+        seq = session.new_seq()
+        session.invoke(seq, [h._root_id()], [ref.id])
+        message = _call(seq, [ref], [], function, (base, *args), kwargs, stream_ref)
+        if session.capture is None:
+            session.send(h._mesh._ranks, message)
+        else:  # made before the block: it runs before it, outside the recording
+            session.send_setup(h._mesh._ranks, message)
+        h._ref, h._owns_ref, h._lazy = ref, True, None
+
+
+def settle_views(storage: StorageInfo) -> None:
+    """Send every lazy view of ``storage`` (see above)."""
+    for h in storage.handles:
+        if h._lazy is not None:
+            materialize(h)
+    storage.lazy = False
 
 
 def _returned(kind: str, outputs: list) -> Any:
@@ -991,7 +1130,7 @@ def _flat(values: Any) -> bool:
     """No list or tuple among ``values`` (the worker then resolves refs one level deep)."""
     for v in values:
         t = type(v)
-        if t is list or t is tuple:
+        if t is list or t is tuple or t is m.RefView:
             return False
     return True
 
@@ -1039,6 +1178,7 @@ def mutated_refs(handles: list[Tensor], keep_known: bool = False) -> list[int]:
     refs: dict[int, None] = {}
     for h in handles:
         check_mutable(h)
+        h._settle_views()  # the op redefines them too: they need refs of their own
         storage = h._storage
         if not keep_known:
             storage.forget_known()

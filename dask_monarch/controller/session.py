@@ -196,6 +196,8 @@ class Session:
                 f"dask_monarch.flush.max-ahead must be an int of at least 2 or null, got {ahead!r}"
             )
         self._max_ahead: int | None = ahead
+        self.lazy_views = bool(config.get("lazy-views", True))  # tensor.py: views send nothing
+        self.unsent_views: weakref.WeakSet = weakref.WeakSet()  # lazy views alive, maybe sent
         # statuses often enough that the ranks' progress is known well before the limit
         self._status_every = STATUS_EVERY if ahead is None else min(STATUS_EVERY, ahead // 4)
         self.controller = Controller(
@@ -243,6 +245,14 @@ class Session:
         seq = self._seq
         self._seq += 1
         return seq
+
+    def send_views(self) -> None:
+        """Send every lazy view (tensor.py) now: a compiled trace, coalescing or a dry run is
+        about to start, and a view made before it must be a ref of its own on the ranks."""
+        for h in list(self.unsent_views):
+            if h._lazy is not None:
+                h._ref  # noqa: B018 (naming the ref of a lazy view sends it)
+        self.unsent_views = weakref.WeakSet()
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -323,17 +333,25 @@ class Session:
         if (self._pending_deletes or self._dead_streams) and self.capture is None:
             self._flush_deletes()
 
-    def issue(self, inputs: list, defs: list[int], outputs: Iterable[Any] = ()) -> int:
+    def issue(
+        self, inputs: list, defs: list[int], outputs: Iterable[Any] = (), views: bool = False
+    ) -> int:
         """The seq of a new message that reads handles ``inputs`` and defines ref ids
         ``defs``: registered in the history, and noted by a trace in progress with the handles
-        it makes (``outputs``)."""
+        it makes (``outputs``). ``views``: the message names lazy views among ``inputs`` as
+        RefViews (tensor.py); else they are sent first, so that their seqs come before it."""
+        if not views:
+            for h in inputs:
+                if h._lazy is not None:
+                    h._ref  # noqa: B018 (naming a lazy view's ref sends it)
         seq = self._seq
         self._seq += 1
         capture = self.capture
         if capture is not None and capture.tracing:  # nothing runs while tracing
             capture.note([(h._ref.id, h) for h in inputs], outputs)
             return seq
-        self.history.invoke(seq, [h._ref.id for h in inputs], defs, user_frame(sys._getframe(1)))
+        uses = [h._ref.id if h._lazy is None else h._root_id() for h in inputs]
+        self.history.invoke(seq, uses, defs, user_frame(sys._getframe(1)))
         return seq
 
     def invoke(self, seq: int, uses: Iterable[int], defs: Iterable[int]) -> BaseException | None:
@@ -561,6 +579,7 @@ class Session:
                 raise RuntimeError("this mesh is already in a dry run")
             if self.capture is not None:
                 raise RuntimeError("a dry run cannot start inside coalescing or a compiled trace")
+            self.send_views()  # (dry_run already did, before it counted ids from here)
             self.flush_pending()
             real = self.controller
             real.flush()  # what came before goes to the ranks as usual

@@ -21,6 +21,7 @@ from .values import (
     ReduceOp,
     Reduction,
     Ref,
+    RefView,
     ResolvableFunction,
     StreamCreationMode,
     StreamRef,
@@ -66,6 +67,7 @@ from .worker import (
 
 __all__ = [
     "Ref",
+    "RefView",
     "StreamRef",
     "FunctionPath",
     "Cloudpickle",
@@ -121,6 +123,7 @@ __all__ = [
 # those made before the split into submodules.
 for _cls in (
     Ref,
+    RefView,
     StreamRef,
     FunctionPath,
     Cloudpickle,

@@ -128,6 +128,53 @@ def resolvable(fn: Callable | str) -> FunctionPath | Cloudpickle:
     return Cloudpickle.dumps(fn)
 
 
+# --------------------------------------------------------------------------- views
+
+
+class RefView(tuple):
+    """A view of a ref, named in a call's arguments instead of a ref of its own.
+
+    ``RefView(base, function, args, kwargs)`` stands for ``function(base, *args,
+    **kwargs)``, computed on the lane that reads it when the call runs (``base``:
+    a Ref or another RefView). A controller sends a metadata-only op (``view``,
+    ``t``, ``detach``, ``transpose``...) this way instead of a ``CallFunction``
+    that defines a ref: a training step is half views (docs/protocol.md §1.3, §2.2).
+    A plain tuple underneath, so batches pickle it in C.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls, base: Any, function: "FunctionPath", args: tuple = (), kwargs: dict | None = None
+    ) -> "RefView":
+        if type(base) not in (Ref, RefView):
+            raise TypeError(f"RefView.base must be a Ref or a RefView, got {base!r}")
+        if type(function) is not FunctionPath:
+            raise TypeError(f"RefView.function must be a FunctionPath, got {function!r}")
+        if type(args) is not tuple:
+            raise TypeError(f"RefView.args must be a tuple, got {args!r}")
+        kwargs = {} if kwargs is None else kwargs
+        if type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
+            raise TypeError(f"RefView.kwargs must be a dict with str keys, got {kwargs!r}")
+        return _tuple_new(cls, (base, function, args, kwargs))
+
+    base = property(itemgetter(0))
+    function = property(itemgetter(1))
+
+    def root(self) -> "Ref":
+        """The ref the chain of views starts from."""
+        base = self[0]
+        while type(base) is RefView:
+            base = base[0]
+        return base
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (_tuple_new, (RefView, tuple(self)))
+
+    def __repr__(self) -> str:
+        return f"RefView({self[0]!r}, {self[1].path}, {self[2]!r}, {self[3]!r})"
+
+
 # --------------------------------------------------------------------------- arguments
 
 # Leaves that plain pickle handles and that cannot change after they are sent.
@@ -140,6 +187,7 @@ IMMUTABLE_LEAVES = (
     str,
     bytes,
     Ref,
+    RefView,
     StreamRef,
     torch.dtype,
     torch.device,
