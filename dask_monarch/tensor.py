@@ -61,6 +61,22 @@ if TYPE_CHECKING:
 _tuple_new = tuple.__new__
 
 
+class _SentOnUse:
+    """``Tensor._ref`` when the handle has none of its own: a lazy view, which naming sends.
+
+    A non-data descriptor: a handle's own ``_ref`` (its instance dict) comes first, so a
+    sent tensor pays nothing for it (a ``__getattr__`` would tax every attribute).
+    """
+
+    def __get__(self, t: Tensor | None, owner: type | None = None) -> Any:
+        if t is None:
+            return self
+        if t._lazy is None:
+            raise AttributeError(f"{t._describe()} has no ref")
+        materialize(t)
+        return t.__dict__["_ref"]
+
+
 class Tensor(torch.Tensor, Handle):
     """A tensor on every rank of a mesh; this object holds its metadata and its ref."""
 
@@ -118,12 +134,7 @@ class Tensor(torch.Tensor, Handle):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def __getattr__(self, name: str) -> Any:
-        # only for attributes not found: a lazy view has no _ref until something names it
-        if name == "_ref" and self.__dict__.get("_lazy") is not None:
-            materialize(self)
-            return self._ref
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    _ref = _SentOnUse()  # type: ignore[assignment]  # a lazy view's, once named
 
     def _root_id(self) -> int:
         """The id of the ref a lazy view reads (the history's use of it)."""
@@ -407,7 +418,10 @@ def _operation(func: OpOverload, args: tuple[Any, Any]) -> Any:
         return dispatch(func, args, {})
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
-    ref_args = (_ref_arg(a) if type(a) is Tensor else a, _ref_arg(b) if type(b) is Tensor else b)
+    ref_args = (
+        (a._ref if a._lazy is None else view_arg(a)) if type(a) is Tensor else a,
+        (b._ref if b._lazy is None else view_arg(b)) if type(b) is Tensor else b,
+    )
     with session.lock:
         stream_ref = session.stream_ref(stream)
         first_use(session, handles)
@@ -791,10 +805,6 @@ def view_arg(h: Tensor) -> m.Ref | m.RefView:
     return _tuple_new(m.RefView, (base, function, args, kwargs))
 
 
-def _ref_arg(h: Tensor) -> m.Ref | m.RefView:
-    return h._ref if h._lazy is None else view_arg(h)
-
-
 def materialize(h: Tensor) -> None:
     """Send lazy view ``h`` as the CallFunction it would have been: it gets its own ref."""
     session = h._session
@@ -1129,10 +1139,12 @@ def _data_dependent(
 def _flat(values: Any) -> bool:
     """No list or tuple among ``values`` (the worker then resolves refs one level deep)."""
     for v in values:
-        t = type(v)
-        if t is list or t is tuple or t is m.RefView:
+        if type(v) in _NOT_FLAT:
             return False
     return True
+
+
+_NOT_FLAT = frozenset({list, tuple, m.RefView})
 
 
 def _own_generator(

@@ -340,17 +340,19 @@ class Session:
         ``defs``: registered in the history, and noted by a trace in progress with the handles
         it makes (``outputs``). ``views``: the message names lazy views among ``inputs`` as
         RefViews (tensor.py); else they are sent first, so that their seqs come before it."""
-        if not views:
+        if views:
+            uses = [h._ref.id if h._lazy is None else h._root_id() for h in inputs]
+        else:
             for h in inputs:
                 if h._lazy is not None:
                     h._ref  # noqa: B018 (naming a lazy view's ref sends it)
+            uses = [h._ref.id for h in inputs]
         seq = self._seq
         self._seq += 1
         capture = self.capture
         if capture is not None and capture.tracing:  # nothing runs while tracing
             capture.note([(h._ref.id, h) for h in inputs], outputs)
             return seq
-        uses = [h._ref.id if h._lazy is None else h._root_id() for h in inputs]
         self.history.invoke(seq, uses, defs, user_frame(sys._getframe(1)))
         return seq
 
