@@ -590,7 +590,7 @@ def _finish(lane: Lane, work, cuda: bool, what: str) -> None:
         work.wait()
         comms_of(state).watch.add(work, what)
         return
-    if not groups.finish(work, state.abort.is_set):
+    if not groups.finish(work, state.abort.is_set, comms_of(state).timeout):
         raise FatalError(
             f"{lane.title} stopped waiting for its peers: {state.failed or 'the rank was released'}"
         )

@@ -209,7 +209,12 @@ def release_group(pg: dist.ProcessGroup) -> None:
     threading.Thread(target=let_go, name="dask_monarch-released-group", daemon=True).start()
 
 
-def finish(work: dist.Work, stopped: Callable[[], bool], poll: float = 0.05) -> bool:
+TIMEOUT_GRACE_S = 1.0  # past the collective timeout before finish gives up on gloo's own error
+
+
+def finish(
+    work: dist.Work, stopped: Callable[[], bool], timeout: float, poll: float = 0.05
+) -> bool:
     """Wait for ``work`` (a gloo op's); False as soon as ``stopped()`` says to give up.
 
     Waits in slices of ``poll`` seconds, each returning the moment the op
@@ -217,8 +222,14 @@ def finish(work: dist.Work, stopped: Callable[[], bool], poll: float = 0.05) -> 
     without the caller until it completes or fails at its own timeout. For gloo
     collectives only: a timed wait on a gloo send or receive closes its pair when
     it expires, and an NCCL work's ``wait(timeout)`` blocks the host on the GPU.
+
+    An op still pending ``TIMEOUT_GRACE_S`` after ``timeout`` (the collective
+    timeout, which gloo's op was given) raises ``RuntimeError``: a group whose
+    pairs connect at first use (``lazy_init``) never times out on the side that
+    waits for a peer to connect, when that peer has not reached the op.
     """
     step = datetime.timedelta(seconds=poll)
+    deadline = time.monotonic() + timeout + TIMEOUT_GRACE_S
     while True:
         try:
             work.wait(step)
@@ -229,6 +240,11 @@ def finish(work: dist.Work, stopped: Callable[[], bool], poll: float = 0.05) -> 
                 return True
             if stopped():
                 return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Timed out waiting {timeout:g}s for the collective to complete "
+                    "(dask_monarch.timeouts.collective): a member has not reached it"
+                ) from None
 
 
 def point_to_point(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import dask
 import pytest
@@ -93,6 +94,32 @@ def test_a_collective_that_times_out_names_the_member_it_waited_for(client2):
         text = str(info.value)
         assert info.value.rank == 0, text  # the rank whose collective timed out
         assert "rank 1 stream" in text and "in sleep_on (" in text, text  # and the late one
+    finally:
+        with contextlib.suppress(dm.DeviceException, dm.RemoteException):
+            mesh.exit()
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_times_out_when_other_meshes_used_the_workers_before(client2):
+    """The same wait after two meshes came and went on these workers: the ports the run
+    draws make rank 0 the side of its lazily connected gloo pair that waits for rank 1 to
+    connect, and gloo's op then waited out rank 1's 12 s sleep (it failed in this order,
+    and passed alone). The rank's own deadline ends it at the timeout (groups.finish)."""
+    for _ in range(2):
+        mesh = dm.device_mesh(client2, gpu=2)
+        with mesh.activate():
+            dm.inspect(torch.ones(2) + 1)
+        mesh.exit()
+    with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
+        mesh = dm.device_mesh(client2, gpu=2)
+    late = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
+    try:
+        with mesh.activate():
+            x = late(torch.ones(2), mesh.rank("gpu"), 1, 12.0)
+            start = time.monotonic()
+            with pytest.raises(dm.DeviceException, match="[Tt]imed out"):
+                dm.inspect(x.reduce("gpu", "sum"))
+            assert time.monotonic() - start < 9.0  # not the 12 s of the sleep
     finally:
         with contextlib.suppress(dm.DeviceException, dm.RemoteException):
             mesh.exit()
