@@ -162,8 +162,7 @@ class Tensor(torch.Tensor, Handle):
         Handle.disown(self, why)
 
     def rebind(self, ref: m.Ref) -> None:
-        self._settle_views()
-        self._lazy = None
+        self._settle_views()  # itself too, if it is a lazy view
         Handle.rebind(self, ref)
 
     @classmethod
@@ -801,7 +800,7 @@ def view_arg(h: Tensor) -> m.Ref | m.RefView:
         materialize(h)
         return h._ref
     parent, function, args, kwargs, _ = lazy
-    base = parent._ref if parent._lazy is None else view_arg(parent)
+    base = view_arg(parent)
     return _tuple_new(m.RefView, (base, function, args, kwargs))
 
 
@@ -815,7 +814,7 @@ def materialize(h: Tensor) -> None:
         if session.closed:
             raise exited(h._mesh)
         parent, function, args, kwargs, _ = lazy
-        base = parent._ref if parent._lazy is None else view_arg(parent)
+        base = view_arg(parent)
         ref = session.new_ref()
         stream_ref = session.stream_ref(h._stream)
         first_use(session, [h])

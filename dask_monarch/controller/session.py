@@ -340,13 +340,8 @@ class Session:
         ``defs``: registered in the history, and noted by a trace in progress with the handles
         it makes (``outputs``). ``views``: the message names lazy views among ``inputs`` as
         RefViews (tensor.py); else they are sent first, so that their seqs come before it."""
-        if views:
-            uses = [h._ref.id if h._lazy is None else h._root_id() for h in inputs]
-        else:
-            for h in inputs:
-                if h._lazy is not None:
-                    h._ref  # noqa: B018 (naming a lazy view's ref sends it)
-            uses = [h._ref.id for h in inputs]
+        # before the seq: naming a lazy view's _ref sends it (tensor.py)
+        uses = [h._root_id() if views and h._lazy is not None else h._ref.id for h in inputs]
         seq = self._seq
         self._seq += 1
         capture = self.capture
@@ -581,7 +576,6 @@ class Session:
                 raise RuntimeError("this mesh is already in a dry run")
             if self.capture is not None:
                 raise RuntimeError("a dry run cannot start inside coalescing or a compiled trace")
-            self.send_views()  # (dry_run already did, before it counted ids from here)
             self.flush_pending()
             real = self.controller
             real.flush()  # what came before goes to the ranks as usual
