@@ -26,8 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..protocol import messages as m
-from ..protocol.rules import named_refs
-from .calls import TEST_PANIC, bind_results, resolve_function
+from ..protocol.rules import Opaque, named_refs
+from .calls import TEST_PANIC, bind_results, load_arguments, resolve_function
 from .errors import FatalError, SeqError
 from .failures import call_failed
 
@@ -63,23 +63,38 @@ class _Watch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _binding(cmd: m.CallFunction) -> tuple[Any, Any] | None:
-    """``(overload, binding)`` for a call of a functional, deterministic ATen overload that
-    torch's Python functions (``torch._C._VariableFunctions``) also name, else None."""
+def _overload(cmd: m.CallFunction) -> Any:
+    """The ATen overload (``OpOverload``) a call's path names, else None."""
     path = cmd.function.path if type(cmd.function) is m.FunctionPath else ""
     if not path.startswith("torch.ops.aten."):
         return None
     packet_name, _, overload_name = path[len("torch.ops.aten.") :].partition(".")
     op = getattr(getattr(torch.ops.aten, packet_name, None), overload_name or "default", None)
-    binding = getattr(torch._C._VariableFunctions, packet_name, None)
-    if (
-        type(op) is not torch._ops.OpOverload
-        or binding is None
-        or op._schema.is_mutable
-        or torch.Tag.nondeterministic_seeded in op.tags
-    ):
+    return op if type(op) is torch._ops.OpOverload else None
+
+
+def _binding(cmd: m.CallFunction) -> tuple[Any, Any] | None:
+    """``(overload, binding)`` for a call of a functional, deterministic ATen overload that
+    torch's Python functions (``torch._C._VariableFunctions``) also name, else None."""
+    op = _overload(cmd)
+    if op is None:
+        return None
+    binding = getattr(torch._C._VariableFunctions, op._schema.name.split("::")[-1], None)
+    if binding is None or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
         return None
     return op, binding
+
+
+def _keeps_arguments(cmd: m.CallFunction) -> bool:
+    """Whether the ATen overload ``cmd`` calls neither writes to nor returns (an alias of)
+    any of its arguments, so that one loaded copy of its pickled arguments serves every
+    replay."""
+    op = _overload(cmd)
+    return (
+        op is not None
+        and not op._schema.is_mutable
+        and all(r.alias_info is None for r in op._schema.returns)
+    )
 
 
 def settle(cmd: FastCall, args: list, kwargs: dict) -> FastCall:
@@ -113,13 +128,17 @@ def _reaches_only(op: Any, binding: Any, args: list, kwargs: dict) -> bool:
     known = _REACHES.get(key)
     if known is not None:
         return known
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    values = [*args, *kwargs.values()]
+    values += [x for a in values if type(a) in (list, tuple) for x in a]
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
     ops: list = []
     if tensors and all(type(a) is torch.Tensor for a in tensors) and "device" not in kwargs:
 
         def tiny(a: Any) -> Any:
             if type(a) is torch.Tensor:
                 return torch.ones((1,) * a.dim(), dtype=a.dtype, device=a.device)
+            if type(a) in (list, tuple):
+                return type(a)(map(tiny, a))
             return a
 
         try:
@@ -149,17 +168,21 @@ def _kind(value: Any) -> Any:
 def compile_command(state: RankState, cmd: Any) -> Any:
     """A FastCall for a simple CallFunction, else the message itself (handled generically).
 
-    Simple: one result, and refs only as top-level arguments. A container
-    argument without refs (a shape, a list of dims) is a constant of the
-    recording, handed to every replay as is: only to ATen operators, which
-    never change their list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64,
-    16])`` are a quarter of a training step's commands).
+    Simple: a function that resolves, refs only as arguments or as items of a
+    list or tuple argument (``cat([a, b])``, the lists of a fused optimizer
+    step), none in keyword arguments, any number of results. A container
+    argument is a constant of the recording, handed to every replay as is
+    (refs put in a copy): only to ATen operators, which never change their
+    list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64, 16])``
+    are a quarter of a training step's commands). Arguments that travel
+    pickled (a tensor of the caller's, captured as a constant) are loaded
+    once, here, for an ATen operator that neither changes nor returns its
+    arguments (:func:`_keeps_arguments`); anything else loads them afresh on
+    every replay, as outside a recording.
     """
     if (
         type(cmd) is not m.CallFunction
         or cmd.remote_process_groups
-        or len(cmd.results) != 1
-        or cmd.args_kwargs._payload is not None
         or (type(cmd.function) is m.FunctionPath and cmd.function.path == TEST_PANIC)
     ):
         return cmd
@@ -167,28 +190,40 @@ def compile_command(state: RankState, cmd: Any) -> Any:
         fn = resolve_function(cmd.function)
     except Exception:  # reported when the call is replayed
         return cmd
-    args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
-    if not cmd.args_kwargs.flat and (
-        type(cmd.function) is not m.FunctionPath
-        or not cmd.function.path.startswith("torch.ops.aten.")
-        or named_refs([a for a in args if type(a) is not m.Ref], set())
-        or named_refs(kwargs, set())
-    ):
-        return cmd
-    if any(type(v) is m.Ref for v in kwargs.values()):
+    aten = type(cmd.function) is m.FunctionPath and cmd.function.path.startswith("torch.ops.aten.")
+    if cmd.args_kwargs._payload is not None:
+        if not _keeps_arguments(cmd):
+            return cmd
+        try:
+            args, kwargs = load_arguments(cmd.args_kwargs._payload)
+        except Exception:  # reported when the call is replayed
+            return cmd
+    else:
+        args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
+        if not (cmd.args_kwargs.flat or aten):
+            return cmd
+    if named_refs(kwargs, set()) or _views_in(kwargs.values()):
         return cmd
     template, slots = [], []
     for i, a in enumerate(args):
-        if type(a) is m.Ref:
+        t = type(a)
+        if t is m.Ref:
             mesh = state.meshes.get(a.id)
-            if mesh is not None:
-                template.append(mesh)
-            else:
-                template.append(None)
+            template.append(mesh if mesh is not None else None)
+            if mesh is None:
                 slots.append((i, a.id))
+        elif (t is list or t is tuple) and any(type(x) is m.Ref for x in a):
+            if named_refs([x for x in a if type(x) is not m.Ref], set()) or _views_in(a):
+                return cmd  # refs deeper down, views: the interpreter
+            if any(type(x) is m.Ref and x.id in state.meshes for x in a):
+                return cmd
+            template.append(a)
+            slots += [((i, j), x.id) for j, x in enumerate(a) if type(x) is m.Ref]
+        elif named_refs(a, set()) or _views_in((a,)):
+            return cmd
         else:
             template.append(a)
-    result = cmd.results[0]
+    result = cmd.results[0] if len(cmd.results) == 1 else None
     return FastCall(
         (
             fn,
@@ -200,6 +235,38 @@ def compile_command(state: RankState, cmd: Any) -> Any:
             _binding(cmd),
         )
     )
+
+
+def _views_in(values: Any) -> bool:
+    """Whether a RefView is among ``values`` or in a container among them."""
+    for v in values:
+        t = type(v)
+        if t is m.RefView or ((t is list or t is tuple) and _views_in(v)):
+            return True
+        if t is dict and _views_in(v.values()):
+            return True
+    return False
+
+
+def refs_named(plan_item: Any) -> set[int]:
+    """Every ref a command of a plan names (``rules.named_refs``), pickled arguments
+    included: a FastCall's were loaded when it was made (its slots), a call's are loaded
+    here; ``Opaque`` where they cannot be."""
+    if type(plan_item) is FastCall:
+        out = named_refs([f for f in plan_item[5] if type(f) is not m.ArgsKwargs], set())
+        out.update(ref for _, ref in plan_item[2])
+        return out
+    try:
+        return named_refs(plan_item, set())
+    except Opaque:
+        if type(plan_item) is not m.CallFunction:
+            raise
+    out = named_refs([f for f in plan_item if type(f) is not m.ArgsKwargs], set())
+    try:
+        loaded = load_arguments(plan_item.args_kwargs._payload)
+    except Exception:
+        raise Opaque from None
+    return named_refs(loaded, out)
 
 
 # -- the plan as code ------------------------------------------------------------------------
@@ -296,19 +363,35 @@ def _call_source(
     kept until the piece returns)."""
     fn, template, slots, kwargs, result, message, _ = cmd
     names[f"f{index}"], names[f"c{index}"] = fn, message
-    refs = dict(slots)  # position -> ref id
-    args = []
+    refs = {p: ref for p, ref in slots if type(p) is int}  # position -> ref id
+    items = {p[0]: {} for p, _ in slots if type(p) is tuple}  # list argument -> {item: ref}
+    for (i, j), ref in ((p, ref) for p, ref in slots if type(p) is tuple):
+        items[i][j] = ref
+    args, lookups, errored = [], "", ""
     for position, value in enumerate(template):
         if position in refs:
-            args.append(f"a{position}")
+            lookups += f"; a{position} = env[{int(refs[position])}]"
+            errored += f" or type(a{position}) is SeqError"
+        elif position in items:  # a list or tuple naming refs: built afresh, refs looked up
+            parts = []
+            for j, item in enumerate(value):
+                if j in items[position]:
+                    parts.append(f"env[{int(items[position][j])}]")
+                else:
+                    names[f"k{index}_{position}_{j}"] = item
+                    parts.append(f"k{index}_{position}_{j}")
+            built = f"[{', '.join(parts)}]" if type(value) is list else f"({', '.join(parts)},)"
+            lookups += f"; a{position} = {built}"
+            errored += f" or SeqError in map(type, a{position})"
         else:
             names[f"k{index}_{position}"] = value
             args.append(f"k{index}_{position}")
+            continue
+        args.append(f"a{position}")
     if kwargs:
         names[f"kw{index}"] = kwargs
         args.append(f"**kw{index}")
-    lookups = "".join(f"; a{p} = env[{int(ref)}]" for p, ref in refs.items())
-    errored = "".join(f" or type(a{p}) is SeqError" for p in refs)
+    local = [f"a{p}" for p in (*refs, *items)]
     lines = [
         f"x = {index}{lookups}",
         f"if replay.error is not None{errored}:",
@@ -325,7 +408,7 @@ def _call_source(
             f"    store(env, c{index}, {int(result)}, v)",
         ]
     lines += [f"env.pop({int(ref)}, None)" for ref in freed]
-    return [*lines, f"del {', '.join([*(f'a{p}' for p in refs), 'v'])}"]
+    return [*lines, f"del {', '.join([*local, 'v'])}"]
 
 
 def _failed(lane: Any, env: dict, plan: list, frees: list, exc: BaseException, x: int) -> int:

@@ -36,7 +36,6 @@ from ..protocol.rules import (
     Borrows,
     Lanes,
     Opaque,
-    named_refs,
     refs_defined,
     refs_mutated,
     stream_of,
@@ -45,7 +44,7 @@ from .calls import poison
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
 from .failures import call_failed
 from .lane import Lane
-from .plan import FastCall, Generated, compile_command, generate, settle, store
+from .plan import FastCall, Generated, compile_command, generate, refs_named, settle, store
 
 if TYPE_CHECKING:
     from .rank import RankState
@@ -55,9 +54,10 @@ if TYPE_CHECKING:
 class StreamRecording:
     """What one stream replays: its commands, and the refs they define and mutate.
 
-    ``plan`` is ``commands`` with simple calls (flat arguments, one result,
-    a function that resolves) compiled into :class:`FastCall` tuples: the
-    function resolved and the argument positions of refs worked out once;
+    ``plan`` is ``commands`` with simple calls (refs as arguments or items of
+    list arguments, a function that resolves: worker/plan.py's
+    ``compile_command``) compiled into :class:`FastCall` tuples: the function
+    resolved and the argument positions of refs worked out once;
     ``generated`` is the plan as Python code, written once it has replayed
     ``generate_after`` times and its calls have settled (worker/plan.py).
     ``frees[i]`` are the refs defined inside that command ``i`` is the last to
@@ -180,21 +180,21 @@ def _build(state: RankState, ref: int, commands: list) -> Recording:
         s.generate_after = None if generate_after is None else int(generate_after)
         s.mutated = [r for r in dict.fromkeys(s.mutated) if r not in s.internal or r in s.formals]
         s.plan = [compile_command(state, cmd) for cmd in s.commands]
-        s.frees = _last_uses(s.commands, s.internal - borrowed)
+        s.frees = _last_uses(s.plan, s.internal - borrowed)
     return Recording(ref, streams)
 
 
-def _last_uses(commands: list, internal: set[int]) -> list[tuple[int, ...]]:
+def _last_uses(plan: list, internal: set[int]) -> list[tuple[int, ...]]:
     """Per command, the ``internal`` refs no later command names (see StreamRecording)."""
     last: dict[int, int] = {}
     try:
-        for index, cmd in enumerate(commands):
-            for ref in named_refs(cmd, set()):
+        for index, cmd in enumerate(plan):
+            for ref in refs_named(cmd):
                 if ref in internal:
                     last[ref] = index
     except Opaque:  # keep everything to the end of the call
-        return [()] * len(commands)
-    frees: list[list[int]] = [[] for _ in commands]
+        return [()] * len(plan)
+    frees: list[list[int]] = [[] for _ in plan]
     for ref, index in last.items():
         frees[index].append(ref)
     return [tuple(f) for f in frees]
@@ -268,14 +268,25 @@ def step(lane: Lane, replay: ReplayState, plan: list, index: int, msg: m.CallRec
     elif t is FastCall:
         fn, template, slots, kwargs, result, message, binding = cmd
         try:
-            args = template.copy()
+            args, lists = template.copy(), None
             for position, ref in slots:
                 value = env.get(ref, _MISSING)
                 if type(value) is SeqError:
                     raise DependentError(value)
                 if value is _MISSING:
                     raise RefNotFound(ref)
-                args[position] = value
+                if type(position) is int:
+                    args[position] = value
+                else:  # item j of list or tuple argument i
+                    i, j = position
+                    lists = {} if lists is None else lists
+                    items = lists.get(i)
+                    if items is None:
+                        items = lists[i] = list(template[i])
+                    items[j] = value
+            if lists is not None:
+                for i, items in lists.items():
+                    args[i] = items if type(template[i]) is list else tuple(items)
             value = fn(*args, **kwargs) if kwargs else fn(*args)
             if binding is not None:  # the first replay: may the binding call it?
                 plan[index] = settle(cmd, args, kwargs)

@@ -116,3 +116,35 @@ def test_a_freed_argument_is_not_kept_by_the_generated_code():
     del big
     assert run(None, values, Replay, None) == 4
     assert alive == [False, False]
+
+
+def test_a_list_argument_naming_refs_is_built_afresh_and_hands_back_on_an_errored_item():
+    cat = torch._C._VariableFunctions.cat
+    constant = torch.full((3,), 7.0)
+    template = [[None, constant, None], 0]  # cat([r1, constant, r2], 0)
+    plan = [
+        FastCall((cat, template, (((0, 0), 1), ((0, 2), 2)), {}, 10, None, None)),
+        FastCall(
+            (
+                torch._C._VariableFunctions.stack,
+                [(None, None)],
+                (((0, 0), 10), ((0, 1), 10)),
+                {},
+                11,
+                None,
+                None,
+            )
+        ),
+    ]
+    run = generate(plan, [(), ()], step=None)
+    values = env()
+    assert run(None, values, Replay, None) == 2
+    want = torch.cat([torch.ones(3), constant, torch.zeros(3)])
+    assert torch.equal(values[10], want) and torch.equal(values[11], torch.stack([want, want]))
+    assert template == [[None, constant, None], 0]  # the constant list is not written to
+    values = env()
+    values[2] = SeqError(7, "an earlier failure")
+    assert run(None, values, Replay, None) == 0 and 10 not in values
+    values = env()
+    del values[1]
+    assert run(None, values, Replay, None) == 0 and 10 not in values

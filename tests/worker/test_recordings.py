@@ -302,6 +302,105 @@ def test_constant_lists_of_torch_operators_are_compiled_once(ctrl, client2):
         assert plan == [False, True, True, False, False]  # formal, view, sum, grow, result
 
 
+def test_lists_of_refs_several_results_and_captured_constants_are_compiled(
+    ctrl, client2, generate_at_once
+):
+    """What a real training step is full of also compiles once (a FastCall) and then runs
+    as generated code: ``cat`` of a list of refs, an operator with several results, an
+    in-place step over lists (``_foreach_add_``), and a tensor of the caller's captured
+    as a constant (its pickle loaded once, for an operator that neither changes nor
+    returns its arguments). An operator that changes a captured constant still gets a
+    fresh copy of it on every replay; an errored ref in a list fails the call as a
+    dependent, as outside a recording."""
+    create_streams(ctrl, BOTH, S0)
+    fx, const, s, cat, out, mean, rstd, bumped = (Ref(i) for i in range(10, 18))
+    constant = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            call(0, const, "torch.ops.aten.clone.default", constant),
+            call(0, s, "torch.ops.aten.add.Tensor", fx, const),
+            call(0, cat, "torch.ops.aten.cat.default", [s, fx, const], 0),
+            call(
+                0,
+                [out, mean, rstd],
+                "torch.ops.aten.native_layer_norm.default",
+                cat,
+                [2],
+                None,
+                None,
+                1e-5,
+            ),
+            call(
+                0, None, "torch.ops.aten._foreach_add_.Scalar", (out, cat), 1.0, mutates=[out, cat]
+            ),
+            call(0, bumped, "torch.ops.aten.add_.Scalar", torch.zeros(2), 1.0),
+            m.RecordingResult(out, 0, S0),
+            m.RecordingResult(cat, 1, S0),
+            m.RecordingResult(rstd, 2, S0),
+            m.RecordingResult(bumped, 3, S0),
+        ],
+        nresults=4,
+        nformals=1,
+    )
+    x = torch.arange(6.0).view(3, 2)
+    ctrl.send(BOTH, call(0, Ref(1), "torch.arange", 6.0))
+    ctrl.send(BOTH, call(1, Ref(2), "torch.ops.aten.view.default", Ref(1), [3, 2]))
+    for seq in (2, 3, 4):  # the second and third replays run generated code
+        ctrl.send(BOTH, m.CallRecording(seq, REC, [Ref(10 * seq + i) for i in range(4)], [Ref(2)]))
+    assert ctrl.sync() == []
+    cat_want = torch.cat([x + constant, x, constant])
+    out_want, _, rstd_want = torch.native_layer_norm(cat_want, [2], None, None, 1e-5)
+    for rank in BOTH:
+        for seq in (2, 3, 4):
+            got = [ctrl.get_ref(rank, Ref(10 * seq + i), S0) for i in range(4)]
+            torch.testing.assert_close(got[0], out_want + 1)
+            torch.testing.assert_close(got[1], cat_want + 1)
+            torch.testing.assert_close(got[2], rstd_want)
+            assert torch.equal(got[3], torch.ones(2))  # not 2, 3: a fresh constant each time
+    kinds = client2.run(_plan_kinds, token=ctrl.token, recording=REC.id, stream=S0.id)
+    assert set(
+        client2.run(_generated, token=ctrl.token, recording=REC.id, stream=S0.id).values()
+    ) == {True}
+    for plan in kinds.values():  # formal, clone, add, cat, layer norm, foreach, add_, results
+        assert plan == [False, True, True, True, True, True, False, False, False, False, False]
+    ctrl.send(BOTH, call(5, Ref(3), "helpers.remote_fns.positive", torch.tensor([-1.0])))
+    ctrl.send(BOTH, m.CallRecording(6, REC, [Ref(60 + i) for i in range(4)], [Ref(3)]))
+    reports = failures(ctrl.sync())
+    assert [r.seq for r in reports] == [5, 5]  # the replay fails as a dependent: unreported
+    for rank in BOTH:
+        with pytest.raises(dm.RemoteException, match="a negative input"):
+            ctrl.get_ref(rank, Ref(60), S0)
+
+
+def test_a_captured_constant_does_not_keep_every_intermediate(ctrl):
+    """Arguments that travel pickled name refs the plan can only see by loading them: it
+    does, once, so a chain with a captured constant (an operator's or a remote function's)
+    still holds one intermediate at a time, not all 50 until the replay ends."""
+    create_streams(ctrl, [0], S0)
+    chain = [
+        m.RecordingFormal(Ref(10), 0, S0),
+        call(0, Ref(11), "torch.ops.aten.add.Tensor", Ref(10), torch.ones(3)),
+        call(0, Ref(12), "torch.add", Ref(11), torch.zeros(1)),
+    ]
+    chain += [call(0, Ref(13 + i), "torch.ops.aten.add.Tensor", Ref(12 + i), 1) for i in range(48)]
+    chain += [
+        call(0, Ref(100), "helpers.remote_fns.tensors_held", Ref(60)),
+        m.RecordingResult(Ref(100), 0, S0),
+        m.RecordingResult(Ref(60), 1, S0),
+    ]
+    define(ctrl, [0], chain, nresults=2, nformals=1)
+    ctrl.send(0, call(0, Ref(1), "torch.zeros", 3))
+    ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.tensors_held"))
+    ctrl.send(0, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1)]))
+    assert ctrl.sync() == []
+    held_before = int(ctrl.get_ref(0, Ref(2), S0))  # Ref(1)
+    assert int(ctrl.get_ref(0, Ref(3), S0)) == held_before + 2  # Ref(2), the chain's last value
+    assert torch.equal(ctrl.get_ref(0, Ref(4), S0), torch.full((3,), 49.0))
+
+
 def _plan_bindings(dask_worker, token, recording, stream):
     """Per command: does the replay call torch's Python binding of its ATen overload?"""
     from dask_monarch.worker.plan import FastCall
