@@ -122,3 +122,33 @@ def test_a_collective_times_out_when_other_meshes_used_the_workers_before(client
     error, seconds = _reduce_with_a_late_member(client2)
     assert re.search("[Tt]imed out", str(error)), str(error)
     assert seconds < 9.0  # not the 12 s of the sleep
+
+
+def test_a_first_send_to_a_late_receiver_times_out_too(client2):
+    """The same late member for a send: rank 1 receives only after a 12 s sleep, over a
+    pair that lazily connected gloo has not connected yet (meshes came and went on these
+    workers first). The sender's wait ends at the 3 s collective timeout, on its own
+    (gloo's send times out; checked on both sides and both orders by hand)."""
+    for _ in range(2):
+        mesh = dm.device_mesh(client2, gpu=2)
+        with mesh.activate():
+            dm.inspect(torch.ones(2) + 1)
+        mesh.exit()
+    with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
+        mesh = dm.device_mesh(client2, gpu=2)
+    late = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
+    sender, receiver = mesh.slice(gpu=0), mesh.slice(gpu=1)
+    try:
+        with sender.activate():
+            x = torch.ones(2) + 1
+        with receiver.activate():
+            late(torch.ones(2), 0, 0, 12.0)  # the receiving lane is busy first
+        start = time.monotonic()
+        moved = x.to_mesh(receiver)
+        with receiver.activate(), pytest.raises(dm.DeviceException) as info:
+            dm.inspect(moved + 1)
+        assert time.monotonic() - start < 9.0, str(info.value)  # not the 12 s of the sleep
+        assert re.search("[Tt]imed out", str(info.value)), str(info.value)
+    finally:
+        with contextlib.suppress(dm.DeviceException, dm.RemoteException):
+            mesh.exit()
