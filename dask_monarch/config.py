@@ -82,22 +82,45 @@ def _setting(key: str) -> str:
 
 
 _frozen = False
+_tuned = False  # freeze_gc ran in this process
 _modules_frozen = 0  # len(sys.modules) when the GC was last frozen
 
 
 def freeze_gc() -> None:
-    """Move every object alive now out of the cyclic GC's reach (once per process).
+    """Move every object alive now out of the cyclic GC's reach, and collect less often
+    (once per process).
 
     A process that imported torch tracks ~200 000 objects, and every full
     collection walks them all: on a worker running small ops that was 75 % of
     the time (50-80 us per message instead of 10-20). Objects made later are
     still collected. Off with ``dask_monarch.gc-freeze: false``.
+
+    A training step makes and drops thousands of small containers (handles,
+    messages, their arguments), on the client and on every rank: at Python's
+    thresholds (700, 10, 10) a tiny GPT-2 step ran 3 young collections and,
+    every 40 steps, a full one of 25 ms on the client; 1.3-1.8 ms per step there
+    and 0.6-0.8 on each rank. ``dask_monarch.gc-threshold`` (10 000, 10, 10)
+    makes that 0.2 on each (benchmarks/RESULTS.md); null keeps Python's.
     """
-    global _frozen
-    if _frozen or not get("gc-freeze", True):
+    global _frozen, _tuned
+    if _tuned:
         return
-    _freeze()
-    _frozen = True
+    thresholds = get("gc-threshold", None)
+    if thresholds is not None:
+        if not (
+            isinstance(thresholds, (list, tuple))
+            and 1 <= len(thresholds) <= 3
+            and all(type(t) is int and t >= 0 for t in thresholds)
+        ):
+            raise ValueError(
+                f"{_setting('gc-threshold')} is {thresholds!r}: give up to three whole numbers "
+                "(gc.set_threshold's), or null to keep Python's"
+            )
+        gc.set_threshold(*thresholds)
+    _tuned = True
+    if get("gc-freeze", True):
+        _freeze()
+        _frozen = True
 
 
 def freeze_new_imports() -> None:

@@ -6,6 +6,8 @@ import gc
 import sys
 import types
 
+import dask
+import pytest
 import torch
 from torch import nn
 
@@ -77,3 +79,28 @@ def test_a_training_step_leaves_no_cycles_of_dask_monarch_s_own(mesh2):
         }
     )
     assert not ours and not functions, (ours, functions)
+
+
+def test_the_client_and_the_ranks_collect_young_objects_less_often(mesh2, client2):
+    """``dask_monarch.gc-threshold`` is set once per process, where the GC is frozen: on
+    the client when a controller starts, on a worker when a rank is claimed."""
+    want = tuple(dask.config.get("dask_monarch.gc-threshold"))
+    assert want == (10000, 10, 10)
+    assert gc.get_threshold() == want
+    assert set(client2.run(gc.get_threshold).values()) == {want}
+
+
+@pytest.mark.parametrize("value", [[10000, -1], [1.5], "700", [1, 2, 3, 4]])
+def test_a_gc_threshold_that_is_not_up_to_three_whole_numbers_is_refused(monkeypatch, value):
+    monkeypatch.setattr(config, "_tuned", False)
+    with dask.config.set({"dask_monarch.gc-threshold": value}):
+        with pytest.raises(ValueError, match="gc-threshold.*up to three whole numbers"):
+            config.freeze_gc()
+    assert not config._tuned  # a corrected setting is read again
+    before = gc.get_threshold()
+    try:
+        with dask.config.set({"dask_monarch.gc-threshold": None, "dask_monarch.gc-freeze": False}):
+            config.freeze_gc()  # null: Python's thresholds stay
+        assert gc.get_threshold() == before and config._tuned
+    finally:
+        gc.set_threshold(*before)
