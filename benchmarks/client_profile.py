@@ -1,21 +1,32 @@
 """Where the client's time goes, per op and per training step (issue 38, item 1).
 
-    python benchmarks/client_profile.py [--what op|gpt2] [--n 20000] [--sort tottime]
+    python benchmarks/client_profile.py [--what op|gpt2|gpt2-compiled] [--n 20000]
+                                        [--sort tottime] [--spy]
 
 ``op``: ``acc = ones + acc`` on 100x100 mesh tensors (``benchmarks/peers.py``'s
 shape), ``--n`` times: the wall time and the user thread's CPU per op, then
 the same loop under cProfile. ``gpt2``: the eager data-parallel step of
 ``benchmarks/training.py --gpt2`` (the test suite's tiny transformers GPT-2,
 AdamW, ``ddp_hooks``) on 2 ranks, ``--n`` steps (30 is plenty): per step and
-per message, then under cProfile. Both on a 2-rank ``LocalMeshCluster``.
+per message, then under cProfile; ``gpt2-compiled``: the same step under
+``dm.compile``. All on a 2-rank ``LocalMeshCluster``.
+
+``--spy``: where the ranks' time goes too. py-spy (``pip install py-spy``, not a
+dependency) samples each rank process during the timed loop, only while a
+thread holds the GIL (``--gil``: Python's own work, not the ops, whose torch
+bindings release it), and the lines that held it most are printed per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
+import signal
+import subprocess
+import tempfile
 import time
 
 import psutil
@@ -38,10 +49,10 @@ def op_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
         return run, n
 
 
-def gpt2_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
+def gpt2_loop(mesh: dm.DeviceMesh, n: int, compiled: bool = False) -> tuple:
     import training
 
-    n = min(n, 200)
+    n = min(n, 5000 if compiled else 200)  # an eager step under cProfile is slow
     with mesh.activate():
         model = training.gpt2_model(dm.random.manual_seed)
         optimizer = training.adamw(model)
@@ -56,6 +67,9 @@ def gpt2_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
         optimizer.zero_grad()
         return loss.detach()
 
+    if compiled:
+        step = dm.compile(step)
+
     def run(count: int) -> None:
         with mesh.activate():
             for i in range(count):
@@ -65,6 +79,47 @@ def gpt2_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
     return run, n
 
 
+SPY_RATE = 250  # py-spy's samples per second
+
+
+def _spy(pids: list[int], folder: str) -> list:
+    """py-spy recording each of ``pids`` (GIL-holding samples only) into ``folder``."""
+    return [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--gil",
+                "--nonblocking",
+                "-r",
+                "250",
+                "-f",
+                "raw",
+                "-p",
+                str(pid),
+                "-o",
+                os.path.join(folder, f"rank{i}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, pid in enumerate(pids)
+    ]
+
+
+def _hottest(path: str, n: int = 15) -> tuple[int, list[str]]:
+    """The samples of a py-spy raw recording, and its ``n`` lines that held the GIL most."""
+    lines: collections.Counter = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for record in f:
+            stack, _, count = record.rstrip().rpartition(" ")
+            if stack:
+                lines[stack.split(";")[-1]] += int(count)
+                total += int(count)
+    return total, [f"{c / total:6.1%}  {line}" for line, c in lines.most_common(n)]
+
+
 def _cpu(workers: list) -> list[float]:
     """CPU seconds (user + system) of this process, then of each of ``workers``."""
     return [sum(p.cpu_times()[:2]) for p in [psutil.Process(), *workers]]
@@ -72,9 +127,10 @@ def _cpu(workers: list) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--what", choices=("op", "gpt2"), default="op")
+    parser.add_argument("--what", choices=("op", "gpt2", "gpt2-compiled"), default="op")
     parser.add_argument("--n", type=int, default=None, help="ops (20 000) or steps (30)")
     parser.add_argument("--sort", default="tottime", help="pstats order (tottime, cumulative)")
+    parser.add_argument("--spy", action="store_true", help="py-spy the ranks (see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
@@ -82,15 +138,20 @@ def main() -> None:
         if args.what == "op":
             run, n = op_loop(mesh, args.n or 20000)
         else:
-            run, n = gpt2_loop(mesh, args.n or 30)
+            run, n = gpt2_loop(mesh, args.n or 30, compiled=args.what == "gpt2-compiled")
         run(max(1, n // 10))  # warm: lanes, propagation caches, the optimizer's state
         controller = mesh._session.controller
         sent = controller.messages_sent
         workers = [psutil.Process(pid) for pid in client.run(os.getpid).values()]
+        folder = tempfile.mkdtemp(prefix="dm-spy-") if args.spy else None
+        spies = _spy([w.pid for w in workers], folder) if folder else []
         before = _cpu(workers)
         wall, cpu = time.perf_counter(), time.thread_time()
         run(n)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its recording as it stops
+            spy.wait()
         spent = [(after - start) / n * 1e6 for start, after in zip(before, _cpu(workers))]
         messages = (controller.messages_sent - sent) / n
         unit = "op" if args.what == "op" else "step"
@@ -104,6 +165,13 @@ def main() -> None:
             + ", ".join(f"{s:.1f}" for s in spent[1:])
             + f"; all {sum(spent):.1f} on {psutil.cpu_count()} cores"
         )
+        for i in range(len(spies)):
+            samples, hottest = _hottest(os.path.join(folder, f"rank{i}.txt"))
+            print(
+                f"rank {i}: held the GIL {samples / SPY_RATE / n * 1e6:.0f} us per {unit}; "
+                "the lines that held it most (py-spy --gil):"
+            )
+            print("\n".join(hottest))
         profile = cProfile.Profile()
         profile.enable()
         run(n)

@@ -242,7 +242,11 @@ def bind_results(env: dict, results: list[Ref | None], value: Any) -> None:
         if ref is not None:
             _bind(env, int(ref), value)
         return
-    leaves = tree_leaves(value)
+    t = type(value)
+    if (t is tuple or t is list) and all(type(v) is torch.Tensor or v is None for v in value):
+        leaves = value  # an operator's several results: the pytree walk would find them so
+    else:
+        leaves = tree_leaves(value)
     if len(leaves) != len(results):
         raise ValueError(
             f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
