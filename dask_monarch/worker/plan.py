@@ -209,7 +209,7 @@ def compile_command(state: RankState, cmd: Any) -> Any:
         t = type(a)
         if t is m.Ref:
             mesh = state.meshes.get(a.id)
-            template.append(mesh if mesh is not None else None)
+            template.append(mesh)
             if mesh is None:
                 slots.append((i, a.id))
         elif (t is list or t is tuple) and any(type(x) is m.Ref for x in a):
@@ -424,8 +424,9 @@ def _failed(lane: Any, env: dict, plan: list, frees: list, exc: BaseException, x
 
 
 def store(env: dict, message: m.CallFunction, result: int | None, value: Any) -> None:
-    """Bind a call's value: several results from a container, else its one result."""
-    if isinstance(value, (list, tuple, dict)):
+    """Bind a call's value: several results from a container, else its one result (as
+    the handler binds them: the same errors)."""
+    if isinstance(value, (list, tuple, dict)) or len(message.results) != 1:
         bind_results(env, message.results, value)
     elif result is not None:
         env[result] = value
