@@ -90,11 +90,27 @@ def test_recording_with_a_captured_tensor_mutated_in_place(ctrl):
     assert ctrl.get_ref(0, Ref(12), S0) is None  # intermediates are deleted
 
 
-def test_replay_frees_each_intermediate_after_its_last_use(ctrl):
-    """A chain of 50 adds holds one intermediate at a time, as if sent op by op."""
+@pytest.mark.parametrize(
+    "head, last",
+    [
+        ([call(0, Ref(11 + i), "torch.ops.aten.add.Tensor", Ref(10 + i), 1) for i in range(2)], 50),
+        (  # arguments that travel pickled: an operator's captured constant, a function's
+            [
+                call(0, Ref(11), "torch.ops.aten.add.Tensor", Ref(10), torch.ones(3)),
+                call(0, Ref(12), "torch.add", Ref(11), torch.zeros(1)),
+            ],
+            49,
+        ),
+    ],
+    ids=["adds", "captured constants"],
+)
+def test_replay_frees_each_intermediate_after_its_last_use(ctrl, head, last):
+    """A chain of 50 adds holds one intermediate at a time, as if sent op by op. Pickled
+    arguments name refs the plan sees only by loading them: it does, once, so a chain
+    with captured constants too (before: every intermediate kept until the replay ended)."""
     create_streams(ctrl, [0], S0)
-    chain = [m.RecordingFormal(Ref(10), 0, S0)]
-    chain += [call(0, Ref(11 + i), "torch.ops.aten.add.Tensor", Ref(10 + i), 1) for i in range(50)]
+    chain = [m.RecordingFormal(Ref(10), 0, S0), *head]
+    chain += [call(0, Ref(13 + i), "torch.ops.aten.add.Tensor", Ref(12 + i), 1) for i in range(48)]
     chain += [
         call(0, Ref(100), "helpers.remote_fns.tensors_held", Ref(60)),
         m.RecordingResult(Ref(100), 0, S0),
@@ -107,7 +123,7 @@ def test_replay_frees_each_intermediate_after_its_last_use(ctrl):
     assert ctrl.sync() == []
     held_before = int(ctrl.get_ref(0, Ref(2), S0))  # Ref(1)
     assert int(ctrl.get_ref(0, Ref(3), S0)) == held_before + 2  # Ref(2), the chain's last value
-    assert torch.equal(ctrl.get_ref(0, Ref(4), S0), torch.full((3,), 50.0))
+    assert torch.equal(ctrl.get_ref(0, Ref(4), S0), torch.full((3,), float(last)))
     assert all(ctrl.get_ref(0, Ref(r), S0) is None for r in (10, 11, 59, 60, 100))
 
 
@@ -373,32 +389,6 @@ def test_lists_of_refs_several_results_and_captured_constants_are_compiled(
     for rank in BOTH:
         with pytest.raises(dm.RemoteException, match="a negative input"):
             ctrl.get_ref(rank, Ref(60), S0)
-
-
-def test_a_captured_constant_does_not_keep_every_intermediate(ctrl):
-    """Arguments that travel pickled name refs the plan can only see by loading them: it
-    does, once, so a chain with a captured constant (an operator's or a remote function's)
-    still holds one intermediate at a time, not all 50 until the replay ends."""
-    create_streams(ctrl, [0], S0)
-    chain = [
-        m.RecordingFormal(Ref(10), 0, S0),
-        call(0, Ref(11), "torch.ops.aten.add.Tensor", Ref(10), torch.ones(3)),
-        call(0, Ref(12), "torch.add", Ref(11), torch.zeros(1)),
-    ]
-    chain += [call(0, Ref(13 + i), "torch.ops.aten.add.Tensor", Ref(12 + i), 1) for i in range(48)]
-    chain += [
-        call(0, Ref(100), "helpers.remote_fns.tensors_held", Ref(60)),
-        m.RecordingResult(Ref(100), 0, S0),
-        m.RecordingResult(Ref(60), 1, S0),
-    ]
-    define(ctrl, [0], chain, nresults=2, nformals=1)
-    ctrl.send(0, call(0, Ref(1), "torch.zeros", 3))
-    ctrl.send(0, call(1, Ref(2), "helpers.remote_fns.tensors_held"))
-    ctrl.send(0, m.CallRecording(2, REC, [Ref(3), Ref(4)], [Ref(1)]))
-    assert ctrl.sync() == []
-    held_before = int(ctrl.get_ref(0, Ref(2), S0))  # Ref(1)
-    assert int(ctrl.get_ref(0, Ref(3), S0)) == held_before + 2  # Ref(2), the chain's last value
-    assert torch.equal(ctrl.get_ref(0, Ref(4), S0), torch.full((3,), 49.0))
 
 
 def _plan_bindings(dask_worker, token, recording, stream):
