@@ -92,7 +92,7 @@ def _spy(pids: list[int], folder: str) -> list:
                 "--gil",
                 "--nonblocking",
                 "-r",
-                "250",
+                str(SPY_RATE),
                 "-f",
                 "raw",
                 "-p",

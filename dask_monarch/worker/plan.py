@@ -253,20 +253,20 @@ def refs_named(plan_item: Any) -> set[int]:
     included: a FastCall's were loaded when it was made (its slots), a call's are loaded
     here; ``Opaque`` where they cannot be."""
     if type(plan_item) is FastCall:
-        out = named_refs([f for f in plan_item[5] if type(f) is not m.ArgsKwargs], set())
-        out.update(ref for _, ref in plan_item[2])
-        return out
-    try:
-        return named_refs(plan_item, set())
-    except Opaque:
-        if type(plan_item) is not m.CallFunction:
-            raise
-    out = named_refs([f for f in plan_item if type(f) is not m.ArgsKwargs], set())
-    try:
-        loaded = load_arguments(plan_item.args_kwargs._payload)
-    except Exception:
-        raise Opaque from None
-    return named_refs(loaded, out)
+        cmd, named = plan_item[5], {ref for _, ref in plan_item[2]}
+    else:
+        try:
+            return named_refs(plan_item, set())
+        except Opaque:
+            if type(plan_item) is not m.CallFunction:
+                raise
+        cmd = plan_item
+        try:
+            loaded = load_arguments(cmd.args_kwargs._payload)
+        except Exception:
+            raise Opaque from None
+        named = named_refs(loaded, set())
+    return named_refs([f for f in cmd if type(f) is not m.ArgsKwargs], named)
 
 
 # -- the plan as code ------------------------------------------------------------------------
