@@ -83,22 +83,40 @@ def test_a_wait_with_a_timeout_that_is_no_duration_is_refused(ctrl, mesh2, timeo
     assert ctrl.sync(timeout=60) == []
 
 
-def _reduce_with_a_late_member(client) -> tuple[dm.DeviceException, float]:
-    """A reduce under a 3 s collective timeout whose rank 1 sleeps 12 s first: the
-    DeviceException it raises, and the seconds it took."""
+_sleep_on = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
+
+
+@contextlib.contextmanager
+def _mesh_with_a_3s_collective_timeout(client):
+    """A gpu=2 mesh under a 3 s collective timeout, exited afterwards (it may be broken)."""
     with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
         mesh = dm.device_mesh(client, gpu=2)
-    late = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
     try:
-        with mesh.activate():
-            x = late(torch.ones(2), mesh.rank("gpu"), 1, 12.0)
-            start = time.monotonic()
-            with pytest.raises(dm.DeviceException) as info:
-                dm.inspect(x.reduce("gpu", "sum"))
-            return info.value, time.monotonic() - start
+        yield mesh
     finally:
         with contextlib.suppress(dm.DeviceException, dm.RemoteException):
             mesh.exit()
+
+
+def _use_the_workers_first(client) -> None:
+    """Two meshes come and go on ``client``'s workers (the order in which the lazily
+    connected gloo waits below were seen to outlast their timeout)."""
+    for _ in range(2):
+        mesh = dm.device_mesh(client, gpu=2)
+        with mesh.activate():
+            dm.inspect(torch.ones(2) + 1)
+        mesh.exit()
+
+
+def _reduce_with_a_late_member(client) -> tuple[dm.DeviceException, float]:
+    """A reduce under a 3 s collective timeout whose rank 1 sleeps 12 s first: the
+    DeviceException it raises, and the seconds it took."""
+    with _mesh_with_a_3s_collective_timeout(client) as mesh, mesh.activate():
+        x = _sleep_on(torch.ones(2), mesh.rank("gpu"), 1, 12.0)
+        start = time.monotonic()
+        with pytest.raises(dm.DeviceException) as info:
+            dm.inspect(x.reduce("gpu", "sum"))
+        return info.value, time.monotonic() - start
 
 
 def test_a_collective_that_times_out_names_the_member_it_waited_for(client2):
@@ -114,11 +132,7 @@ def test_a_collective_times_out_when_other_meshes_used_the_workers_before(client
     draws make rank 0 the side of its lazily connected gloo pair that waits for rank 1 to
     connect, and gloo's op then waited out rank 1's 12 s sleep (it failed in this order,
     and passed alone). The rank's own deadline ends it at the timeout (groups.finish)."""
-    for _ in range(2):
-        mesh = dm.device_mesh(client2, gpu=2)
-        with mesh.activate():
-            dm.inspect(torch.ones(2) + 1)
-        mesh.exit()
+    _use_the_workers_first(client2)
     error, seconds = _reduce_with_a_late_member(client2)
     assert re.search("[Tt]imed out", str(error)), str(error)
     assert seconds < 9.0  # not the 12 s of the sleep
@@ -132,20 +146,13 @@ def test_a_first_send_to_a_late_receiver_ends_at_its_timeout_or_when_it_arrives(
     collective's member waiting to connect did (groups.finish), and the value then
     arrives intact once the receiver is there. Either way nothing hangs and nothing is
     wrong; the second case is why a send's wait is not bounded by the timeout."""
-    for _ in range(2):
-        mesh = dm.device_mesh(client2, gpu=2)
-        with mesh.activate():
-            dm.inspect(torch.ones(2) + 1)
-        mesh.exit()
-    with dask.config.set({"dask_monarch.timeouts.collective": "3s"}):
-        mesh = dm.device_mesh(client2, gpu=2)
-    late = dm.remote("helpers.remote_fns.sleep_on", propagate=lambda x, r, s, secs: x)
-    sender, receiver = mesh.slice(gpu=0), mesh.slice(gpu=1)
-    try:
+    _use_the_workers_first(client2)
+    with _mesh_with_a_3s_collective_timeout(client2) as mesh:
+        sender, receiver = mesh.slice(gpu=0), mesh.slice(gpu=1)
         with sender.activate():
             x = torch.ones(2) + 1
         with receiver.activate():
-            late(torch.ones(2), 0, 0, 8.0)  # the receiving lane is busy first
+            _sleep_on(torch.ones(2), 0, 0, 8.0)  # the receiving lane is busy first
         start = time.monotonic()
         moved = x.to_mesh(receiver)
         with receiver.activate():
@@ -157,6 +164,3 @@ def test_a_first_send_to_a_late_receiver_ends_at_its_timeout_or_when_it_arrives(
             else:
                 assert got.tolist() == [3.0, 3.0]
                 assert time.monotonic() - start >= 7.0  # it waited for the receiver
-    finally:
-        with contextlib.suppress(dm.DeviceException, dm.RemoteException):
-            mesh.exit()
