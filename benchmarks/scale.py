@@ -49,6 +49,7 @@ import torch
 from distributed import Client, wait
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 
 HOST = """
 import asyncio, sys
@@ -137,7 +138,7 @@ def _plain_dask(client: Client, rounds: int, cluster: Cluster, idle_rate: float)
     """The baseline: per round one tiny task pinned to each worker (what a flush asks of
     Dask: a task per rank), all waited for, rank 0's result read, the futures let go of."""
     me = psutil.Process()
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(registered_workers(client))
     trips = []
     c0, s0, t0 = _cpu(me), _cpu(cluster.process), time.perf_counter()
     for r in range(rounds + 3):

@@ -57,6 +57,7 @@ from gloo_ranks import GlooRanks
 from torch import nn
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 
 FEATURES = 16
 WORLD = 4
@@ -341,7 +342,7 @@ class Mesh:
         }
 
     def run_gpt2(self, ranks: int, steps: int, compiled: bool) -> dict:
-        workers = sorted(self.client.scheduler_info()["workers"])[:ranks]
+        workers = sorted(registered_workers(self.client))[:ranks]
         mesh = dm.device_mesh(self.client, workers=workers, dp=ranks)
         with mesh.activate():
             model = gpt2_model(dm.random.manual_seed)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import distributed
 
+from .controller.placement import registered_workers
 from .controller.session import live_sessions
 from .deployment import restarts
 
@@ -51,7 +52,7 @@ def elastic(
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
         dask_client = client if client is not None else distributed.default_client()
-        n = ranks or len(dask_client.scheduler_info(n_workers=-1)["workers"])
+        n = ranks or len(registered_workers(dask_client))
         restart = 0
         while True:
             restarts.set_run(restart)

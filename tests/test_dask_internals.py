@@ -20,6 +20,7 @@ from distributed.scheduler import TaskGroup, TaskPrefix
 from distributed.worker_state_machine import TaskState as WorkerTaskState
 
 from dask_monarch import dask_internals as internals
+from dask_monarch.controller.placement import registered_workers
 
 pytestmark = pytest.mark.timeout(120)
 PACKAGE = Path(internals.__file__).parent
@@ -186,6 +187,6 @@ def test_a_client_sends_on_its_own_stream_and_runs_on_workers(client):
     ]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    workers = list(client.scheduler_info()["workers"])
+    workers = list(registered_workers(client))
     answers = client.sync(lambda: internals.run_on(client, lambda: 41, workers))
     assert list(answers.values()) == [41]

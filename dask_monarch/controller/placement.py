@@ -46,6 +46,17 @@ def natural_key(text: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
+def registered_workers(client: Client) -> dict[str, dict]:
+    """The workers the scheduler knows now, by address, each as the scheduler describes it.
+
+    Asked of the scheduler directly: ``client.scheduler_info()`` fetches the
+    same and then returns the client's cache, which the client's periodic
+    refresh (``distributed.client.scheduler-info-interval``) may replace in
+    between with one that has no per-worker entries: an empty ``"workers"``.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def choose_workers(
     client: Client,
     world_size: int,
@@ -67,9 +78,7 @@ def choose_workers(
     only. ``distinct_hosts``: no two ranks on one host (the host of the
     worker's address).
     """
-    # asked directly: client.scheduler_info() returns a cache that a periodic refresh
-    # without per-worker entries may replace before it returns
-    known = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    known = registered_workers(client)
     timeout = config.seconds("timeouts.placement") or 0.0
     patience = max(timeout, config.seconds("timeouts.claim") or 0.0)
     if workers is not None:

@@ -23,7 +23,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
     """The scheduler, its dashboard link and one row per worker, rank workers first, in order."""
     from distributed import Client
 
-    from ..controller.placement import rank_order
+    from ..controller.placement import rank_order, registered_workers
     from ..worker import describe_worker
 
     if scheduler_file:
@@ -31,7 +31,7 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
     else:
         client = Client(scheduler_address, set_as_default=False)
     with client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = registered_workers(client)
         described = client.run(describe_worker)
         meshes = client.run(_meshes_held)
         rows = []

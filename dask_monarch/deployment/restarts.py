@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import config
+from ..controller.placement import registered_workers
 from ..exceptions import DeviceException, RemoteException
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def wait_for_ranks(client: Client, n: int, say: Callable[[str], None]) -> None:
     try:
         client.wait_for_workers(n, timeout=timeout)
     except TimeoutError:
-        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        have = len(registered_workers(client))
         raise TimeoutError(
             f"waited {timeout:g}s for {n} ranks to run again, {have} came back "
             "(dask_monarch.elastic.wait-for-ranks)"

@@ -84,6 +84,7 @@ def run(
     times, once the cluster has as many workers as at the start
     (:mod:`.restarts`; the script reads ``DASK_MONARCH_RESTART``).
     """
+    from ..controller.placement import registered_workers
     from ..controller.session import live_sessions
     from ..observability.progress import ProgressLine
     from . import restarts
@@ -95,7 +96,7 @@ def run(
             stack.enter_context(client)
             say(
                 f"using the cluster at {client.scheduler.address} "
-                f"({len(client.scheduler_info()['workers'])} workers)"
+                f"({len(registered_workers(client))} workers)"
                 + dashboard_note(client.dashboard_link)
             )
         else:
@@ -108,7 +109,7 @@ def run(
                 f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link)
             )
         embedded = client.cluster is not None and hasattr(client.cluster, "n_ranks")
-        n = client.cluster.n_ranks if embedded else ranks or len(client.scheduler_info()["workers"])
+        n = client.cluster.n_ranks if embedded else ranks or len(registered_workers(client))
         for restart in itertools.count():
             restarts.set_run(restart)
             line = ProgressLine(sys.stderr) if progress else None
@@ -192,6 +193,7 @@ def _connect(
     from distributed import Client
 
     from .. import config
+    from ..controller.placement import registered_workers
 
     timeout = config.seconds("cli.wait-for-workers") or 60
     if scheduler_file is not None:
@@ -212,7 +214,7 @@ def _connect(
         try:
             client.wait_for_workers(ranks, timeout=timeout)
         except TimeoutError:
-            have = len(client.scheduler_info(n_workers=-1)["workers"])  # before closing
+            have = len(registered_workers(client))  # before closing
             client.close()
             raise SetupError(
                 f"the cluster has {have} worker{'s' if have != 1 else ''}, fewer than "

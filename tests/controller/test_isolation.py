@@ -26,7 +26,7 @@ from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch import messages as m
-from dask_monarch.controller.placement import choose_workers
+from dask_monarch.controller.placement import choose_workers, registered_workers
 from dask_monarch.messages import Ref
 
 BOTH = [0, 1]
@@ -64,7 +64,7 @@ def _wait_settled(client: Client, workers: list[str], why: str) -> None:
     """Wait until ``workers`` hold no lane, task or rank: the state each test starts from and
     must leave behind, whatever ran before it on this shared cluster."""
 
-    registered = client.scheduler_info(n_workers=-1)["workers"]  # the threads each started with
+    registered = registered_workers(client)  # the threads each started with
     quiet = {a: (registered[a]["nthreads"], 0, []) for a in workers}
 
     def settled() -> bool:

@@ -23,6 +23,7 @@ from helpers.commands import child_environ, console_script
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.protocol import names
 
 
@@ -179,7 +180,7 @@ def test_a_rank_worker_survives_sigint_and_serves_the_next_mesh(own_cluster):
         os.kill(pid, signal.SIGINT)
     time.sleep(3)  # time to die, if it were going to
     assert worker_pids(client) == pids
-    assert len(client.scheduler_info()["workers"]) == 2
+    assert len(registered_workers(client)) == 2
     mesh = dm.device_mesh(client, gpu=2)
     try:
         with mesh.activate():

@@ -20,6 +20,7 @@ import sys
 import distributed
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
 
 S0 = StreamRef(0)
@@ -67,7 +68,7 @@ def test_run_on_an_embedded_cluster_prints_a_fetched_value(tmp_path):
         (fetched,) = ctrl.sync()
         print("fetched", fetched.rank, fetched.value.item())
         print("argv", sys.argv, __name__)
-        print("cluster", type(client.cluster).__name__, len(client.scheduler_info()["workers"]))
+        print("cluster", type(client.cluster).__name__, len(registered_workers(client)))
     """,
     )
     assert done.returncode == 0, explain(done)

@@ -17,6 +17,8 @@ import pytest
 from helpers.commands import console_script, logs, run_command, start, start_scheduler, stop
 from helpers.commands import explain as explain_run
 
+from dask_monarch.controller.placement import registered_workers
+
 ROOT = Path(__file__).parents[2]
 PLUGINS = ROOT / "plugins"
 
@@ -30,18 +32,19 @@ import torch
 
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import ArgsKwargs, Ref, StreamRef
 
 S0 = StreamRef(0)
 client = distributed.default_client()
 plugins = client.run(lambda dask_worker: "dask_monarch" in dask_worker.plugins)
 gpus = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
-names = {w["name"]: w for w in client.scheduler_info()["workers"].values()}
+names = {w["name"]: w for w in registered_workers(client).values()}
 print("preloaded", sorted(plugins.values()), "gpus", sorted(map(str, gpus.values())))
 
 with dm.Controller(client, world_size=2) as ctrl:
     print("resources", ctrl.resources)
-    print("rank0 is", client.scheduler_info()["workers"][ctrl.workers[0]]["name"])
+    print("rank0 is", registered_workers(client)[ctrl.workers[0]]["name"])
     ctrl.send([0, 1], m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
     for rank in (0, 1):
         ctrl.send(rank, m.CallFunction(0, [Ref(1)], [], "torch.full",
@@ -167,7 +170,7 @@ def test_dask_monarch_worker_starts_one_rank_worker_per_gpu(tmp_path):
         processes.append(node)
         with Client(address, timeout=30) as client:
             client.wait_for_workers(2, timeout=60)
-            info = client.scheduler_info()["workers"].values()
+            info = registered_workers(client).values()
             assert sorted(w["name"] for w in info) == ["node-gpu0", "node-gpu1"], logs(tmp_path)
             resources = {w["name"]: sorted(w["resources"]) for w in info}
             assert resources == {"node-gpu0": ["monarch-rank2"], "node-gpu1": ["monarch-rank3"]}
@@ -252,7 +255,7 @@ def test_the_batched_interval_opt_in_lowers_the_stock_clusters_gaps(tmp_path):
         processes.append(start([*common, "--name", "stock"], tmp_path / "worker-stock.log", env))
         with Client(address, timeout="60s") as client:
             client.wait_for_workers(2, timeout=120)
-            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+            names = {a: w["name"] for a, w in registered_workers(client).items()}
             workers = {names[a]: gap for a, gap in client.run(worker_gap).items()}
             assert workers["opted"] == pytest.approx(0.001), logs(tmp_path)
             assert workers["stock"] > 0.001, workers  # Dask's default

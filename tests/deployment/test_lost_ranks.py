@@ -18,6 +18,7 @@ from distributed import Client
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,7 +61,7 @@ def _replaced(client: Client, gone: set[str], n: int, timeout: float) -> list[st
     """Wait until ``n`` workers run, none of them at an address in ``gone``; their names."""
 
     def back() -> list[str] | None:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = registered_workers(client)
         if len(workers) == n and not set(workers) & gone:
             return sorted(w["name"] for w in workers.values())
         return None
@@ -82,7 +83,7 @@ def _works(client: Client, n: int) -> None:
 def test_ranks_killed_together_under_load_come_back(how, throwaway_cluster):
     kill = _abort if how == "abort" else _exit
     with throwaway_cluster(2, config=SHORT_LOST_WORKER_WINDOW) as (cluster, client):
-        old = set(client.scheduler_info()["workers"])
+        old = set(registered_workers(client))
         with cpu_load():
             client.run(kill, wait=False)  # both ranks at once
             # the replacements are slower than the lost-worker window, which closed their

@@ -20,6 +20,7 @@ from helpers.raw import S0, call, create_streams, failures, values
 
 import dask_monarch as dm
 from dask_monarch import messages as m
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import Ref
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,7 +92,7 @@ def tctrl(tls_client):
 def test_everything_runs_over_tls(tls_client):
     assert tls_client.cluster.scheduler_address.startswith("tls://")
     assert tls_client.scheduler.address.startswith("tls://")
-    workers = tls_client.scheduler_info()["workers"]
+    workers = registered_workers(tls_client)
     assert len(workers) == 2 and all(a.startswith("tls://") for a in workers)
     mesh = dm.device_mesh(tls_client, gpu=2)
     try:

@@ -15,13 +15,14 @@ from distributed.utils_test import captured_logger
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.protocol.names import RESOURCE_CAPACITY, rank_resource
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _ranks_by_name(client: Client, controller: dm.Controller) -> dict[str, int]:
-    names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    names = {a: w["name"] for a, w in registered_workers(client).items()}
     return {names[address]: rank for rank, address in enumerate(controller.workers)}
 
 
@@ -64,7 +65,7 @@ def test_scale_adds_and_removes_rank_workers(throwaway_cluster):
         cluster.scale(3)
         client.wait_for_workers(3, timeout=240)
         assert cluster.n_ranks == 3 and sorted(cluster.worker_spec) == ["rank0", "rank1", "rank2"]
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = registered_workers(client)
         assert {w["name"]: sorted(w["resources"]) for w in info.values()} == {
             f"rank{i}": [rank_resource(i)] for i in range(3)
         }
@@ -80,12 +81,12 @@ def test_scale_adds_and_removes_rank_workers(throwaway_cluster):
         mesh.exit()
         cluster.scale(1)
         wait_until(
-            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1,
+            lambda: len(registered_workers(client)) == 1,
             240,
             "scale(1) to remove the workers",
             every=0.2,
         )
-        remaining = client.scheduler_info(n_workers=-1)["workers"].values()
+        remaining = registered_workers(client).values()
         assert [w["name"] for w in remaining] == ["rank0"] and cluster.n_ranks == 1
     for log in (tornado_log, dask_log):
         assert "TypeError" not in log.getvalue(), log.getvalue()

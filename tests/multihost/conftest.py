@@ -18,6 +18,7 @@ import pytest
 from distributed import Client
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 
 _why_not = netns.why_not()
 cloudpickle.register_pickle_by_value(probes)  # the workers cannot import tests/
@@ -56,16 +57,11 @@ def make_hosts(
         hosts.close()
 
 
-def registered(client: Client) -> dict[str, dict]:
-    """The workers the scheduler knows now (not ``scheduler_info()``'s cache)."""
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-
-
 def wait_for_host(client: Client, hosts: netns.Hosts, host: int, timeout: float = 180) -> str:
     """The address of a worker on ``host`` that answers (after a partition heals)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for address in registered(client):
+        for address in registered_workers(client):
             if hosts.host_of(address) == host:
                 if answers(client, address):
                     return address

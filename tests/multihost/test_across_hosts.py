@@ -14,11 +14,12 @@ from pathlib import Path
 import probes
 import pytest
 import torch
-from conftest import exit_quietly, make_hosts, registered
+from conftest import exit_quietly, make_hosts
 from helpers.commands import console_script
 from helpers.raw import S0, call, create_streams, fetch, values
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import Ref
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +190,7 @@ def test_notebook_style_session(hosts_client):
 @pytest.mark.timeout(300)
 def test_workers_by_name_and_address_in_that_order(hosts_client):
     hosts, client = hosts_client
-    by_name = {str(i["name"]): a for a, i in registered(client).items()}
+    by_name = {str(i["name"]): a for a, i in registered_workers(client).items()}
     order = ["h1w1", by_name["h0w0"], "h1w0"]  # a name, an address, a name
     mesh = dm.device_mesh(client, workers=order, gpu=3)
     try:

@@ -17,9 +17,10 @@ import dask
 import probes
 import pytest
 import torch
-from conftest import exit_quietly, make_hosts, registered, wait_for_host
+from conftest import exit_quietly, make_hosts, wait_for_host
 
 import dask_monarch as dm
+from dask_monarch.controller.placement import registered_workers
 
 # The tests are phases of one run on shared hosts, in file order (above): never shuffled.
 pytestmark = pytest.mark.random_order(disabled=True)
@@ -87,7 +88,7 @@ def test_partition_fails_the_controller_naming_the_rank(hosts_client, state):
 def test_new_mesh_over_the_remaining_hosts(hosts_client, state):
     """While the lost worker is still registered, a new mesh skips it and works."""
     hosts, client = hosts_client
-    known = [hosts.host_of(a) for a in registered(client)]
+    known = [hosts.host_of(a) for a in registered_workers(client)]
     print(f"\n[multihost] hosts registered at the scheduler: {sorted(known)}")
     start = time.monotonic()
     mesh = dm.device_mesh(client, host=2)
@@ -136,7 +137,7 @@ def test_healed_host_gets_a_new_worker(hosts_client, state):
     worker registers and a new mesh uses it."""
     hosts, client = hosts_client
     deadline = time.monotonic() + 180
-    while state["lost"] in registered(client):
+    while state["lost"] in registered_workers(client):
         assert time.monotonic() < deadline, "the scheduler kept the cut-off worker"
         time.sleep(0.5)
     _report(

@@ -18,6 +18,7 @@ from helpers.raw import S0, S1, call, create_streams, fetch
 from helpers.waiting import wait_until
 
 from dask_monarch import messages as m
+from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import Ref
 from dask_monarch.observability.dashboard import HIDDEN, all_loopback
 from dask_monarch.protocol.names import mesh_id
@@ -86,7 +87,7 @@ def test_worker_metrics_reach_the_scheduler(ctrl, client2):
     address = ctrl.workers[0]
 
     def metrics() -> dict:
-        return client2.scheduler_info(n_workers=-1)["workers"][address]["metrics"]
+        return registered_workers(client2)[address]["metrics"]
 
     wait_until(lambda: metrics().get("monarch_refs", 0) >= 10, what="a heartbeat with refs")
     figures = metrics()
