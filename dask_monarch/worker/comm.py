@@ -97,8 +97,10 @@ _KINDS = {
     (True, True): "all-to-all",
 }
 _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}
-# torch 2.13 renamed all_gather_into_tensor (the old name warns with a FutureWarning)
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn
+# with a FutureWarning on every call)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Comms:
@@ -636,7 +638,7 @@ def _collective(
                     f"Reduce: scattering needs dim 0 of size {n}, got {tuple(value.shape)}"
                 )
             output = value.new_empty(value.shape[1:])
-            work = dist.reduce_scatter_tensor(
+            work = _reduce_scatter(
                 output.view(-1), value.contiguous().view(-1), op=op, group=pg, async_op=True
             )
             _finish(lane, work, cuda, what)

@@ -46,6 +46,8 @@ _KINDS = (
     "all_to_all",
     "all_to_all_single",
     "send",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
 )
 _DTYPES = tuple(v for v in (getattr(torch, n) for n in dir(torch)) if isinstance(v, torch.dtype))
 # header fields: kind, reduce op, root, dtype, device type, unit size, tensors, local problem
@@ -156,6 +158,26 @@ class CheckedGroup(dist.ProcessGroup):
             "it, so no member ran it"
         )
 
+    def _agree_into(
+        self, kind: str, whole: list[torch.Tensor], parts: list[torch.Tensor], opts: Any
+    ) -> None:
+        """An all-gather into (``whole`` the outputs, ``parts`` the inputs) or a reduce-scatter
+        of (``whole`` the inputs, ``parts`` the outputs) one tensor per pair: each whole
+        holds a part per member."""
+        bad = len(whole) != len(parts) or any(
+            w.numel() != p.numel() * self.size() for w, p in zip(whole, parts)
+        )
+        self._agree(kind, [*whole, *parts], _numel(parts), opts, problem=bad)
+
+    def _agree_all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, out_splits: list, in_splits: list
+    ) -> None:
+        size = self.size()
+        sent, bad_in = _split_counts(input, in_splits, size)
+        received, bad_out = _split_counts(output, out_splits, size)
+        problem = bad_in or bad_out
+        self._agree("all_to_all_single", [input, output], problem=problem, counts=(sent, received))
+
     # -- collectives (what torch.distributed's functions call on a group) ---------------------
 
     def barrier(self, opts: Any = None) -> dist.Work:
@@ -189,12 +211,32 @@ class CheckedGroup(dist.ProcessGroup):
         self._agree("all_gather", [*inputs, *flat], unit, problem=bad)
         return self.original.allgather(outputs, inputs, *_given(opts))
 
+    # torch 2.13 reaches a group by these names (``all_gather_single``, which
+    # ``all_gather_into_tensor`` calls, and its coalesced forms); older releases by
+    # ``_allgather_base``: each is checked.
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("all_gather_into_tensor", [output], [input], None)
+        return self.original.all_gather_single(output, input, *_given(opts))
+
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> dist.Work:
-        bad = output.numel() != input.numel() * self.size()
-        self._agree("all_gather_into_tensor", [output, input], input.numel(), problem=bad)
+        self._agree_into("all_gather_into_tensor", [output], [input], None)
         return self.original._allgather_base(output, input, *_given(opts))
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("all_gather_into_tensor_coalesced", outputs, inputs, None)
+        return self.original.all_gather_single_coalesced(outputs, inputs, *_given(opts))
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("all_gather_into_tensor_coalesced", outputs, inputs, None)
+        return self.original.allgather_into_tensor_coalesced(outputs, inputs, *_given(opts))
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
@@ -205,12 +247,29 @@ class CheckedGroup(dist.ProcessGroup):
         self._agree("reduce_scatter", [*outputs, *flat], unit, opts, problem=bad)
         return self.original.reduce_scatter(outputs, inputs, *_given(opts))
 
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("reduce_scatter_tensor", [input], [output], opts)
+        return self.original.reduce_scatter_single(output, input, *_given(opts))
+
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> dist.Work:
-        bad = input.numel() != output.numel() * self.size()
-        self._agree("reduce_scatter_tensor", [output, input], output.numel(), opts, problem=bad)
+        self._agree_into("reduce_scatter_tensor", [input], [output], opts)
         return self.original._reduce_scatter_base(output, input, *_given(opts))
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("reduce_scatter_tensor_coalesced", inputs, outputs, opts)
+        return self.original.reduce_scatter_single_coalesced(outputs, inputs, *_given(opts))
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        self._agree_into("reduce_scatter_tensor_coalesced", inputs, outputs, opts)
+        return self.original.reduce_scatter_tensor_coalesced(outputs, inputs, *_given(opts))
 
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -254,16 +313,21 @@ class CheckedGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> dist.Work:
-        size = self.size()
-        sent, bad_in = _split_counts(input, input_split_sizes, size)
-        received, bad_out = _split_counts(output, output_split_sizes, size)
-        self._agree(
-            "all_to_all_single",
-            [input, output],
-            problem=bad_in or bad_out,
-            counts=(sent, received),
-        )
+        self._agree_all_to_all(output, input, output_split_sizes, input_split_sizes)
         return self.original.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, *_given(opts)
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        self._agree_all_to_all(output, input, output_split_sizes, input_split_sizes)
+        return self.original.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, *_given(opts)
         )
 

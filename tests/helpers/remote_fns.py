@@ -121,6 +121,27 @@ def pg_collectives(x, pg, mesh):
     return total, torch.stack(gathered), first, received, pg.rank(), pg.size()
 
 
+def pg_tensor_collectives(x, pg):
+    """The flat-tensor collectives (what FSDP calls) on a user's ProcessGroup: an all-gather
+    into one tensor, a reduce-scatter of one, an all-to-all of one, and two all-gathers
+    coalesced."""
+    import torch.distributed as dist
+
+    size = pg.size()
+    gathered = torch.empty(size * x.numel())
+    dist.all_gather_into_tensor(gathered, x, group=pg)
+    scattered = torch.empty(x.numel() // size)
+    dist.reduce_scatter_tensor(scattered, x, group=pg)
+    exchanged = torch.empty_like(x)
+    dist.all_to_all_single(exchanged, x, group=pg)
+    both = [torch.empty(size * x.numel()), torch.empty(size * x.numel())]
+    with dist._coalescing_manager(group=pg, async_ops=True) as coalesced:
+        dist.all_gather_into_tensor(both[0], x, group=pg)
+        dist.all_gather_into_tensor(both[1], x * 10, group=pg)
+    coalesced.wait()
+    return gathered, scattered, exchanged, torch.stack(both)
+
+
 def loader(pipe, batches, path=None):
     """A data loader: batch i is full of (i + 100 * coordinate on the mesh's first dim)."""
     offset = 100 * next(iter(pipe.ranks.values()))
@@ -431,15 +452,28 @@ def add_to_total(obj, x):
 
 
 def mismatched_all_reduce(x, pg, rank, how):
-    """A user all-reduce whose ranks disagree (``how``: "size" or "dtype") on rank 1."""
+    """A user collective whose ranks disagree on rank 1: ``how`` is "size" or "dtype" (an
+    all-reduce), or the name of the ``torch.distributed`` function to call with a size
+    rank 1 does not share."""
     import torch.distributed as dist
 
     odd = int(rank) == 1
-    if how == "size":
-        t = torch.ones(x.numel() + (3 if odd else 0))
+    n, extra = x.numel(), 3 if odd else 0
+    if how == "dtype":
+        t = torch.ones(n, dtype=torch.float64 if odd else torch.float32)
+        dist.all_reduce(t, group=pg)
+    elif how == "all_gather_into_tensor":
+        t = torch.ones(2 * (n + extra))
+        dist.all_gather_into_tensor(t, torch.ones(n + extra), group=pg)
+    elif how == "reduce_scatter_tensor":
+        t = torch.ones(n + extra)
+        dist.reduce_scatter_tensor(t, torch.ones(2 * (n + extra)), group=pg)
+    elif how == "all_to_all_single":
+        t = torch.ones(2 * (n + extra))
+        dist.all_to_all_single(t, torch.ones(2 * (n + extra)), group=pg)
     else:
-        t = torch.ones(x.numel(), dtype=torch.float64 if odd else torch.float32)
-    dist.all_reduce(t, group=pg)
+        t = torch.ones(n + extra)
+        dist.all_reduce(t, group=pg)
     return t.sum()
 
 

@@ -102,8 +102,18 @@ def test_cuda_on_a_mesh_of_cpu_ranks_names_them_and_says_what_to_do(mesh2, make)
         (lambda dist, t: dist.all_gather([t, t], t), '"stack"'),
         (lambda dist, t: dist.broadcast(t, src=0), "slice_mesh"),
         (lambda dist, t: dist.reduce_scatter_tensor(t, t), "scatter=True"),
+        (lambda dist, t: dist.reduce_scatter_single(t, t), "scatter=True"),
+        (lambda dist, t: dist.all_gather_single(t, t), '"stack"'),
     ],
-    ids=["all_reduce", "all_reduce-op", "all_gather", "broadcast", "reduce_scatter_tensor"],
+    ids=[
+        "all_reduce",
+        "all_reduce-op",
+        "all_gather",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_gather_single",
+    ],
 )
 def test_torch_distributed_on_a_mesh_tensor_points_to_the_mesh_way(mesh2, call, instead):
     import torch.distributed as dist

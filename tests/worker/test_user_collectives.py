@@ -20,7 +20,10 @@ def own_client(throwaway_cluster):
         yield client
 
 
-@pytest.mark.parametrize("how", ["size", "dtype"])
+@pytest.mark.parametrize(
+    "how",
+    ["size", "dtype", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"],
+)
 def test_a_mismatched_user_all_reduce_leaves_the_workers_alive(own_client, how):
     pids = own_client.run(os.getpid)
     mesh = dm.device_mesh(own_client, gpu=2)
@@ -86,3 +89,36 @@ def test_a_mismatched_user_receive_fails_the_call_not_the_worker(own_client):
     finally:
         mesh.exit()
     assert own_client.run(os.getpid) == pids
+
+
+def test_flat_tensor_collectives_are_checked_and_run_as_before(own_client):
+    """torch 2.13 reaches a group through ``all_gather_single``, ``reduce_scatter_single``,
+    ``all_to_all_single`` and their coalesced forms, not the names older releases used:
+    each is checked (the mismatch cases above) and, where the members agree, runs."""
+    mesh = dm.device_mesh(own_client, gpu=2)
+    try:
+        flat = dm.remote(
+            "helpers.remote_fns.pg_tensor_collectives",
+            propagate=lambda x, pg: (
+                torch.empty(8),
+                torch.empty(2),
+                torch.empty(4),
+                torch.empty(2, 8),
+            ),
+        )
+        with mesh.activate():
+            pg = mesh.process_group("gpu")
+            x = torch.arange(4.0) + 10 * mesh.rank("gpu")
+            gathered, scattered, exchanged, coalesced = flat(x, pg)
+            rank0, rank1 = [0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]
+            assert dm.inspect(gathered, gpu=1).tolist() == rank0 + rank1
+            assert dm.inspect(scattered, gpu=0).tolist() == [10.0, 12.0]
+            assert dm.inspect(scattered, gpu=1).tolist() == [14.0, 16.0]
+            assert dm.inspect(exchanged, gpu=0).tolist() == [0.0, 1.0, 10.0, 11.0]
+            assert dm.inspect(exchanged, gpu=1).tolist() == [2.0, 3.0, 12.0, 13.0]
+            assert dm.inspect(coalesced, gpu=0).tolist() == [
+                rank0 + rank1,
+                [10 * v for v in rank0 + rank1],
+            ]
+    finally:
+        mesh.exit()
