@@ -96,31 +96,42 @@ class NcclWatch:
             self.pending.clear()
 
     def _sweep(self) -> str | None:
-        """Forget the operations that completed; why the first failed one failed, if any."""
+        """Forget the operations that completed; why the first failed one failed, if any.
+
+        Every operation is looked at, not only the oldest: operations of other groups
+        and streams complete in any order, and one still running must not hide one
+        that failed after it."""
+        failure = None
         with self.lock:
-            while self.pending and self.pending[0][0].is_completed():
-                work, what = self.pending.popleft()
-                error = _work_error(work)
-                if error is not None:
-                    return (
-                        f"rank {self.state.rank}: {what} failed on NCCL: {error} (a peer failed, "
-                        "left, or waited longer than dask_monarch.timeouts.collective; the "
-                        "communicators were aborted)"
-                    )
-        return None
+            running: deque[tuple[Any, str]] = deque()
+            for work, what in self.pending:
+                if not work.is_completed():
+                    running.append((work, what))
+                elif failure is None:
+                    error = _work_error(work)
+                    if error is not None:
+                        failure = (
+                            f"rank {self.state.rank}: {what} failed on NCCL: {error} (a peer "
+                            "failed, left, or waited longer than "
+                            "dask_monarch.timeouts.collective; the communicators were aborted)"
+                        )
+            self.pending = running
+        return failure
 
     def _run(self) -> None:
+        """Sweep until nothing is pending, an operation failed or the rank aborts; the thread
+        says it is gone under the same lock that found nothing pending, so that an
+        :meth:`add` after that starts a new one."""
         state = self.state
-        while not state.abort.wait(self.POLL_S):
-            failure = self._sweep()
+        while True:
+            stopping = state.abort.wait(self.POLL_S)
+            failure = None if stopping else self._sweep()
             if failure is not None:
                 state.fail(failure)
-                break
             with self.lock:
-                if not self.pending:
-                    break
-        with self.lock:
-            self.thread = None
+                if stopping or failure is not None or not self.pending:
+                    self.thread = None
+                    return
 
 
 def _work_error(work: Any) -> str | None:
