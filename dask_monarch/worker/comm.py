@@ -616,8 +616,16 @@ def _collective(
             _finish(lane, work, cuda, what)
         else:  # all-to-all: chunks along dim 0
             output = value if msg.in_place else out if out is not None else value.clone()
-            source = value.clone() if output is value else value.contiguous()
-            gathered = output if output.is_contiguous() else torch.empty_like(output)
+            source = (
+                value.clone(memory_format=torch.contiguous_format)
+                if output is value
+                else value.contiguous()
+            )
+            gathered = (
+                output
+                if output.is_contiguous()
+                else torch.empty_like(output, memory_format=torch.contiguous_format)
+            )
             work = dist.all_to_all_single(gathered, source, group=pg, async_op=True)
             _finish(lane, work, cuda, what)
             if gathered is not output:
@@ -642,15 +650,19 @@ def _collective(
                 output.view(-1), value.contiguous().view(-1), op=op, group=pg, async_op=True
             )
             _finish(lane, work, cuda, what)
-        else:  # all-reduce
-            if msg.in_place:
-                output = value
-            elif out is not None:
-                out.copy_(value)
-                output = out
+        else:  # all-reduce, of a contiguous tensor (NCCL refuses others), copied back after
+            output = value if msg.in_place else out
+            if output is None:
+                reduced = output = value.clone(memory_format=torch.contiguous_format)
+            elif output.is_contiguous():
+                reduced = output
+                if output is not value:
+                    output.copy_(value)
             else:
-                output = value.clone()
-            _finish(lane, dist.all_reduce(output, op=op, group=pg, async_op=True), cuda, what)
+                reduced = value.clone(memory_format=torch.contiguous_format)
+            _finish(lane, dist.all_reduce(reduced, op=op, group=pg, async_op=True), cuda, what)
+            if reduced is not output:
+                output.copy_(reduced)
             return output
     if out is not None:
         out.copy_(output)

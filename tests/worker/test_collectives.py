@@ -129,6 +129,43 @@ def test_stack_scatter_in_place_and_out(ctrl):
         assert torch.equal(got[(Ref(14), rank)], a + b)
 
 
+def test_transposed_inputs_outputs_and_in_place_tensors(ctrl):
+    """NCCL takes contiguous tensors only (gloo takes any): a transposed input, ``out`` or
+    in-place tensor is reduced through a contiguous copy, and what it views gets the
+    result."""
+    setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
+    make_inputs(ctrl, [0, 1], Ref(1), (2, 2))
+    shape = (2, 2)
+    seq = iter(range(1, 100))
+
+    def transposed(ref, source):
+        ctrl.send([0, 1], call(next(seq), ref, "torch.ops.aten.t.default", source))
+
+    def copy(ref):
+        ctrl.send([0, 1], call(next(seq), ref, "torch.ops.aten.clone.default", Ref(1)))
+
+    transposed(Ref(2), Ref(1))
+    ctrl.send([0, 1], reduce_msg(Ref(10), Ref(2), shape, ["gpu"], ReduceOp.SUM))
+    ctrl.send([0, 1], call(next(seq), Ref(3), "torch.zeros", 2, 2))
+    transposed(Ref(4), Ref(3))
+    ctrl.send([0, 1], reduce_msg(Ref(11), Ref(2), shape, ["gpu"], ReduceOp.SUM, out=Ref(4)))
+    copy(Ref(5))
+    transposed(Ref(6), Ref(5))
+    ctrl.send([0, 1], reduce_msg(Ref(12), Ref(6), shape, ["gpu"], ReduceOp.SUM, in_place=True))
+    copy(Ref(7))
+    transposed(Ref(8), Ref(7))
+    ctrl.send(
+        [0, 1], reduce_msg(Ref(13), Ref(8), shape, ["gpu"], "stack", scatter=True, in_place=True)
+    )
+    got = fetch_all(ctrl, [0, 1], [Ref(10), Ref(3), Ref(5), Ref(7)])
+    a, b = expected_input(0, shape).T, expected_input(1, shape).T
+    for rank in (0, 1):
+        assert torch.equal(got[(Ref(10), rank)], a + b)
+        assert torch.equal(got[(Ref(3), rank)], (a + b).T)  # written through the out view
+        assert torch.equal(got[(Ref(5), rank)], (a + b).T)  # in place, through the view
+        assert torch.equal(got[(Ref(7), rank)], torch.stack([a[rank], b[rank]]).T)
+
+
 def test_errored_input_takes_part_with_zeros_and_reports_nothing(ctrl):
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     make_inputs(ctrl, [0], Ref(1), (3,))
