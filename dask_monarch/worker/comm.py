@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -249,12 +249,16 @@ class Comms:
         with self.lock:
             return self.handoffs.setdefault(key, (threading.Event(), []))
 
-    def release_stream(self, stream: int) -> None:
+    def release_stream(self, stream: int, drain: Callable[[], None] | None = None) -> None:
         """Free the communicators of a dropped ``stream``.
 
         Its Reduce and process-group communicators go at once: every rank ran
         the stream's collectives before its last step. A point-to-point
-        communicator goes once both its streams were dropped here.
+        communicator goes once both its streams were dropped here. An NCCL
+        group is aborted (``groups.release_group``), which ends its operations
+        in flight, and on the host they were only enqueued: ``drain`` first
+        waits for the stream's device work (its peers' halves of the last
+        collectives would otherwise wait for ours until their timeout).
         """
         self.dropped.add(stream)
         gone = [self.splits.pop(k) for k in [k for k in self.splits if k[1] == stream]]
@@ -263,6 +267,8 @@ class Comms:
             self.p2p.pop(k)
             for k in [k for k in self.p2p if stream in k and all(s in self.dropped for s in k)]
         ]
+        if drain is not None and any(groups.uses_nccl(pg) for pg in gone):
+            drain()
         for pg in gone:
             self.sequences.pop(pg, None)
             groups.release_group(pg)

@@ -45,8 +45,9 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from ..protocol.messages import Factory, StreamCreationMode
 
 logger = logging.getLogger("dask_monarch.worker")
 
+DRAIN_POLL_S = 0.001  # how often a draining lane asks its stream whether it is done
 LOG_LENGTH = 4096  # entries a HostDevice remembers: enough for a test, bounded for a long run
 
 _entered = threading.local()
@@ -183,6 +185,11 @@ class Device(abc.ABC):
         """Block the calling thread until ``stream``'s work is done (a hand-off out of a
         thread that will not say when it is done with the memory, e.g. an actor's constructor)."""
 
+    @abc.abstractmethod
+    def drain(self, stream: Any, give_up: Callable[[], bool], timeout: float) -> None:
+        """Wait until ``stream``'s work is done, polling from the host: at most ``timeout``
+        seconds, and not once ``give_up()`` (the rank aborts)."""
+
     # -- what the worker makes ----------------------------------------------------------------
 
     def where(self, factory: Factory) -> torch.device:
@@ -265,6 +272,9 @@ class HostDevice(Device):
     def synchronize(self, stream: HostStream) -> None:
         self.log.append(("synchronize", stream.name))
 
+    def drain(self, stream: HostStream, give_up: Callable[[], bool], timeout: float) -> None:
+        self.log.append(("drain", stream.name))
+
 
 class CudaDevice(Device):
     """A GPU rank: CUDA streams, events and ``record_stream`` on one device."""
@@ -312,6 +322,14 @@ class CudaDevice(Device):
 
     def synchronize(self, stream: torch.cuda.Stream) -> None:
         stream.synchronize()
+
+    def drain(self, stream: torch.cuda.Stream, give_up: Callable[[], bool], timeout: float) -> None:
+        event = self.record(stream)
+        deadline = time.monotonic() + timeout
+        while not event.query():  # not event.synchronize(): a peer that never comes holds it
+            if give_up() or time.monotonic() > deadline:
+                return
+            time.sleep(DRAIN_POLL_S)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

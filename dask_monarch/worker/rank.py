@@ -119,8 +119,12 @@ class RankState:
     def drop_lane(self, lane: Lane) -> None:
         """The stream's last step (on its lane's thread): free its communicators, refs and
         thread; the plugin then forgets the lane and gives its thread back (on the loop)."""
-        if self.comms is not None:
-            self.comms.release_stream(lane.label)
+        comms = self.comms
+        if comms is not None:
+            comms.release_stream(
+                lane.label,
+                drain=lambda: self.device.drain(lane.stream, self.abort.is_set, comms.timeout),
+            )
         lane.retire()
         self.loop.add_callback(self.plugin.remove_lane, self, lane)
 
