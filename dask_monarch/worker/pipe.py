@@ -38,7 +38,9 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.multiprocessing as tmp
+from torch.utils._pytree import tree_map_only
 
 from ..protocol.messages import CreatePipe, PipeRecv, Ref
 from ..protocol.names import describe_output, rank_function
@@ -248,7 +250,12 @@ class Pipe:
         return value
 
     def send(self, value: Any, lane: Lane) -> None:
-        """A value ``lane`` made goes to the producer (a hand-off between their streams)."""
+        """A value ``lane`` made goes to the producer (a hand-off between their streams), as it
+        is now: its tensors are copied on the lane's stream first. A process producer's queue
+        pickles the value later, on a thread of its own (and moves a CPU tensor's storage to
+        shared memory in place), and a thread producer would hold the lane's own tensor: the
+        lane's next steps (an in-place op) would reach either."""
+        value = tree_map_only(torch.Tensor, _copy, value)
         device = self.state.device
         if self.in_thread:
             value = _HandOff(value, device.record(lane.stream))
@@ -268,6 +275,11 @@ class Pipe:
             if hasattr(q, "cancel_join_thread"):
                 q.cancel_join_thread()
                 q.close()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` the lane will not touch (a leaf, as ``t`` asks for gradients or not)."""
+    return t.detach().clone().requires_grad_(t.requires_grad)
 
 
 class PipeFailed(Exception):

@@ -164,6 +164,14 @@ def echo_loader(pipe):
         pipe.send((x * 2, pipe.ranks[first], pipe.sizes[first]))
 
 
+def late_echo(pipe):
+    """Sends back each value it receives half a second later, unchanged."""
+    while True:
+        x = pipe.recv()
+        time.sleep(0.5)
+        pipe.send(x.clone())
+
+
 class Accumulator:
     """An actor that sums what it is given, in the order calls arrive."""
 

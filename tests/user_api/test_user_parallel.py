@@ -237,6 +237,22 @@ def test_pipe_with_propagate_and_send(mesh):
         assert dm.inspect(doubled).tolist() == [6.0, 6.0]
 
 
+def test_a_value_sent_into_a_pipe_is_what_it_was_when_sent(mesh):
+    """A later in-place change on the stream does not reach the producer: the pipe takes a
+    copy (a process producer's queue pickles the value later, on a thread of its own, and
+    a thread producer would share it)."""
+    with mesh.activate():
+        pipe = dm.create_pipe(
+            "helpers.remote_fns.late_echo", max_messages=1, propagate=lambda: torch.empty(2)
+        )
+        for _ in range(3):
+            t = torch.ones(2)
+            pipe.send(t)
+            t.add_(1)
+            assert dm.inspect(pipe.recv()).tolist() == [1.0, 1.0]
+            assert dm.inspect(t).tolist() == [2.0, 2.0]
+
+
 def test_actor_mesh_calls(mesh):
     from helpers import remote_fns
 
