@@ -673,7 +673,15 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         raise _LOCAL_INPUT
+    if t is torch.device and value.type == "cuda":
+        return _RANKS_GPU
     return value
+
+
+# ``x.cuda()``, ``x.to("cuda")`` and ``device=x.device`` reach an op with the client's device
+# index (torch fills in its current device; a mesh tensor says cuda:0): on the ranks ``cuda``
+# is each rank's own GPU, the current device of its lanes, whatever index it has there.
+_RANKS_GPU = torch.device("cuda")
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -46,6 +46,9 @@ def test_ranks_of_a_worker_that_sees_every_gpu_keep_everything_on_their_own(ever
             assert sorted(devices) == ["cuda:0", "cuda:1"]
             one = devices.index("cuda:1")
             x = torch.ones(4, device="cuda")
+            for moved in (torch.ones(2).cuda(), torch.ones(2).to("cuda"), x.new_zeros(2)):
+                assert dm.inspect(where(moved), gpu=one) == "cuda:1"  # not the client's cuda:0
+            assert dm.inspect(where(torch.zeros(2, device=x.device)), gpu=one) == "cuda:1"
             bad = _fails_on_rank(x, mesh.rank("gpu"), one)
             total = bad.reduce("gpu", "sum")  # rank `one` takes part with zeros
             fine = x.reduce("gpu", "sum")

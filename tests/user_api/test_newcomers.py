@@ -94,6 +94,18 @@ def test_cuda_on_a_mesh_of_cpu_ranks_names_them_and_says_what_to_do(mesh2, make)
         assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]  # the mesh is fine
 
 
+def test_an_ops_cuda_device_reaches_the_ranks_without_the_clients_index():
+    """``x.cuda()`` and ``device=x.device`` carry the client's index (torch fills in its
+    current device, a mesh tensor says cuda:0); a rank's GPU may have another index in its
+    process (workers that see every GPU): the op is sent with ``cuda``, each rank's own.
+    On GPUs: tests/gpu/test_nccl.py, the worker that sees every GPU."""
+    from dask_monarch.tensor import _scan
+
+    handles: list = []
+    sent = [_scan(a, handles) for a in (torch.device("cuda", 3), torch.device("cpu"), 2)]
+    assert [str(a) for a in sent] == ["cuda", "cpu", "2"] and handles == []
+
+
 @pytest.mark.parametrize(
     "call, instead",
     [
