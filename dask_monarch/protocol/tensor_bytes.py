@@ -100,3 +100,24 @@ REDUCERS = {  # a pickler's dispatch table entries
     torch.storage.TypedStorage: _reduce_storage,
     torch.Tensor: _reduce_tensor,
 }
+
+
+def _reduce_storage_on_cpu(value: torch.storage.TypedStorage) -> tuple:
+    if value._untyped_storage.device.type != "cpu":
+        value = value.cpu()  # on the calling thread's stream: the lane's, after its work
+    return _reduce_storage(value)
+
+
+def _reduce_tensor_on_cpu(value: torch.Tensor) -> Any:
+    if value.device.type != "cpu":
+        value = value.detach().cpu()
+    return _reduce_tensor(value)
+
+
+# What a fetched value is pickled with: every tensor and storage reaches the client on the CPU,
+# however deep in the value (a dataclass, a custom object), as the spec says fetched tensors
+# are. Elsewhere a device is kept: a message may carry a tensor for a device on purpose.
+FETCHED_REDUCERS = {
+    torch.storage.TypedStorage: _reduce_storage_on_cpu,
+    torch.Tensor: _reduce_tensor_on_cpu,
+}

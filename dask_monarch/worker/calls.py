@@ -308,4 +308,4 @@ def pickle_value(value: Any) -> bytes:
     try:
         return dumps_value(value)
     except Exception:
-        return cloudpickle.dumps(value, protocol=5)
+        return dumps_value(value, cloud=True)

@@ -494,3 +494,14 @@ def test_cuda_on_a_mesh_of_cpu_ranks_names_them(throwaway_cluster):
                 assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]
         finally:
             mesh.exit()
+
+
+def test_gpu_tensors_deep_in_a_fetched_value_come_back_on_the_cpu(gpu_client):
+    """Inside a custom object (pickle's way) and one holding a lambda (cloudpickle's): the
+    client gets CPU tensors, as for tensors in lists and dicts."""
+    with cuda_ctrl(gpu_client) as ctrl:
+        create_streams(ctrl, [0], S0)
+        ctrl.send([0], fetch(0, ("cuda",), fn="helpers.remote_fns.holders"))
+        plain, cloud = values(ctrl.sync(timeout=120))[(0, 0)]
+    assert plain.t.device.type == "cpu" and plain.t.tolist() == [0.0, 1.0, 2.0]
+    assert cloud.t.device.type == "cpu" and cloud.t.tolist() == [1.0, 1.0] and cloud.f() == 1

@@ -397,6 +397,20 @@ def cuda_echo_loader(pipe):
         pipe.send((x * 2, str(x.device)))
 
 
+class Holder:
+    """A value that is not a list, tuple or dict, holding tensors (fetched whole)."""
+
+    def __init__(self, **tensors):
+        self.__dict__.update(tensors)
+
+
+def holders(device="cpu"):
+    """A tensor inside a custom object, and inside one pickle cannot take (a lambda)."""
+    plain = Holder(t=torch.arange(3.0, device=device))
+    cloud = Holder(t=torch.ones(2, device=device), f=lambda: 1)
+    return plain, cloud
+
+
 class CudaActor:
     """An actor whose constructor makes a CUDA tensor with device="cuda"."""
 
