@@ -33,6 +33,7 @@ from .protocol.names import rank_function
 from .remote_function import remote
 from .stream import Stream, get_active_stream
 from .tensor import Tensor, active_mesh
+from .worker import rank_gpu
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -70,8 +71,9 @@ def _states(
     """This rank's generator states as one byte tensor (the stream's own ones if given)."""
     if cpu is not None:
         return _pack(cpu.get_state(), cuda.get_state() if cuda is not None else None)
-    used = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return _pack(torch.get_rng_state(), torch.cuda.get_rng_state() if used else None)
+    gpu = rank_gpu()
+    used = gpu is not None and torch.cuda.is_initialized()
+    return _pack(torch.get_rng_state(), torch.cuda.get_rng_state(gpu) if used else None)
 
 
 @rank_function
@@ -95,9 +97,8 @@ def _set_states(
 def _seeded_states(seed: int) -> torch.Tensor:
     """The states ``manual_seed(seed)`` would give, without touching any generator."""
     cpu = torch.Generator().manual_seed(seed).get_state()
-    cuda = None
-    if torch.cuda.is_available():
-        cuda = torch.Generator(device=_cuda_device()).manual_seed(seed).get_state()
+    gpu = rank_gpu()
+    cuda = None if gpu is None else torch.Generator(device=gpu).manual_seed(seed).get_state()
     return _pack(cpu, cuda)
 
 
@@ -111,17 +112,12 @@ def _seed(seed: int, cpu: torch.Generator | None = None, cuda: torch.Generator |
         cuda.manual_seed(seed)
 
 
-def _cuda_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 @rank_function
 def _generator(device_type: str, seed: int) -> torch.Generator | None:
     """A stream's own generator on this rank (None for CUDA on a rank without CUDA)."""
     if device_type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        return torch.Generator(device=_cuda_device()).manual_seed(seed)
+        gpu = rank_gpu()
+        return None if gpu is None else torch.Generator(device=gpu).manual_seed(seed)
     return torch.Generator().manual_seed(seed)
 
 

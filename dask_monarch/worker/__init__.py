@@ -25,6 +25,10 @@ kept alive), ``errors`` and ``failures`` (user errors as values),
 (``dm.run_steps``' host copies that outlive their controller).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from ..protocol.names import PLUGIN_NAME
 from .debugger import exchange as debug_exchange
 from .debugger import list_sessions as list_debug_sessions
@@ -46,6 +50,17 @@ from .plugin import (
     trace_start,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+
+def rank_gpu() -> torch.device | None:
+    """The GPU (a ``torch.device``) of the rank whose lane runs the calling thread, None on
+    a CPU rank: for rank functions of other layers (``dask_monarch.random``)."""
+    from .lane import current_lane
+
+    return current_lane().rank.torch_device
+
 
 def drop_snapshots(key: str) -> None:
     """``Client.run`` target: forget the snapshot of ``dm.run_steps`` job ``key`` on this
@@ -58,6 +73,7 @@ def drop_snapshots(key: str) -> None:
 __all__ = [
     "PLUGIN_NAME",
     "drop_snapshots",
+    "rank_gpu",
     "breakpoints_suppressed",
     "MonarchWorkerPlugin",
     "cancel_controller",
