@@ -149,12 +149,26 @@ def digest(t: torch.Tensor) -> bytes:
 
 
 def digests(tensors: list[torch.Tensor]) -> list[bytes]:
-    """Digests of ``tensors``, computed in threads (hashing releases the GIL)."""
+    """Digests of ``tensors``, computed in threads (hashing releases the GIL).
+
+    A GPU tensor is copied to the host on the calling lane's stream: a new
+    thread's current stream is the device's default one, which does not wait
+    for the lane's (lane streams are non-blocking), so its copy could read a
+    tensor the lane is still writing.
+    """
     if len(tensors) < 2:
         return [digest(t) for t in tensors]
+    lane_stream = torch.cuda.current_stream() if any(t.is_cuda for t in tensors) else None
+
+    def on_lane_stream(t: torch.Tensor) -> bytes:
+        if lane_stream is None or not t.is_cuda:
+            return digest(t)
+        with torch.cuda.stream(lane_stream):
+            return digest(t)
+
     workers = min(len(tensors), max(1, torch.get_num_threads()))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(digest, tensors))
+        return list(pool.map(on_lane_stream, tensors))
 
 
 # -- the directory ------------------------------------------------------------------------------
