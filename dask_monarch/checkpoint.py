@@ -39,7 +39,7 @@ from .opaque_ref import OpaqueRef
 from .protocol import messages as m
 from .remote_function import remote
 from .stream import Stream
-from .tensor import Tensor, active_mesh
+from .tensor import Tensor, active_mesh, cpu_ranks
 
 if TYPE_CHECKING:
     from .controller.session import Session
@@ -199,10 +199,13 @@ def fill(state: Any, info: dict, mesh: DeviceMesh) -> tuple[Any, list[tuple[tupl
         else:
             state = state_tree.put(state, path_, value)
     targets = []
+    # an entry the state lacks (a fresh optimizer's exp_avg) is made where the mesh's tensors
+    # live: on a GPU mesh, on each rank's GPU
+    device = None if cpu_ranks(mesh) else "cuda"
     with mesh.activate():
         for path_, t, shape, dtype in plan["tensors"]:
             if t is None:
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=device)
                 state = state_tree.put(state, path_, t)
             targets.append((path_, t))
     return state, targets
