@@ -169,15 +169,6 @@ class CheckedGroup(dist.ProcessGroup):
         )
         self._agree(kind, [*whole, *parts], _numel(parts), opts, problem=bad)
 
-    def _agree_all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, out_splits: list, in_splits: list
-    ) -> None:
-        size = self.size()
-        sent, bad_in = _split_counts(input, in_splits, size)
-        received, bad_out = _split_counts(output, out_splits, size)
-        problem = bad_in or bad_out
-        self._agree("all_to_all_single", [input, output], problem=problem, counts=(sent, received))
-
     # -- collectives (what torch.distributed's functions call on a group) ---------------------
 
     def barrier(self, opts: Any = None) -> dist.Work:
@@ -211,33 +202,6 @@ class CheckedGroup(dist.ProcessGroup):
         self._agree("all_gather", [*inputs, *flat], unit, problem=bad)
         return self.original.allgather(outputs, inputs, *_given(opts))
 
-    # torch 2.13 reaches a group by these names (``all_gather_single``, which
-    # ``all_gather_into_tensor`` calls, and its coalesced forms); older releases by
-    # ``_allgather_base``: each is checked.
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("all_gather_into_tensor", [output], [input], None)
-        return self.original.all_gather_single(output, input, *_given(opts))
-
-    def _allgather_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("all_gather_into_tensor", [output], [input], None)
-        return self.original._allgather_base(output, input, *_given(opts))
-
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("all_gather_into_tensor_coalesced", outputs, inputs, None)
-        return self.original.all_gather_single_coalesced(outputs, inputs, *_given(opts))
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("all_gather_into_tensor_coalesced", outputs, inputs, None)
-        return self.original.allgather_into_tensor_coalesced(outputs, inputs, *_given(opts))
-
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
@@ -246,30 +210,6 @@ class CheckedGroup(dist.ProcessGroup):
         bad = any(len(ts) != self.size() for ts in inputs) or any(t.numel() != unit for t in flat)
         self._agree("reduce_scatter", [*outputs, *flat], unit, opts, problem=bad)
         return self.original.reduce_scatter(outputs, inputs, *_given(opts))
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("reduce_scatter_tensor", [input], [output], opts)
-        return self.original.reduce_scatter_single(output, input, *_given(opts))
-
-    def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("reduce_scatter_tensor", [input], [output], opts)
-        return self.original._reduce_scatter_base(output, input, *_given(opts))
-
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("reduce_scatter_tensor_coalesced", inputs, outputs, opts)
-        return self.original.reduce_scatter_single_coalesced(outputs, inputs, *_given(opts))
-
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        self._agree_into("reduce_scatter_tensor_coalesced", inputs, outputs, opts)
-        return self.original.reduce_scatter_tensor_coalesced(outputs, inputs, *_given(opts))
 
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -305,32 +245,6 @@ class CheckedGroup(dist.ProcessGroup):
         self._agree("all_to_all", [*inputs, *outputs], problem=bad, counts=counts)
         return self.original.alltoall(outputs, inputs, *_given(opts))
 
-    def alltoall_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> dist.Work:
-        self._agree_all_to_all(output, input, output_split_sizes, input_split_sizes)
-        return self.original.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, *_given(opts)
-        )
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> dist.Work:
-        self._agree_all_to_all(output, input, output_split_sizes, input_split_sizes)
-        return self.original.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, *_given(opts)
-        )
-
     # -- point to point -----------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
@@ -345,6 +259,64 @@ class CheckedGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         return _CheckedRecv(self, tensors, None, tag)
+
+
+def _checked_flat(name: str, kind: str, gathers: bool, lists: bool) -> Any:
+    """CheckedGroup's method ``name``: a flat-tensor all-gather (``gathers``) or
+    reduce-scatter of one pair of tensors, or of lists of them (``lists``: coalesced),
+    checked as ``kind`` (:meth:`CheckedGroup._agree_into`), then called on the group."""
+
+    def method(self: CheckedGroup, output: Any, input: Any, opts: Any = None) -> dist.Work:
+        outputs, inputs = (output, input) if lists else ([output], [input])
+        whole, parts = (outputs, inputs) if gathers else (inputs, outputs)
+        self._agree_into(kind, whole, parts, None if gathers else opts)
+        return getattr(self.original, name)(output, input, *_given(opts))
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _checked_all_to_all(name: str) -> Any:
+    """CheckedGroup's method ``name``: an all-to-all of one tensor split along dim 0, the
+    elements each member sends and receives checked against its peers'."""
+
+    def method(
+        self: CheckedGroup,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        size = self.size()
+        sent, bad_in = _split_counts(input, input_split_sizes, size)
+        received, bad_out = _split_counts(output, output_split_sizes, size)
+        problem = bad_in or bad_out
+        self._agree("all_to_all_single", [input, output], problem=problem, counts=(sent, received))
+        return getattr(self.original, name)(
+            output, input, output_split_sizes, input_split_sizes, *_given(opts)
+        )
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# torch 2.13 reaches a group by the ``*_single`` names (which ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor`` call) and their coalesced forms, older releases by the ``_base``
+# ones: each is checked.
+for _name, _kind, _gathers, _lists in (
+    ("all_gather_single", "all_gather_into_tensor", True, False),
+    ("_allgather_base", "all_gather_into_tensor", True, False),
+    ("all_gather_single_coalesced", "all_gather_into_tensor_coalesced", True, True),
+    ("allgather_into_tensor_coalesced", "all_gather_into_tensor_coalesced", True, True),
+    ("reduce_scatter_single", "reduce_scatter_tensor", False, False),
+    ("_reduce_scatter_base", "reduce_scatter_tensor", False, False),
+    ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", False, True),
+    ("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced", False, True),
+):
+    setattr(CheckedGroup, _name, _checked_flat(_name, _kind, _gathers, _lists))
+for _name in ("all_to_all_single", "alltoall_base"):  # torch 2.13's name, older releases'
+    setattr(CheckedGroup, _name, _checked_all_to_all(_name))
 
 
 def _given(opts: Any) -> tuple:
