@@ -92,7 +92,7 @@ class Remote:
         declared = None
         if spec is not None and mesh._session.capture is None:  # checked where it is bound
             declared = [
-                (leaf[0], leaf[3]) if isinstance(leaf, Spec) else None
+                (leaf[0], leaf[3], leaf[4].type) if isinstance(leaf, Spec) else None
                 for leaf in tree_flatten(spec)[0]
             ]
 

@@ -74,7 +74,8 @@ def expect_results(lane: Lane, step: ExpectResults) -> None:
 
 def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> None:
     """Fail each result that is not what the client was told: its shape and dtype, and a
-    dense (strided) tensor on the rank's device.
+    dense (strided) tensor on the device it declared (``cuda``: the rank's GPU; a CPU
+    tensor on a GPU rank is fine where the propagation said CPU).
 
     The client and every later message use the declared metadata (a send, a
     collective, a fetch): a value that is something else (a ``meta`` or sparse
@@ -83,7 +84,7 @@ def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> Non
     any failed call (docs/protocol.md §4.1).
     """
     env = lane.env
-    device = lane.rank.torch_device or _CPU
+    gpu = lane.rank.torch_device or _CPU
     bad, lines = [], []
     for i, (ref, declared) in enumerate(zip(msg.results, expected.results)):
         if ref is None or declared is None:
@@ -91,7 +92,8 @@ def check_results(lane: Lane, msg: CallFunction, expected: ExpectResults) -> Non
         value = env.get(ref.id)
         if type(value) is SeqError:  # the call itself failed
             return
-        shape, dtype = declared
+        shape, dtype, kind = declared
+        device = gpu if kind == "cuda" else _CPU
         if isinstance(value, torch.Tensor):
             where = _placed(value, device)
             if value.dtype is dtype and tuple(value.shape) == shape and not where:

@@ -505,3 +505,28 @@ def test_gpu_tensors_deep_in_a_fetched_value_come_back_on_the_cpu(gpu_client):
         plain, cloud = values(ctrl.sync(timeout=120))[(0, 0)]
     assert plain.t.device.type == "cpu" and plain.t.tolist() == [0.0, 1.0, 2.0]
     assert cloud.t.device.type == "cpu" and cloud.t.tolist() == [1.0, 1.0] and cloud.f() == 1
+
+
+@dm.remote(propagate=lambda x: x.sum().cpu())
+def _total_on_the_host(x):
+    return x.sum().cpu()
+
+
+@dm.remote(propagate=lambda x: x.sum())
+def _total_said_on_the_gpu(x):
+    return x.sum().cpu()  # its propagation said the GPU
+
+
+def test_a_remote_function_may_return_a_cpu_tensor_its_propagation_declared(gpu_client):
+    """Results are checked against the device their propagation declared: a CPU tensor is
+    fine on a GPU rank where it said CPU, and refused where it said the GPU."""
+    mesh = dm.device_mesh(gpu_client, gpu=1)
+    try:
+        with mesh.activate():
+            x = torch.ones(8, device="cuda")
+            total = _total_on_the_host(x)
+            assert total.device.type == "cpu" and dm.inspect(total).item() == 8
+            with pytest.raises(dm.RemoteException, match="ResultMismatch"):
+                dm.inspect(_total_said_on_the_gpu(x))
+    finally:
+        mesh.exit()

@@ -319,7 +319,7 @@ def wire_steps() -> dict[type, object]:
         wire.StatusProbe(5, 1, 2),
         wire.ReadRef(3, m.GetRefUnitTestsOnly(Ref(20), S0)),
         wire.ActorCall(("broker", 0), 7, "add", ArgsKwargs.from_python((Ref(1),))),
-        wire.ExpectResults(4, "helpers.remote_fns.pair", (((2, 3), torch.float32), None)),
+        wire.ExpectResults(4, "helpers.remote_fns.pair", (((2, 3), torch.float32, "cpu"), None)),
         wire.DropLane(),
     ]
     return {type(x): x for x in out}
