@@ -690,8 +690,8 @@ class Controller:
         """Say what the ``CallFunction`` of ``seq`` on ``stream`` returns; send it just before.
 
         ``results`` has one entry per result ref of the call: ``(shape, dtype,
-        device type)`` of a tensor, or None. Each rank checks the real results as it binds
-        them: one that is something else fails (``RemoteFunctionFailed``
+        device type)`` of a tensor, or None. Each rank checks the real results as it
+        binds them: one that is something else fails (``RemoteFunctionFailed``
         naming ``function``, the rank and both metadata) and poisons what
         depends on it, instead of reaching a send or a collective that
         trusts the declared metadata.

@@ -45,8 +45,8 @@ class ActorCall(NamedTuple):
 class ExpectResults(NamedTuple):
     """What the call of ``seq`` on this stream returns, as its propagation said: per result
     ref, ``(shape, dtype, device type)`` of a tensor (``"cuda"``: the rank's GPU), or None
-    (not checked). ``function`` names it in the
-    error of a result that is something else (see Controller.expect_results)."""
+    (not checked). ``function`` names it in the error of a result that is something else
+    (see Controller.expect_results)."""
 
     seq: int
     function: str

@@ -415,13 +415,7 @@ def dumps_value(value: Any, cloud: bool = False) -> bytes:
     fetch. As the bytes themselves (:mod:`..tensor_bytes`): 5 and 20 µs. A
     GPU tensor anywhere in the value comes to the client on the CPU.
     """
-    if cloud:
-        buffer = io.BytesIO()
-        pickler = cloudpickle.CloudPickler(buffer, protocol=5)
-        pickler.dispatch_table = ChainMap(_VALUE_REDUCERS, cloudpickle.CloudPickler.dispatch_table)
-        pickler.dump(value)
-        return buffer.getvalue()
-    return _dump(value, _VALUE_REDUCERS)
+    return _dump(value, _VALUE_REDUCERS, cloud)
 
 
 _VALUE_REDUCERS = tensor_bytes.FETCHED_REDUCERS  # dumps_value
@@ -429,15 +423,19 @@ _BATCH_REDUCERS = {torch.memory_format: _reduce_memory_format, **tensor_bytes.RE
 _tables: dict[tuple, dict] = {}  # (our reducers, size of copyreg's table) -> the merged table
 
 
-def _dump(obj: Any, reducers: dict) -> bytes:
+def _dump(obj: Any, reducers: dict, cloud: bool = False) -> bytes:
     buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=5)
-    # copyreg's table as it is now (torch registers reducers as it loads), plus ours
-    key = (id(reducers), len(copyreg.dispatch_table))
-    table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = {**copyreg.dispatch_table, **reducers}
-    pickler.dispatch_table = table
+    if cloud:  # ours over cloudpickle's own table (which ends in copyreg's)
+        pickler = cloudpickle.CloudPickler(buffer, protocol=5)
+        pickler.dispatch_table = ChainMap(reducers, cloudpickle.CloudPickler.dispatch_table)
+    else:
+        pickler = pickle.Pickler(buffer, protocol=5)
+        # copyreg's table as it is now (torch registers reducers as it loads), plus ours
+        key = (id(reducers), len(copyreg.dispatch_table))
+        table = _tables.get(key)
+        if table is None:
+            table = _tables[key] = {**copyreg.dispatch_table, **reducers}
+        pickler.dispatch_table = table
     pickler.dump(obj)
     return buffer.getvalue()
 
