@@ -473,7 +473,7 @@ def add_to_total(obj, x):
     return torch.tensor(obj["total"])
 
 
-def mismatched_all_reduce(x, pg, rank, how):
+def mismatched_collective(x, pg, rank, how):
     """A user collective whose ranks disagree on rank 1: ``how`` is "size" or "dtype" (an
     all-reduce), or the name of the ``torch.distributed`` function to call with a size
     rank 1 does not share."""

@@ -24,12 +24,12 @@ def own_client(throwaway_cluster):
     "how",
     ["size", "dtype", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"],
 )
-def test_a_mismatched_user_all_reduce_leaves_the_workers_alive(own_client, how):
+def test_a_mismatched_user_collective_leaves_the_workers_alive(own_client, how):
     pids = own_client.run(os.getpid)
     mesh = dm.device_mesh(own_client, gpu=2)
     try:
         reduce = dm.remote(
-            "helpers.remote_fns.mismatched_all_reduce", propagate=lambda x, pg, r, h: x[0]
+            "helpers.remote_fns.mismatched_collective", propagate=lambda x, pg, r, h: x[0]
         )
         with mesh.activate():
             pg = mesh.process_group("gpu")
