@@ -1,6 +1,7 @@
 """The control plane at scale, by simulation (issue 38): one mesh over 8 to 1 024 ranks here.
 
     python benchmarks/scale.py [--ranks 8 64 256 1024] [--rounds 20] [--per-process 128]
+                               [--relay 0 16]
 
 Real parts, as many as this 2-core machine holds: a ``dask scheduler``
 process (dask_monarch's flush intake runs in it), rank workers that are real
@@ -22,7 +23,14 @@ size with its growth over the smallest size:
 * the scheduler's CPU (its process; its CPU while idle, measured over the
   same time just before, is subtracted: heartbeats grow with the workers);
 * the time from the issue to the last rank's segment start (each rank's
-  plugin stamps its segment starts: ``dm.trace``'s records).
+  plugin stamps its segment starts: ``dm.trace``'s records);
+* the simulated ranks' CPU (their host processes', every thread): what the
+  ranks themselves take of the machine's two cores, which a real cluster
+  spreads over its hosts.
+
+Each mesh runs once per ``--relay`` setting (``dask_monarch.flush.relay``:
+0 makes a Dask task per rank and segment, k > 0 a task per wave that the
+ranks' workers relay to each other in a tree of fan-out k).
 
 Beside them, on the same cluster just before, the baseline: plain Dask asked
 for what a flush asks of it, one tiny task pinned to each worker per round,
@@ -44,6 +52,7 @@ import sys
 import tempfile
 import time
 
+import dask
 import psutil
 import torch
 from distributed import Client, wait
@@ -162,9 +171,9 @@ def _plain_dask(client: Client, rounds: int, cluster: Cluster, idle_rate: float)
     }
 
 
-def measure(ranks: int, rounds: int, per_process: int) -> dict:
+def measure(ranks: int, rounds: int, per_process: int, relays: list[int]) -> dict:
+    """Plain Dask, then a mesh per setting of ``dask_monarch.flush.relay``, on one cluster."""
     cluster = Cluster(ranks, per_process)
-    me = psutil.Process()
     try:
         with Client(cluster.address, timeout="120s") as client:
             client.wait_for_workers(ranks, timeout=600)
@@ -172,46 +181,60 @@ def measure(ranks: int, rounds: int, per_process: int) -> dict:
             idle_start, idle_cpu = time.perf_counter(), _cpu(cluster.process)
             time.sleep(2.0)
             idle_rate = (_cpu(cluster.process) - idle_cpu) / (time.perf_counter() - idle_start)
-            baseline = _plain_dask(client, rounds, cluster, idle_rate)
-            start = time.perf_counter()
-            mesh = dm.device_mesh(client, rank=ranks)
-            setup = time.perf_counter() - start
-            try:
-                with mesh.activate():
-                    x = torch.zeros(1)
-                    for _ in range(3):  # warm: lanes, first segments, propagation
-                        x = x + 1
-                        dm.inspect(x)
-                    time.sleep(1.0)
-                    trips = []
-                    path = os.path.join(cluster.folder, "trace.json")
-                    origin = time.time()  # dm.trace's records count from its own start
-                    with dm.trace(path):
-                        issued = []
-                        c0, s0, t0 = _cpu(me), _cpu(cluster.process), time.perf_counter()
-                        for _ in range(rounds):
-                            start = time.perf_counter()
-                            issued.append(time.time() - origin)
-                            x = x + 1
-                            dm.inspect(x)
-                            trips.append(time.perf_counter() - start)
-                        elapsed = time.perf_counter() - t0
-                        client_cpu = (_cpu(me) - c0) / rounds  # cpu_times ticks at 10 ms
-                        scheduler_cpu = (_cpu(cluster.process) - s0 - idle_rate * elapsed) / rounds
-                    last_start = _last_starts(path, issued, ranks)
-            finally:
-                mesh.exit()
+            result = {"ranks": ranks, "scheduler_idle_cpu": idle_rate}
+            result.update(_plain_dask(client, rounds, cluster, idle_rate))
+            for relay in relays:
+                with dask.config.set({"dask_monarch.flush.relay": relay}):
+                    mesh = _mesh_rounds(client, cluster, ranks, rounds, idle_rate)
+                result[relay] = mesh
     finally:
         cluster.close()
+    return result
+
+
+def _mesh_rounds(
+    client: Client, cluster: Cluster, ranks: int, rounds: int, idle_rate: float
+) -> dict:
+    """One mesh over every rank: ``rounds`` of one op on every rank and a fetch from rank 0."""
+    me = psutil.Process()
+    hosts = [psutil.Process(p.pid) for p in cluster.hosts]
+    start = time.perf_counter()
+    mesh = dm.device_mesh(client, rank=ranks)
+    setup = time.perf_counter() - start
+    try:
+        with mesh.activate():
+            x = torch.zeros(1)
+            for _ in range(3):  # warm: lanes, first segments, propagation
+                x = x + 1
+                dm.inspect(x)
+            time.sleep(1.0)
+            trips = []
+            path = os.path.join(cluster.folder, "trace.json")
+            origin = time.time()  # dm.trace's records count from its own start
+            with dm.trace(path):
+                issued = []
+                c0, s0, t0 = _cpu(me), _cpu(cluster.process), time.perf_counter()
+                h0 = sum(map(_cpu, hosts))
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    issued.append(time.time() - origin)
+                    x = x + 1
+                    dm.inspect(x)
+                    trips.append(time.perf_counter() - start)
+                elapsed = time.perf_counter() - t0
+                client_cpu = (_cpu(me) - c0) / rounds  # cpu_times ticks at 10 ms
+                scheduler_cpu = (_cpu(cluster.process) - s0 - idle_rate * elapsed) / rounds
+                ranks_cpu = (sum(map(_cpu, hosts)) - h0) / rounds
+            last_start = _last_starts(path, issued, ranks)
+    finally:
+        mesh.exit()
     return {
-        "ranks": ranks,
         "setup_s": setup,
         "fetch_ms": statistics.median(trips) * 1e3,
         "client_cpu_ms": client_cpu * 1e3,
         "scheduler_cpu_ms": scheduler_cpu * 1e3,
-        "scheduler_idle_cpu": idle_rate,
+        "ranks_cpu_ms": ranks_cpu * 1e3,
         "last_start_ms": statistics.median(last_start) * 1e3 if last_start else float("nan"),
-        **baseline,
     }
 
 
@@ -234,36 +257,58 @@ def _last_starts(path: str, issued: list[float], ranks: int) -> list[float]:
     return out
 
 
+def _name(relay: int) -> str:
+    return "a task per segment" if relay == 0 else f"relayed, fan-out {relay}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--per-process", type=int, default=128)
+    parser.add_argument(
+        "--relay",
+        type=int,
+        nargs="+",
+        default=[0, 16],
+        help="settings of dask_monarch.flush.relay to run (0: a task per segment)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
     for n in args.ranks:
-        r = measure(n, args.rounds, args.per_process)
+        r = measure(n, args.rounds, args.per_process, args.relay)
         results.append(r)
         print(
-            f"{n:5d} ranks: fetch {r['fetch_ms']:8.1f} ms, client CPU "
-            f"{r['client_cpu_ms']:7.1f} ms, scheduler CPU {r['scheduler_cpu_ms']:7.1f} ms, "
-            f"last rank's start {r['last_start_ms']:7.1f} ms per round; mesh made in "
-            f"{r['setup_s']:.1f} s\n{'':12s}plain Dask (a task per worker): round "
-            f"{r['dask_round_ms']:8.1f} ms, client CPU {r['dask_client_cpu_ms']:7.1f} ms, "
-            f"scheduler CPU {r['dask_scheduler_cpu_ms']:7.1f} ms per round",
+            f"{n:5d} ranks: plain Dask (a task per worker): round {r['dask_round_ms']:8.1f} ms, "
+            f"client CPU {r['dask_client_cpu_ms']:7.1f} ms, scheduler CPU "
+            f"{r['dask_scheduler_cpu_ms']:7.1f} ms per round",
             flush=True,
         )
+        for relay in args.relay:
+            m = r[relay]
+            print(
+                f"{'':12s}mesh, {_name(relay)}: fetch {m['fetch_ms']:8.1f} ms, client CPU "
+                f"{m['client_cpu_ms']:7.1f} ms, scheduler CPU {m['scheduler_cpu_ms']:7.1f} ms, "
+                f"ranks' CPU {m['ranks_cpu_ms']:7.1f} ms, last rank's start "
+                f"{m['last_start_ms']:7.1f} ms per round; mesh made in {m['setup_s']:.1f} s",
+                flush=True,
+            )
     base = results[0]
     print(f"\ngrowth over {base['ranks']} ranks (goal at 1 024: at most 4x):")
     for r in results:
-        print(
-            f"{r['ranks']:5d} ranks: fetch {r['fetch_ms'] / base['fetch_ms']:5.1f}x, client "
-            f"{r['client_cpu_ms'] / base['client_cpu_ms']:5.1f}x, scheduler "
-            f"{r['scheduler_cpu_ms'] / max(base['scheduler_cpu_ms'], 1e-3):5.1f}x; plain Dask: "
-            f"round {r['dask_round_ms'] / base['dask_round_ms']:5.1f}x, scheduler "
+        parts = [
+            f"plain Dask: round {r['dask_round_ms'] / base['dask_round_ms']:5.1f}x, scheduler "
             f"{r['dask_scheduler_cpu_ms'] / max(base['dask_scheduler_cpu_ms'], 1e-3):5.1f}x"
-        )
+        ]
+        for relay in args.relay:
+            m, b = r[relay], base[relay]
+            parts.append(
+                f"{_name(relay)}: fetch {m['fetch_ms'] / b['fetch_ms']:5.1f}x, client "
+                f"{m['client_cpu_ms'] / max(b['client_cpu_ms'], 1e-3):5.1f}x, scheduler "
+                f"{m['scheduler_cpu_ms'] / max(b['scheduler_cpu_ms'], 1e-3):5.1f}x"
+            )
+        print(f"{r['ranks']:5d} ranks: " + "; ".join(parts))
 
 
 if __name__ == "__main__":

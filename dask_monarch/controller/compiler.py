@@ -57,7 +57,7 @@ from ..protocol import messages as m
 from ..protocol.names import executor_name, task_name
 from ..protocol.rules import CHECKED, FAMILY, ON_NAMED_STREAM
 from ..protocol.wire import CONTROL, DropLane
-from .intake import SegmentTask, make_task
+from .intake import RelayTask, SegmentTask, make_task
 from .precheck import Precheck
 from .routing import InternalStep, Probes, ProtocolError, RankRouter
 
@@ -131,9 +131,9 @@ class _LaneTail:
 class Plan:
     """One flush: tasks to submit, lanes to create first; or a protocol error and nothing."""
 
-    tasks: list[SegmentTask]  # one per segment
+    tasks: list[SegmentTask | RelayTask]  # one per segment, or per wave when relayed
     keys: list
-    tails: dict  # (rank, lane) -> key of the newest segment
+    tails: dict  # (rank, lane) -> key of the newest segment (none when relayed)
     # rank -> (stream id, creation mode) of the lanes to create before submitting
     new_lanes: dict[int, list[tuple[int, m.StreamCreationMode]]]
     counts: dict[tuple, int]  # (rank, lane) -> index of the newest segment
@@ -142,6 +142,7 @@ class Plan:
     rendezvous: bool = False  # a BackendNetworkInit is in it: the store must exist first
     dropped: dict[tuple, int] = field(default_factory=dict)  # (rank, lane) -> its last segment
     token: str = ""
+    segments: list[SegmentTask] = field(default_factory=list)  # every rank's, relayed or not
 
     @property
     def graph(self) -> HighLevelGraph | None:
@@ -163,9 +164,19 @@ class Plan:
 class Compiler:
     """Turns a controller's buffer into one graph per flush (see module docs)."""
 
-    def __init__(self, token: str, resources: list[str], done: dict | None = None):
+    def __init__(
+        self,
+        token: str,
+        resources: list[str],
+        done: dict | None = None,
+        relay: int = 0,
+        addresses: list[str] | None = None,
+    ):
         self.token = token
         self.resources = resources
+        # fan-out of relayed flushes (worker/relay.py); 0: a task per segment
+        self.relay = relay if addresses is not None and len(resources) > 1 else 0
+        self.addresses = addresses  # rank -> its worker, where relayed segments go
         probes = Probes()
         self.routers = [RankRouter(rank, probes) for rank in range(len(resources))]
         self.lanes: dict[tuple[int, Any], _LaneTail] = {}
@@ -391,9 +402,77 @@ class Compiler:
                     self.executor(seg.lane),
                 )
             )
+        if self.relay:  # a task per wave; each rank orders its own segments
+            waves = self._waves(tasks)
+            return Plan(
+                waves,
+                [w.key for w in waves],
+                {},
+                new_lanes,
+                counts,
+                count,
+                error,
+                token=self.token,
+                segments=tasks,
+            )
         return Plan(
-            tasks, list(final.values()), tails, new_lanes, counts, count, error, token=self.token
+            tasks,
+            list(final.values()),
+            tails,
+            new_lanes,
+            counts,
+            count,
+            error,
+            token=self.token,
+            segments=tasks,
         )
+
+    def _waves(self, tasks: list[SegmentTask]) -> list[RelayTask]:
+        """One task per wave: the n-th segment of a lane in this flush, on every rank that has
+        one. Each rank's entry carries its edges as ``(lane, index)`` of its own rank."""
+        waves: dict[tuple, list[SegmentTask]] = {}
+        seen: dict[tuple, int] = {}
+        for task in tasks:
+            n = seen.get((task.rank, task.lane), 0)
+            seen[(task.rank, task.lane)] = n + 1
+            waves.setdefault((task.lane, n), []).append(task)
+        relayed = []
+        for (lane, _), members in waves.items():
+            members.sort(key=attrgetter("rank"))
+            blobs: list[bytes] = []
+            where: dict[int, int] = {}  # id of a pickle -> its place in blobs
+            entries = []
+            for task in members:
+                ids = []
+                for blob in task.payload:
+                    at = where.get(id(blob))
+                    if at is None:
+                        at = where[id(blob)] = len(blobs)
+                        blobs.append(blob)
+                    ids.append(at)
+                after = [(key[3], key[4]) for key in task.after]
+                entries.append((task.rank, task.index, ids, after, self.addresses[task.rank]))
+            first = members[0]
+            wave = {
+                "token": self.token,
+                "lane": lane,
+                "fanout": self.relay,
+                "blobs": blobs,
+                "entries": entries,
+            }
+            relayed.append(
+                RelayTask(
+                    first.key,
+                    first.rank,
+                    lane,
+                    first.index,
+                    wave,
+                    [],
+                    first.resource,
+                    first.executor,
+                )
+            )
+        return relayed
 
 
 def _record_seq(seqs: dict, ranks: tuple[int, ...], stream: Any, seq: int) -> None:

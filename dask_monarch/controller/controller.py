@@ -296,11 +296,15 @@ class Controller:
         client.loop.add_callback(self._liveness.start)
         self._restore_gap = lower_client_gap(client)
         self._watch.start()
-        self._compiler = Compiler(self.token, self.resources, self._reports.done)
         self._reports.on_done = self._release_ran_now
         self._retry_armed = False  # a pass over the tails that ran is due
         # flushes go to the scheduler's intake, or through Client.get where it is off or refused
         self._intake = bool(config.get("flush.intake", True)) and intake.install(client)
+        # relayed flushes (a task per wave, fanned out worker to worker) need the intake
+        relay = config.integer("flush.relay", minimum=0) if self._intake else 0
+        self._compiler = Compiler(
+            self.token, self.resources, self._reports.done, relay, list(self.workers)
+        )
         if self._intake:  # the scheduler holds our tasks: tails go by key, failures by event
             self._released = DeferredRelease(
                 client.loop, functools.partial(intake.release, client, self.token)
@@ -434,7 +438,7 @@ class Controller:
                 with dask.annotate(span=span[0]):
                     futures = self._client.get(plan.graph, plan.keys, sync=False)
                 by_key = dict(zip(plan.keys, futures))
-            self._reports.expect(plan.counts, plan.tasks)
+            self._reports.expect(plan.counts, plan.segments)
             tails, replaced = self._tails, []
             for lane, key in plan.tails.items():
                 old = tails.get(lane)
@@ -444,6 +448,8 @@ class Controller:
                 self._tail_index[lane] = plan.counts[lane]
             if self._intake:
                 intake.send(self._client, self.token, plan.tasks, span[0])
+            if not plan.tails:  # relayed: nothing follows a wave's task, let go of it now
+                self._released.add(plan.keys)
             # let go of the previous tails behind the flush that may follow them
             self._released.add(replaced)
             if self._broken is not None:  # broke meanwhile: _shutdown_async may have run

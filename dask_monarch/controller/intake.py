@@ -48,7 +48,7 @@ from distributed.protocol.serialize import ToPickle
 from .. import dask_internals as internals
 from ..dask_internals import SpanMetadata, Task, TaskRef
 from ..protocol.wire import Payload
-from ..worker import run_segment
+from ..worker import run_relay, run_segment
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -74,6 +74,20 @@ class SegmentTask(NamedTuple):
     executor: str  # its lane's executor
 
 
+class RelayTask(NamedTuple):
+    """One wave of a relayed flush: a lane's segments on every rank, as one task that the
+    wave's first rank fans out to the others (worker/relay.py)."""
+
+    key: tuple  # the key its first rank's segment would have
+    rank: int  # the wave's first rank: its worker runs the task
+    lane: Any
+    index: int
+    wave: dict  # what worker/relay.py delivers: every rank's segment, its edges, its worker
+    after: list  # always empty: each rank orders its own segments
+    resource: str  # the first rank's resource
+    executor: str  # the first rank's lane executor (the task itself runs on the event loop)
+
+
 def holder(token: str) -> str:
     """The client name under which the scheduler holds controller ``token``'s segments."""
     return f"dask_monarch-{token}"
@@ -84,8 +98,10 @@ def failures_topic(token: str) -> str:
     return f"dask_monarch-failed-{token}"
 
 
-def make_task(token: str, segment: SegmentTask) -> Task:
+def make_task(token: str, segment: SegmentTask | RelayTask) -> Task:
     """The Dask task that runs ``segment`` (the same on either path)."""
+    if type(segment) is RelayTask:
+        return Task(segment.key, run_relay, token, segment.wave)
     key, rank, lane, index, payload, after = segment[:6]
     return Task(key, run_segment, token, rank, lane, index, Payload(payload), *map(TaskRef, after))
 

@@ -20,6 +20,8 @@ PLUGIN_NAME = "dask_monarch"
 # state snapshot.
 REPORTS_HANDLER = "dask_monarch_reports"
 STATE_HANDLER = "dask_monarch_state"
+# The stream one worker relays the segments of a flush to another on (worker/relay.py).
+RELAY_HANDLER = "dask_monarch_relay"
 # What a controller writes on a rank's report stream to ask for a wire.Heartbeat.
 HEARTBEAT_OP = "dask_monarch_heartbeat"
 

@@ -8,7 +8,8 @@ Importing this package does not import torch.
 Modules: ``plugin`` (the WorkerPlugin: per-controller rank state, segments,
 claims); ``rank`` (everything one controller holds on one rank); ``lane`` (a
 stream's thread, ref table and device stream); ``inline`` (quick segments on
-the event loop); ``dispatch`` (the handler table) and the handlers:
+the event loop); ``relay`` (relayed flushes: a task per wave, fanned out
+worker to worker); ``dispatch`` (the handler table) and the handlers:
 ``handlers`` (calls, fetches, refs, streams, meshes, status, exit), ``calls``
 (resolving functions and arguments, binding results), ``borrow``, ``comm``
 (collectives and sends), ``recording`` and ``plan`` (replays), ``pipe``,
@@ -49,6 +50,7 @@ from .plugin import (
     trace_collect,
     trace_start,
 )
+from .relay import run_relay
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +88,7 @@ __all__ = [
     "list_debug_sessions",
     "register_actor",
     "release_controller",
+    "run_relay",
     "run_segment",
     "set_rendezvous",
     "start_rendezvous",

@@ -29,6 +29,7 @@ from .. import dask_internals as internals
 from ..protocol.names import (
     HEARTBEAT_OP,
     PLUGIN_NAME,
+    RELAY_HANDLER,
     REPORTS_HANDLER,
     RESOURCE_CAPACITY,
     RESOURCE_PREFIX,
@@ -40,6 +41,7 @@ from ..protocol.names import (
 from ..protocol.wire import CONTROL, Payload
 from .calls import InvalidRemoteFunction, pickled_code_allowed
 from .debugger import install_breakpointhook
+from .relay import Relay
 from .signals import ignore_sigint
 
 if TYPE_CHECKING:
@@ -97,15 +99,18 @@ class MonarchWorkerPlugin(WorkerPlugin):
         # Tasks a released controller had queued may still start: they find its lanes'
         # names pointing here, and return without running anything.
         self.drain = ThreadPoolExecutor(1, thread_name_prefix="monarch-drain")
+        self.relay = Relay(self)  # relayed flushes (dask_monarch.flush.relay)
         worker.handlers[REPORTS_HANDLER] = self.serve_reports
         worker.handlers[STATE_HANDLER] = self.state_snapshot
+        worker.handlers[RELAY_HANDLER] = self.relay.serve
         for name in METRICS:
             worker.metrics[name] = functools.partial(self.metric, name)
 
     async def teardown(self, worker: Worker) -> None:
         for state in list(self.ranks.values()):
             await asyncio.to_thread(state.release)  # frees user objects: never on the loop
-        for handler in (REPORTS_HANDLER, STATE_HANDLER):
+        self.relay.close()
+        for handler in (REPORTS_HANDLER, STATE_HANDLER, RELAY_HANDLER):
             worker.handlers.pop(handler, None)
         for name in METRICS:
             worker.metrics.pop(name, None)

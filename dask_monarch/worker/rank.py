@@ -98,6 +98,7 @@ class RankState:
         self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
         self.actor_calls: dict[tuple, Any] = {}  # (broker id, seq) -> ActorCall
         self.trace = None  # a worker.tracing.TraceLog while dm.trace is on (checked per segment)
+        self.inbox = None  # worker.relay.Inbox, made when the first relayed segment arrives
 
     # -- lanes --------------------------------------------------------------------------------
 
