@@ -73,6 +73,13 @@ class _Close:
     """The worker read the producer's last value: the producer may exit."""
 
 
+class PipeClosed(BaseException):
+    """Raised in a producer thread's ``send`` or ``recv`` once its pipe was closed (the
+    controller left): the thread cannot be terminated, so its next use of the pipe ends it.
+    A BaseException, as ``GeneratorExit``: a loader's ``except Exception`` does not keep it
+    going."""
+
+
 class _HandOff:
     """A value a producer thread made, with the event its stream recorded after making it.
 
@@ -96,22 +103,24 @@ class PipeEnd:
         out_queue: queue.Queue | ProcessQueue,
         in_queue: queue.Queue | ProcessQueue,
         device: Device | None = None,
+        closed: threading.Event | None = None,
     ):
         self.ranks = ranks
         self.sizes = sizes
         self._out = out_queue
         self._in = in_queue
         self._device = device  # a producer thread shares the rank's device: values are hand-offs
+        self._closed = closed  # a producer thread's: set when the worker closed the pipe
 
     def send(self, value: Any) -> None:
         """Hand a value to the stream; blocks while ``max_messages`` values wait."""
         if self._device is not None:
             value = _HandOff(value, self._device.record_current())
-        self._out.put(value)
+        self._put(value)
 
     def recv(self) -> Any:
         """The next value the controller sent into the pipe."""
-        value = self._in.get()
+        value = self._get()
         if type(value) is _HandOff:  # made on a lane's stream: this thread's waits for it
             device, stream = self._device, current_stream()
             device.wait(stream, value.event)
@@ -119,9 +128,36 @@ class PipeEnd:
             value = value.value
         return value
 
+    def _put(self, value: Any) -> None:
+        """``put`` on the queue to the stream; a producer thread's gives up when closed."""
+        closed = self._closed
+        if closed is None:  # a process: terminated on close
+            self._out.put(value)
+            return
+        while not closed.is_set():
+            try:
+                self._out.put(value, timeout=POLL_S)
+                return
+            except queue.Full:
+                pass
+        raise PipeClosed("the pipe was closed")
+
+    def _get(self) -> Any:
+        """``get`` from the queue from the controller; a producer thread's gives up when
+        closed."""
+        closed = self._closed
+        if closed is None:
+            return self._in.get()
+        while not closed.is_set():
+            try:
+                return self._in.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+        raise PipeClosed("the pipe was closed")
+
 
 def _produce(
-    function, args, kwargs, ranks, sizes, out_queue, in_queue, device=None, gpu=None
+    function, args, kwargs, ranks, sizes, out_queue, in_queue, device=None, gpu=None, closed=None
 ) -> None:
     """Run a producer to its end; its failure travels down the pipe as a value.
 
@@ -129,16 +165,25 @@ def _produce(
     tensors cross the queue as shared memory whose descriptors the worker
     fetches from this process, and CUDA ones as this process's memory, which
     the worker's lanes may use until the pipe closes. ``device`` is the rank's
-    (a producer thread); ``gpu`` its index (a producer process).
+    (a producer thread); ``gpu`` its index (a producer process); ``closed`` a producer
+    thread's: set when the pipe closes, it ends the thread at its next use of the pipe
+    (:class:`PipeClosed`), which a process's termination does for a process.
     """
-    with device.thread("pipe producer") if device is not None else _in_process(gpu):
-        try:
-            fn = calls.resolve_function(function)
-            fn(PipeEnd(ranks, sizes, out_queue, in_queue, device), *args, **kwargs)
-            out_queue.put(_Ended())
-        except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
-            out_queue.put(_Failed(format_exception(e)))
-    while not isinstance(in_queue.get(), _Close):
+    end = PipeEnd(ranks, sizes, out_queue, in_queue, device, closed)
+    try:
+        with device.thread("pipe producer") if device is not None else _in_process(gpu):
+            try:
+                fn = calls.resolve_function(function)
+                fn(end, *args, **kwargs)
+                last: _Ended | _Failed = _Ended()
+            except PipeClosed:
+                raise
+            except BaseException as e:  # noqa: B036 - a producer's failure is a value for PipeRecv
+                last = _Failed(format_exception(e))
+            end._put(last)
+        while not isinstance(end._get(), _Close):
+            pass
+    except PipeClosed:  # the pipe was closed before the producer ended: nothing reads it
         pass
 
 
@@ -184,6 +229,7 @@ class Pipe:
             ctx = tmp.get_context("spawn")
             make_queue, producer_type = ctx.Queue, ctx.Process
         self.out_queue, self.in_queue = make_queue(msg.max_messages), make_queue()
+        self.closed = threading.Event() if in_thread else None  # see PipeClosed
         producer = producer_type(
             target=_produce,
             daemon=True,
@@ -198,6 +244,7 @@ class Pipe:
                 self.in_queue,
                 state.device if in_thread else None,
                 None if state.torch_device is None else state.torch_device.index,
+                self.closed,
             ),
         )
         producer.start()
@@ -264,6 +311,10 @@ class Pipe:
         self.in_queue.put(value)
 
     def close(self) -> None:
+        """Stop the producer (on release): a process is terminated, a thread ends at its next
+        use of the pipe (it cannot be stopped in the middle of the user's code)."""
+        if self.closed is not None:
+            self.closed.set()
         finished = self.ended is not None and self.state.torch_device is not None
         if finished and self.process is not None and self.process.is_alive():
             self.in_queue.put(_Close())  # it waits to be told it may end (CUDA: see recv)

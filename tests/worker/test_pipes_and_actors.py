@@ -183,3 +183,43 @@ def _accumulator():
     from helpers import remote_fns
 
     return remote_fns.Accumulator
+
+
+def _pipe_threads(dask_worker=None) -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("monarch-pipe-")]
+
+
+def test_producer_threads_end_when_their_controller_leaves(throwaway_cluster):
+    """On a daemonic worker (a plain LocalCluster) producers are threads, which cannot be
+    terminated: closing the controller ends one blocked in ``send`` (an endless loader,
+    its buffer full) and one that finished and waits to be told it may exit."""
+    with throwaway_cluster(1, plain=True) as (_, client):
+        ctrl = dm.Controller(client, world_size=1)
+        try:
+            create_streams(ctrl, [0], S0)
+            create_pipe(ctrl, [0], "helpers.remote_fns.loader", 10**9, max_messages=1)
+            ctrl.send(
+                0,
+                m.CreatePipe(
+                    Ref(902),
+                    "done",
+                    "helpers.remote_fns.loader",
+                    1,
+                    MESH,
+                    ArgsKwargs.from_python((1,), {}),
+                ),
+            )
+            ctrl.send(0, m.PipeRecv(0, [Ref(1), Ref(2)], PIPE, S0))
+            ctrl.send(0, m.PipeRecv(1, [Ref(3), Ref(4)], Ref(902), S0))
+            assert ctrl.sync(timeout=60) == []
+            address = ctrl.workers[0]
+            assert len(client.run(_pipe_threads, workers=[address])[address]) == 2
+        finally:
+            ctrl.close()
+        wait_until(
+            lambda: client.run(_pipe_threads, workers=[address])[address] == [],
+            30,
+            "the producer threads to end",
+        )
