@@ -25,7 +25,8 @@ its own (``Device.thread``), and every value between it and a lane is a
 hand-off: an event recorded by the side that made it, waited on by the other,
 which keeps the block (docs/architecture.md, "Streams and hand-offs"). A value
 a lane sends into a producer process waits for the lane's stream first: the
-queue pickles it on a thread of its own, whose stream is not the lane's.
+producer reads it on its own default stream. Values between a process and
+the worker are pickled by the side that sends them (:class:`_Pickled`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import multiprocessing
 import queue
 import threading
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,6 +82,26 @@ class PipeClosed(BaseException):
     going."""
 
 
+class _Pickled:
+    """A value pickled by the side that sends it into a process's queue, then put as bytes.
+
+    The queue itself pickles later, on its feeder thread, and drops a value it
+    cannot pickle with only a traceback on that process's stderr: the other
+    side would silently get the next value in its place (a loader's batch
+    holding a lock, a file). Pickled here, such a value fails the send
+    instead, as the producer's error or the ``SendValue``'s. One pickling, as
+    before: the queue's own of the bytes is a copy.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, value: Any):
+        self.data = bytes(ForkingPickler.dumps(value))
+
+    def load(self) -> Any:
+        return ForkingPickler.loads(self.data)
+
+
 class _HandOff:
     """A value a producer thread made, with the event its stream recorded after making it.
 
@@ -116,11 +138,15 @@ class PipeEnd:
         """Hand a value to the stream; blocks while ``max_messages`` values wait."""
         if self._device is not None:
             value = _HandOff(value, self._device.record_current())
+        else:  # a process: one that cannot be pickled is this send's error (see _Pickled)
+            value = _Pickled(value)
         self._put(value)
 
     def recv(self) -> Any:
         """The next value the controller sent into the pipe."""
         value = self._get()
+        if type(value) is _Pickled:
+            return value.load()
         if type(value) is _HandOff:  # made on a lane's stream: this thread's waits for it
             device, stream = self._device, current_stream()
             device.wait(stream, value.event)
@@ -289,6 +315,8 @@ class Pipe:
                 else f"the producer of pipe {self.key!r} has finished"
             )
             raise PipeFailed(self.ended)
+        if type(value) is _Pickled:
+            return value.load()
         if type(value) is _HandOff:
             device = self.state.device
             device.wait(lane.stream, value.event)
@@ -298,16 +326,18 @@ class Pipe:
 
     def send(self, value: Any, lane: Lane) -> None:
         """A value ``lane`` made goes to the producer (a hand-off between their streams), as it
-        is now: its tensors are copied on the lane's stream first. A process producer's queue
-        pickles the value later, on a thread of its own (and moves a CPU tensor's storage to
-        shared memory in place), and a thread producer would hold the lane's own tensor: the
-        lane's next steps (an in-place op) would reach either."""
+        is now: its tensors are copied on the lane's stream first. Pickling for a process
+        producer moves a CPU tensor's storage to shared memory in place, and a thread producer
+        would hold the lane's own tensor: the lane's next steps (an in-place op) would reach
+        either. A value that cannot be pickled fails here (:class:`_Pickled`)."""
         value = tree_map_only(torch.Tensor, _copy, value)
         device = self.state.device
         if self.in_thread:
             value = _HandOff(value, device.record(lane.stream))
-        elif self.state.torch_device is not None:
-            device.synchronize(lane.stream)  # the queue pickles it off the lane's stream
+        else:
+            if self.state.torch_device is not None:
+                device.synchronize(lane.stream)  # the producer's stream is not the lane's
+            value = _Pickled(value)
         self.in_queue.put(value)
 
     def close(self) -> None:

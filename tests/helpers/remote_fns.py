@@ -1,6 +1,7 @@
 """Importable functions the workers call by path in tests."""
 
 import os
+import threading
 import time
 import weakref
 
@@ -155,6 +156,13 @@ def loader(pipe, batches, path=None):
 def crashing_loader(pipe):
     pipe.send(torch.zeros(1))
     raise ValueError("the loader ran out of luck")
+
+
+def unpicklable_loader(pipe):
+    """Its second batch holds a lock, which cannot cross a process's queue."""
+    pipe.send(torch.zeros(1))
+    pipe.send((torch.ones(1), threading.Lock()))
+    pipe.send(torch.full((1,), 2.0))
 
 
 def echo_loader(pipe):

@@ -223,3 +223,37 @@ def test_producer_threads_end_when_their_controller_leaves(throwaway_cluster):
             30,
             "the producer threads to end",
         )
+
+
+def test_a_value_that_cannot_cross_the_process_boundary_fails_its_send(ctrl):
+    """A producer process's queue pickles on a thread of its own, which drops what it cannot
+    pickle: the batch must fail the producer, not vanish with the next one in its place;
+    and a value sent into the pipe that cannot be pickled is the SendValue's error."""
+    create_streams(ctrl, [0], S0)
+    create_pipe(ctrl, [0], "helpers.remote_fns.unpicklable_loader", max_messages=4)
+    for i in range(2):
+        ctrl.send(0, m.PipeRecv(2 * i, [Ref(10 + i)], PIPE, S0))
+        ctrl.send(0, fetch(2 * i + 1, Ref(10 + i)))
+    reports = ctrl.sync(timeout=120)
+    assert torch.equal(values(reports)[(1, 0)], torch.zeros(1))
+    assert (3, 0) not in values(reports)
+    (failed,) = failures(reports)
+    assert failed.seq == 2 and "cannot pickle '_thread.lock'" in failed.error
+
+    echo = Ref(903)
+    ctrl.send(
+        0,
+        m.CreatePipe(
+            echo, "echo", "helpers.remote_fns.echo_loader", 2, MESH, ArgsKwargs.from_python((), {})
+        ),
+    )
+    lock = m.FunctionPath("threading.Lock")
+    ctrl.send(0, m.SendValue(4, echo, [], lock, ArgsKwargs.from_python((), {}), S0))
+    ctrl.send(0, call(5, Ref(20), "torch.ones", 2))
+    ctrl.send(0, m.SendValue(6, echo, [], None, ArgsKwargs.from_python((Ref(20),)), S0))
+    ctrl.send(0, m.PipeRecv(7, [Ref(21), Ref(22), Ref(23)], echo, S0))
+    ctrl.send(0, fetch(8, ((Ref(21),),)))
+    reports = ctrl.sync(timeout=120)
+    (failed,) = failures(reports)
+    assert failed.seq == 4 and "cannot pickle '_thread.lock'" in failed.error
+    assert torch.equal(values(reports)[(8, 0)][0], torch.full((2,), 2.0))
