@@ -11,7 +11,9 @@ message runs on the stream's lane: it looks up the ``local_state`` tensors in
 the stream's table, calls the method in-process and either sends the value
 back (``SendResultOfActorCall``) or binds it like a call's results
 (``CallActorMethod``). Actor calls and tensor-engine messages of a stream are
-therefore ordered exactly as sent.
+therefore ordered exactly as sent. An actor runs one call at a time, as
+Monarch's actors and Dask's (one thread) do: a call from another stream,
+whose lane runs at once, waits for the running one (:func:`_one_at_a_time`).
 
 Which method runs is given by an :class:`~dask_monarch.wire.ActorCall` the
 controller places before the message (``Controller.call_actor``); Refs in its
@@ -21,7 +23,9 @@ itself is called with the ``local_state`` values.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_map
@@ -36,6 +40,8 @@ from .nccl_watch import check_device
 
 if TYPE_CHECKING:
     from .rank import RankState
+
+POLL_S = 0.05  # how often a call waiting for the actor looks whether its rank gave up
 
 
 def actor_call_info(lane: Lane, info: ActorCall) -> None:
@@ -52,7 +58,8 @@ def _run(lane: Lane, call: ActorCallParams) -> Any:
     info = state.actor_calls.pop((broker, call.seq), None)
     values = [calls.lookup(lane.env, ref.id) for ref in call.local_state]
     if info is None:
-        return actor(*values)
+        with _one_at_a_time(lane, broker):
+            return actor(*values)
     by_ref = {ref.id: value for ref, value in zip(call.local_state, values)}
 
     def substitute(leaf):
@@ -65,7 +72,37 @@ def _run(lane: Lane, call: ActorCallParams) -> Any:
         return leaf
 
     args, kwargs = tree_map(substitute, info.args_kwargs.to_python())
-    return getattr(actor, info.method)(*args, **kwargs)
+    method = getattr(actor, info.method)
+    with _one_at_a_time(lane, broker):
+        return method(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(lane: Lane, broker: tuple) -> Iterator[None]:
+    """Hold actor ``broker``'s lock while ``lane`` calls it; a lane that waits for it gives up
+    when the controller fails or leaves, like any wait (``RankState.wait``)."""
+    state = lane.rank
+    lock = state.actor_locks.get(broker)
+    if lock is None:  # released meanwhile
+        raise FatalError(f"actor {broker} was not spawned on rank {state.rank}")
+    if not lock.acquire(blocking=False):
+        before = (lane.state, lane.doing)
+        lane.set_waiting(f"actor {broker[0]!r} (a call from another stream)")
+        try:
+            while not lock.acquire(timeout=POLL_S):
+                if state.abort.is_set():
+                    raise FatalError(
+                        f"{lane.title} stopped waiting for actor {broker[0]!r}: "
+                        f"{state.failed or 'the rank was released'}"
+                    )
+        finally:
+            lane.state, lane.doing = before
+            if state.trace is not None:
+                state.trace.wait_end(lane)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _actor_call(lane: Lane, call: ActorCallParams, results: list[Ref | None] | None) -> None:
@@ -102,6 +139,7 @@ def call_actor_method(lane: Lane, msg: CallActorMethod) -> None:
 
 
 def register_actor(state: RankState, broker_id: tuple, actor: Any) -> None:
+    state.actor_locks[tuple(broker_id)] = threading.Lock()
     state.actors[tuple(broker_id)] = actor
 
 

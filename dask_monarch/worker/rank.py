@@ -96,6 +96,7 @@ class RankState:
         self.replays: dict[int, Any] = {}  # CallRecording seq -> ReplayState
         self.pipes: dict[int, Any] = {}
         self.actors: dict[tuple, Any] = {}  # broker id -> actor instance
+        self.actor_locks: dict[tuple, threading.Lock] = {}  # broker id -> one call at a time
         self.actor_calls: dict[tuple, Any] = {}  # (broker id, seq) -> ActorCall
         self.trace = None  # a worker.tracing.TraceLog while dm.trace is on (checked per segment)
         self.inbox = None  # worker.relay.Inbox, made when the first relayed segment arrives
@@ -335,6 +336,7 @@ class RankState:
         self.meshes.clear()
         self.borrows.clear()
         self.actors.clear()
+        self.actor_locks.clear()
         self.actor_calls.clear()
         self.loop.add_callback(self.plugin.forget, self)
 

@@ -180,6 +180,21 @@ def late_echo(pipe):
         pipe.send(x.clone())
 
 
+class Visits:
+    """An actor that notes how many calls of its method were running at once, at most."""
+
+    def __init__(self):
+        self.inside = 0
+        self.most = 0
+
+    def visit(self, seconds):
+        self.inside += 1
+        self.most = max(self.most, self.inside)
+        time.sleep(seconds)
+        self.inside -= 1
+        return self.most
+
+
 class Accumulator:
     """An actor that sums what it is given, in the order calls arrive."""
 

@@ -170,6 +170,20 @@ def test_actor_mutating_a_stream_tensor(ctrl):
     assert torch.equal(ctrl.get_ref(1, Ref(1), S0), torch.full((2,), 3.0))
 
 
+def test_an_actor_runs_one_call_at_a_time_whichever_streams_call_it(ctrl):
+    """Actors take one message at a time (Monarch's, and Dask's on their one thread): calls
+    from two streams, whose lanes run at once, must not run the actor's methods at once."""
+    from helpers import remote_fns
+
+    create_streams(ctrl, [0], S0, S1)
+    broker = ctrl.spawn_actor([0], "visits", remote_fns.Visits)
+    for seq, stream in ((0, S0), (1, S1)):
+        ctrl.call_actor([0], broker, seq, stream, "visit", (0.5,))
+        ctrl.send(0, actor_message(seq, broker, [], stream=stream))
+    got = values(ctrl.sync(timeout=60))
+    assert got[(0, 0)] == 1 and got[(1, 0)] == 1
+
+
 def test_spawn_actor_errors_come_back(ctrl):
     class Broken:
         def __init__(self):
