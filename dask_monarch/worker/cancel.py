@@ -51,10 +51,10 @@ def cancel(state: RankState, grace: float) -> list[dict]:
         frame = sys._current_frames().get(ident) if ident is not None else None
         busy.append((lane, ident, lane.doing, lane.last_seq, _where(lane, frame)))
     state.release()  # queued work returns at once; blocked waits give up
-    for _, ident, doing, _, where in busy:
+    for lane, ident, doing, seq, where in busy:
         # only a thread in user code: an idle executor's thread (a segment on the event loop)
         # would die of it, and torch's own C calls cannot be interrupted anyway
-        if where and not doing:
+        if where and not doing and _still_in(lane, ident, seq):
             _raise_in(ident, Cancelled)
     deadline = time.monotonic() + grace
     while any(lane.state != "idle" for lane, *_ in busy) and time.monotonic() < deadline:
@@ -70,6 +70,17 @@ def cancel(state: RankState, grace: float) -> list[dict]:
         }
         for lane, _, doing, seq, where in busy
     ]
+
+
+def _still_in(lane, ident: int, seq: int) -> bool:
+    """Whether ``lane``'s thread still runs the user code of call ``seq``, as when the cancel
+    looked. The release in between may take a while (a pipe's producer, a communicator) and
+    end the call itself (a collective, a wait on the rank): raised in the idle executor's
+    thread, or in Dask's code finishing the task, the exception would kill the thread, or
+    leave the task executing forever."""
+    if lane.state == "idle" or lane.doing or lane.last_seq != seq:
+        return False
+    return lane.user_frame(sys._current_frames().get(ident)) is not None
 
 
 def _raise_in(ident: int, exc: type[BaseException]) -> None:

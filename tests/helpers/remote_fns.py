@@ -259,6 +259,38 @@ def cuda_allocated():
     return torch.tensor(torch.cuda.memory_allocated())
 
 
+def returns_on_release(x, path=None, closer_s=1.0):
+    """Returns as soon as its rank is released, whose release then takes ``closer_s`` more
+    (a slow closer, as a pipe's producer or a communicator can be)."""
+    from dask_monarch.worker.lane import current_lane
+
+    state = current_lane().rank
+    state.on_release(lambda: time.sleep(closer_s))
+    if path:
+        with open(path, "a") as f:
+            f.write("started\n")
+    while not state.released:
+        time.sleep(0.002)
+    return x
+
+
+_EXECUTOR_ERRORS: list[str] = []
+
+
+def executor_errors(start=False):
+    """What the threads of this worker's thread pools logged dying of (since ``start``)."""
+    import logging
+
+    if start:
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                _EXECUTOR_ERRORS.append(f"{record.getMessage()}: {record.exc_info}")
+
+        logging.getLogger("concurrent.futures").addHandler(Keep())
+    return list(_EXECUTOR_ERRORS)
+
+
 def interrupt_main_then(x, seconds=1.0):
     """What a terminal's Ctrl-C does to a worker: a SIGINT for its main thread."""
     import _thread

@@ -109,3 +109,27 @@ def test_exit_with_nothing_running_is_quiet(client):
     with pytest.raises(RuntimeError, match="has exited"):
         with mesh.activate():
             dm.inspect(torch.ones(1))
+
+
+def test_a_call_the_release_ends_is_not_interrupted_after_it_returned(client, tmp_path):
+    """Cancelling releases the rank first, which may take a while and end the call itself:
+    the interrupt must then not land in the idle lane thread (it died of it) or in Dask's
+    code finishing the task."""
+    import warnings
+
+    from helpers import remote_fns
+
+    client.run(remote_fns.executor_errors, True)
+    marker = str(tmp_path / "started")
+    mesh = dm.device_mesh(client, gpu=2)
+    token = mesh._session.controller.token
+    wait = dm.remote("helpers.remote_fns.returns_on_release", propagate=lambda x, path: x)
+    with mesh.activate():
+        wait(torch.ones(2), marker)
+    mesh._session.controller.flush()
+    _started(marker, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what it says of the calls is not the point here
+        mesh.exit(cancel=True)
+    _freed(client, token)
+    assert not any(client.run(remote_fns.executor_errors).values())
