@@ -720,7 +720,8 @@ class Controller:
         Monarch's protocol has no such message (its streams live as long as
         the mesh); the user API drops a :class:`dask_monarch.Stream` once it
         and every tensor on it are garbage. A later message naming ``stream``
-        is a protocol error, and its id is not reused.
+        is a protocol error, and its id is not reused; so is dropping it while a
+        borrow from or to it is open (its last steps run on the stream).
         """
         if type(stream) is not StreamRef:
             raise TypeError(f"drop_stream takes a StreamRef, got {stream!r}")

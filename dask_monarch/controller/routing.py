@@ -130,11 +130,23 @@ class RankRouter:
         elif t is InternalStep:
             stream = self.stream(m.StreamRef(msg.stream), type(msg.step).__name__)
             if type(msg.step) is DropLane:  # the lane's last step: nothing may follow it
+                self.check_unborrowed(stream)
                 del self.streams[stream]
                 self.dropped.add(stream)
             yield stream, msg.step, False
         else:
             raise self.error(f"{t.__name__} is not a worker message")
+
+    def check_unborrowed(self, stream: int) -> None:
+        """A stream is dropped only once no borrow is open on it: the borrow's later steps
+        run on both its streams (the lane would be gone when they come)."""
+        for borrow_id, borrow in self.borrows.borrows.items():
+            if stream in (borrow.from_stream, borrow.to_stream):
+                raise self.error(
+                    f"drop_stream of stream {stream} while borrow {borrow_id} (from stream "
+                    f"{borrow.from_stream} to stream {borrow.to_stream}) is open: its "
+                    "BorrowLastUse and BorrowDrop run on both streams; drop the borrow first"
+                )
 
     def route_borrow(self, msg: Any) -> int:
         """The stream a borrow step runs on, once the borrow's state allows the step."""

@@ -299,6 +299,24 @@ def test_a_dropped_stream_cannot_be_used_or_created_again(client2):
 
 
 @pytest.mark.timeout(120)
+def test_a_stream_with_an_open_borrow_cannot_be_dropped(client2):
+    """The borrow's last steps run on both its streams: dropping either first is refused by
+    name, not left to break the mesh when Dask finds the lane gone."""
+    for dropped in (S0, S1):
+        with dm.Controller(client2, world_size=1) as ctrl:
+            create_streams(ctrl, [0], S0, S1)
+            ctrl.send(0, call(0, Ref(1), "torch.ones", 2))
+            borrow(ctrl, 0, 1, Ref(2), Ref(1), S0, S1)
+            ctrl.send(0, m.BorrowFirstUse(1))
+            ctrl.drop_stream([0], dropped)
+            ctrl.send(0, m.BorrowLastUse(1))
+            ctrl.send(0, m.BorrowDrop(1))
+            text = f"drop_stream of stream {dropped.id} while borrow 1 (from stream 0 to stream 1)"
+            with pytest.raises(dm.DeviceException, match=re.escape(text)):
+                ctrl.sync(timeout=30)
+
+
+@pytest.mark.timeout(120)
 def test_errors_and_the_dashboard_name_a_named_stream(client2):
     with dm.Controller(client2, world_size=2) as ctrl:
         ctrl.name_stream(S1, "comms")
