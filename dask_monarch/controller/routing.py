@@ -108,6 +108,11 @@ class RankRouter:
                     "completely defined recording"
                 )
             for stream in streams:
+                if stream in self.dropped:  # its lane is gone: refused here, by name
+                    raise self.error(
+                        f"CallRecording of r{msg.recording.id} runs on stream {stream}, "
+                        "which was dropped"
+                    )
                 yield stream, msg, False
         elif lanes is Lanes.GROUP:
             for inner in msg.messages:

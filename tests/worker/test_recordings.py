@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers.raw import S0, S1, call, create_streams, failures, fetch, values
@@ -497,3 +499,26 @@ def test_recording_misuse_is_fatal(client2, case, text):
     with pytest.raises(dm.DeviceException, match=text):
         ctrl.sync(timeout=30)
     ctrl.close()
+
+
+def test_calling_a_recording_whose_stream_was_dropped_is_refused_by_name(client2):
+    with dm.Controller(client2, world_size=1) as ctrl:
+        create_streams(ctrl, [0], S0, S1)
+        fx, out = Ref(10), Ref(11)
+        define(
+            ctrl,
+            [0],
+            [
+                m.RecordingFormal(fx, 0, S1),
+                call(0, out, "torch.ops.aten.neg.default", fx, stream=S1),
+                m.RecordingResult(out, 0, S1),
+            ],
+            nresults=1,
+            nformals=1,
+        )
+        ctrl.send(0, call(1, Ref(1), "torch.ones", 2, stream=S1))
+        ctrl.drop_stream([0], S1)
+        ctrl.send(0, m.CallRecording(2, REC, [Ref(2)], [Ref(1)]))
+        text = f"CallRecording of r{REC.id} runs on stream 1, which was dropped"
+        with pytest.raises(dm.DeviceException, match=re.escape(text)):
+            ctrl.sync(timeout=30)
