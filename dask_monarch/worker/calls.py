@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import threading
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ TEST_PANIC = "__test_panic"
 _by_path: dict[str, Callable] = {}
 _by_pickle: dict[bytes, Callable] = {}
 _PICKLE_CACHE_SIZE = 256
+# Every lane's thread resolves through these caches: evicting the oldest pickle is two steps
+# (find it, pop it), which two lanes must not interleave (both would pop the same key).
+_evicting = threading.Lock()
 
 
 class InvalidRemoteFunction(Exception):
@@ -55,9 +59,10 @@ def resolve_function(function: FunctionPath | Cloudpickle) -> Callable:
                 "dask_monarch.functions.allow-pickled"
             )
         fn = cloudpickle.loads(function.bytes)
-        if len(_by_pickle) >= _PICKLE_CACHE_SIZE:
-            _by_pickle.pop(next(iter(_by_pickle)))
-        _by_pickle[function.bytes] = fn
+        with _evicting:
+            if len(_by_pickle) >= _PICKLE_CACHE_SIZE:
+                _by_pickle.pop(next(iter(_by_pickle)))
+            _by_pickle[function.bytes] = fn
     return fn
 
 
