@@ -208,7 +208,8 @@ def set_ref(lane: Lane, msg: SetRefUnitTestsOnly) -> None:
 
 
 def read_ref(lane: Lane, msg: ReadRef | GetRefUnitTestsOnly) -> None:
-    """Reply with a ref's value (tensors on CPU), its error text, or its absence."""
+    """Reply with a ref's value (tensors on CPU), its error text, or its absence; a value
+    that cannot be pickled is an error of the read (Monarch answers "unsupported type")."""
     if type(msg) is ReadRef:
         probe, ref = msg.probe, msg.message.value
     else:  # no reply port: the reply is dropped by the controller
@@ -219,8 +220,19 @@ def read_ref(lane: Lane, msg: ReadRef | GetRefUnitTestsOnly) -> None:
     elif type(value) is SeqError:
         reply = RefValue(probe, lane.rank.rank, "error", value.error)
     else:
-        reply = RefValue(probe, lane.rank.rank, "ok", calls.pickle_value(value))
-        check_device(lane.rank)
+        try:
+            data = calls.pickle_value(value)
+        except Exception as e:  # no pickler takes it: the read fails, not the rank
+            reply = RefValue(
+                probe,
+                lane.rank.rank,
+                "error",
+                f"rank {lane.rank.rank}, {lane.title}: r{ref.id} holds a "
+                f"{type(value).__name__}, which cannot be read back: {type(e).__name__}: {e}",
+            )
+        else:
+            reply = RefValue(probe, lane.rank.rank, "ok", data)
+            check_device(lane.rank)
     lane.rank.report(reply)
 
 

@@ -8,7 +8,12 @@ same reducers.
 
 from __future__ import annotations
 
-from helpers.raw import S0, create_streams, fetch, values
+import pytest
+import torch
+from helpers.raw import S0, call, create_streams, fetch, values
+
+import dask_monarch as dm
+from dask_monarch.messages import Ref
 
 
 def test_tensors_inside_custom_objects_and_beside_a_lambda_are_fetched(ctrl):
@@ -19,3 +24,15 @@ def test_tensors_inside_custom_objects_and_beside_a_lambda_are_fetched(ctrl):
         plain, cloud = got[(0, rank)]
         assert plain.t.tolist() == [0.0, 1.0, 2.0]
         assert cloud.t.tolist() == [1.0, 1.0] and cloud.f() == 1
+
+
+def test_reading_a_value_that_cannot_be_pickled_fails_the_read_not_the_mesh(ctrl):
+    """``Controller.get_ref`` of an object no pickler takes (a lock): the read raises, naming
+    it; the stream and the mesh carry on."""
+    create_streams(ctrl, [0], S0)
+    ctrl.send(0, call(0, Ref(1), "threading.Lock"))
+    ctrl.send(0, call(1, Ref(2), "torch.ones", 2))
+    assert ctrl.sync(timeout=60) == []
+    with pytest.raises(dm.RemoteException, match=r"r1 holds a lock, which cannot be read back"):
+        ctrl.get_ref(0, Ref(1), S0)
+    assert torch.equal(ctrl.get_ref(0, Ref(2), S0), torch.ones(2))
