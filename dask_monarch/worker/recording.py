@@ -243,6 +243,9 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
                 part.generate_after = 2 * part.replays
     finally:
         lane.recording = None
+        # the commands' handlers noted the seqs of the trace, older than this one: the lane
+        # is at the CallRecording (the dashboard, liveness warnings and next_seq read it)
+        lane.last_seq = msg.seq
     for ref in part.internal:  # what a fatal error left, and borrowers' refs
         env.pop(ref, None)
     error = replay.error

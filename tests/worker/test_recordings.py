@@ -522,3 +522,33 @@ def test_calling_a_recording_whose_stream_was_dropped_is_refused_by_name(client2
         text = f"CallRecording of r{REC.id} runs on stream 1, which was dropped"
         with pytest.raises(dm.DeviceException, match=re.escape(text)):
             ctrl.sync(timeout=30)
+
+
+def test_a_replay_leaves_its_lane_at_the_call_recordings_seq(ctrl, client2):
+    """The commands inside carry the seqs of their trace, older than the CallRecording's: the
+    dashboard and liveness warnings must show the lane at the CallRecording, not back there."""
+    create_streams(ctrl, BOTH, S0)
+    fx, out = Ref(10), Ref(11)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            call(0, out, "torch.neg", input=fx),  # a ref in kwargs: run by its handler
+            m.RecordingResult(out, 0, S0),
+        ],
+        nresults=1,
+        nformals=1,
+    )
+    ctrl.send(BOTH, call(1, Ref(1), "torch.ones", 2))
+    ctrl.send(BOTH, m.CallRecording(7, REC, [Ref(2)], [Ref(1)]))
+    assert ctrl.sync() == []
+
+    def lane_0(token, dask_worker=None):
+        (mine,) = [
+            e for e in dask_worker.plugins["dask_monarch"].state_snapshot() if e["token"] == token
+        ]
+        (lane,) = [lane for lane in mine["lanes"] if lane["stream"] == 0]
+        return lane["last_seq"], lane["done_seq"]
+
+    assert set(client2.run(lane_0, ctrl.token).values()) == {(7, 7)}
