@@ -117,6 +117,7 @@ def save(state: Any, path: str | os.PathLike, *, asynchronous: bool = False) -> 
         "version": VERSION,
         "dims": mesh.sizes,
         "entries": [(p, state_tree.key(p), isinstance(v, Tensor)) for p, v in items],
+        "containers": state_tree.containers(state),
     }
     keys = [state_tree.key(p) for p, _ in tensors]
     group = _group(mesh)
@@ -185,13 +186,16 @@ def fill(state: Any, info: dict, mesh: DeviceMesh) -> tuple[Any, list[tuple[tupl
     the state and the (path, mesh tensor) pairs to fill, in the saved order.
 
     ``info``: ``record`` (``entries``: (path, key, is a mesh tensor) in order,
-    ``per_rank`` keys and the ``ranks`` that saved them), ``tensors`` (key ->
+    ``containers``: (path, kind, length) of every dict, list and tuple, so that
+    those the state lacks are made as saved, ``per_rank`` keys and the
+    ``ranks`` that saved them), ``tensors`` (key ->
     saved shape and dtype), ``values`` (key -> plain value) and ``directory``
     (its name in errors). Raises one ValueError listing every disagreement,
     before anything changes.
     """
     plan = _plan_load(state, info, mesh)
     current = dict(state_tree.entries(state))
+    state, tuples = _make_containers(state, info["record"].get("containers", ()))
     for path_, value in plan["values"]:
         here = current.get(path_)
         if _same_local_tensor(here, value):
@@ -208,7 +212,34 @@ def fill(state: Any, info: dict, mesh: DeviceMesh) -> tuple[Any, list[tuple[tupl
                 t = torch.empty(shape, dtype=dtype, device=device)
                 state = state_tree.put(state, path_, t)
             targets.append((path_, t))
+    for path_ in reversed(tuples):  # children before parents
+        state = state_tree.put(state, path_, tuple(state_tree.get(state, path_)))
     return state, targets
+
+
+def _make_containers(state: Any, layout: Any) -> tuple[Any, list[tuple]]:
+    """Make the saved containers ``state`` lacks, of their saved kind and length, and lengthen
+    its shorter lists and tuples, so that every saved leaf has its place (a missing list made
+    as a dict, or a short list, would change what the state is). Tuples are made as lists
+    while they are filled; returns the state and their paths, parents first."""
+    slots: set[tuple] = set()  # places made here, not yet filled
+    tuples = []
+    for path, kind, length in layout:
+        here = state_tree.get(state, path)
+        if here is state_tree.MISSING or path in slots:
+            here = {} if kind == "dict" else [None] * length
+            slots.update((*path, i) for i in range(len(here)))
+            if kind == "tuple":
+                tuples.append(path)
+            state = state_tree.put(state, path, here)
+        elif kind != "dict" and len(here) < length:
+            slots.update((*path, i) for i in range(len(here), length))
+            if isinstance(here, list):
+                here.extend([None] * (length - len(here)))
+            else:
+                tuples.append(path)
+                state = state_tree.put(state, path, [*here, *[None] * (length - len(here))])
+    return state, tuples
 
 
 def _same_local_tensor(a: Any, b: Any) -> bool:
@@ -230,6 +261,14 @@ def _plan_load(state: Any, info: dict, mesh: DeviceMesh) -> dict:
     have = {state_tree.key(p): (p, v) for p, v in state_tree.entries(state)}
     problems, tensors, values, left_out = [], [], [], []
     wanted = set()
+    for path, kind, _ in record.get("containers", ()):
+        here = state_tree.get(state, path)
+        mine = state_tree.kind(here)
+        if here is state_tree.MISSING or mine == kind or {mine, kind} == {"list", "tuple"}:
+            continue
+        wanted.add(state_tree.key(path))  # not also an entry the checkpoint lacks
+        where = repr(state_tree.key(path)) if path else "the root"
+        problems.append(f"{where} is a {mine or type(here).__name__} in the state, a {kind} saved")
     for path, name, is_tensor in record["entries"]:
         wanted.add(name)
         found = have.get(name)

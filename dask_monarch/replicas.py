@@ -140,13 +140,15 @@ class _Job:
 
     def take(self, number: int) -> None:
         """Snapshot ``number``: the state after the step at that position (-1: before any)."""
-        items = state_tree.entries(self.tree())
+        tree = self.tree()
+        items = state_tree.entries(tree)
         tensors = [(p, v) for p, v in items if isinstance(v, Tensor)]
         _one_mesh([t for _, t in tensors], self.mesh)
         info = {
             "directory": f"snapshot {number}",
             "record": {
                 "entries": [(p, state_tree.key(p), isinstance(v, Tensor)) for p, v in items],
+                "containers": state_tree.containers(tree),
                 "per_rank": [],
                 "ranks": self.mesh.size(),
             },

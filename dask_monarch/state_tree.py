@@ -48,6 +48,50 @@ def _walk(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
         yield path, node
 
 
+def containers(state: Any) -> list[tuple[Path, str, int]]:
+    """Every dict, list and tuple of ``state`` (the root and empty ones included) as (path,
+    kind, length), parents before children: what a load needs to make the containers a
+    state lacks as they were saved (leaf paths alone cannot tell a list from a dict)."""
+    found: list[tuple[Path, str, int]] = []
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, dict):
+            found.append((path, "dict", len(node)))
+            for k, v in node.items():
+                walk(v, (*path, k))
+        elif isinstance(node, (list, tuple)):
+            found.append((path, "list" if isinstance(node, list) else "tuple", len(node)))
+            for i, v in enumerate(node):
+                walk(v, (*path, i))
+
+    walk(state, ())
+    return found
+
+
+MISSING = object()  # what :func:`get` finds where the state has nothing
+
+
+def get(state: Any, path: Path) -> Any:
+    """The node at ``path`` (a leaf or a container), or :data:`MISSING`."""
+    for head in path:
+        if isinstance(state, dict) and head in state:
+            state = state[head]
+        elif isinstance(state, (list, tuple)) and isinstance(head, int) and head < len(state):
+            state = state[head]
+        else:
+            return MISSING
+    return state
+
+
+def kind(node: Any) -> str | None:
+    """``"dict"``, ``"list"`` or ``"tuple"`` for a container, None for a leaf."""
+    if isinstance(node, dict):
+        return "dict"
+    if isinstance(node, (list, tuple)):
+        return "list" if isinstance(node, list) else "tuple"
+    return None
+
+
 def key(path: Path) -> str:
     """The leaf's name: its path joined with dots (the root itself is ``""``)."""
     return ".".join(str(p) for p in path)

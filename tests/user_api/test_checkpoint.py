@@ -158,6 +158,35 @@ def test_load_refuses_a_state_that_does_not_match_before_changing_anything(mesh2
     assert "n" not in wrong
 
 
+def test_lists_tuples_and_empty_containers_load_back_as_they_were_saved(mesh2, tmp_path):
+    with mesh2.activate():
+        w = torch.ones(2)
+    groups = [{"betas": (0.9, 0.99), "params": [0]}]
+    saved = {
+        "w": w,
+        "history": [0.5, 0.25],
+        "rng": (3, (1, 2), None),
+        "optim": {"state": {}, "param_groups": groups},
+        "extras": [[1, w]],
+    }
+    dm.checkpoint.save(saved, tmp_path)
+
+    with mesh2.activate():
+        clash = {"w": torch.zeros(2), "history": {}}  # a dict where a list was saved
+    with pytest.raises(ValueError, match="'history' is a dict in the state, a list saved"):
+        dm.checkpoint.load(clash, tmp_path)
+    assert clash["history"] == {} and "rng" not in clash  # nothing changed
+
+    with mesh2.activate():
+        template = {"w": torch.zeros(2), "history": [0.0]}  # a shorter list, entries missing
+    loaded = dm.checkpoint.load(template, tmp_path)
+    assert loaded["history"] == [0.5, 0.25]
+    assert loaded["rng"] == (3, (1, 2), None)
+    assert loaded["optim"] == {"state": {}, "param_groups": groups}
+    assert type(loaded["extras"]) is list and loaded["extras"][0][0] == 1
+    assert dm.inspect(loaded["extras"][0][1]).tolist() == [1.0, 1.0]
+
+
 def test_a_checkpoint_of_four_ranks_loads_onto_two(mesh, mesh2, tmp_path):
     model, _ = _model(mesh)
     with mesh.activate():
