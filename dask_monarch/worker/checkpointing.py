@@ -15,13 +15,16 @@ What every rank does, in parallel, nothing through the client or the scheduler:
    that differs is *per rank*: each rank writes its own under ``key@rank<i>``.
 2. The coordinator (group rank 0) picks the checkpoint's number and makes a
    temporary directory ``.checkpoint-<n>.tmp-<token>`` beside the complete
-   ones, after removing what torn saves left behind.
+   ones, after removing what torn saves left behind. It holds its temporary
+   directory locked (``flock``) until the save ends, so that a save of another
+   mesh into the same directory at the same time leaves it alone.
 3. DCP plans (local plans, the coordinator's global plan), every rank writes
    its part into the temporary directory, the coordinator writes DCP's
    ``.metadata``.
-4. The coordinator renames the directory to ``checkpoint-<n>`` (atomic) and
-   then replaces the ``latest`` marker (atomic): a save killed at any point
-   leaves the last complete checkpoint and ``latest`` as they were.
+4. The coordinator renames the directory to ``checkpoint-<n>`` (atomic; the
+   next free number if another save took ``n`` meanwhile) and then replaces
+   the ``latest`` marker (atomic): a save killed at any point leaves the last
+   complete checkpoint and ``latest`` as they were.
 
 A step that fails on one rank fails on every rank (each learns of it at the
 next exchange), so no rank waits for a peer that gave up.
@@ -30,6 +33,8 @@ next exchange), so no rank waits for a peer that gave up.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import fcntl
 import hashlib
 import os
 import pickle
@@ -192,27 +197,73 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _begin(root: str) -> tuple[int, str]:
-    """The coordinator's first step: the new checkpoint's number and its temporary directory."""
+def _numbers(root: str) -> list[int]:
+    """The numbers of the checkpoints under ``root``."""
+    return [int(m.group(1)) for m in map(_COMPLETE.match, os.listdir(root)) if m]
+
+
+def _lock(path: str) -> int | None:
+    """A descriptor of the directory ``path`` holding it locked (``flock``, released when
+    closed), or None if it is gone or another process holds it. Where the file system has no
+    ``flock``, the directory is not locked (saves into one path then run one at a time)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+    try:  # still the directory at ``path``: not removed before the lock was had
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _begin(root: str) -> tuple[int, str, int | None]:
+    """The coordinator's first step: the new checkpoint's number, its temporary directory and
+    the descriptor that holds the latter locked until the save ends.
+
+    A temporary directory no process holds locked is a torn save's, and removed; one
+    that is locked is another mesh's save in progress, and left alone.
+    """
     os.makedirs(root, exist_ok=True)
-    numbers = [0]
-    for name in os.listdir(root):
-        if _TORN.match(name):  # a save killed midway (saves of one path run one at a time)
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        match = _COMPLETE.match(name)
-        if match:
-            numbers.append(int(match.group(1)))
-    number = max(numbers) + 1
-    temp = os.path.join(root, f".{checkpoint_name(number)}.tmp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(temp)
-    return number, temp
+    while True:
+        for name in os.listdir(root):
+            if _TORN.match(name):
+                torn = _lock(os.path.join(root, name))
+                if torn is not None:
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                    os.close(torn)
+        number = max(_numbers(root), default=0) + 1
+        temp = os.path.join(root, f".{checkpoint_name(number)}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(temp)
+        fd = _lock(temp)
+        if fd is not None:
+            return number, temp, fd
+        # another save's clean-up found it before it was locked (and removes it): again
 
 
-def _commit(root: str, temp: str, number: int) -> str:
-    """Rename the written directory into place, then point ``latest`` at it (both atomic)."""
-    final = os.path.join(root, checkpoint_name(number))
+def _commit(root: str, temp: str, number: int) -> int:
+    """Rename the written directory into place, then point ``latest`` at it (both atomic);
+    returns its number: ``number``, or the next free one if another save took it."""
     _fsync_dir(temp)
-    os.rename(temp, final)
+    while True:
+        try:
+            os.rename(temp, os.path.join(root, checkpoint_name(number)))
+            break
+        except OSError as e:  # another mesh's save into ``root`` committed ``number`` first
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            number = max(number, *_numbers(root)) + 1
     marker = os.path.join(root, f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}")
     with open(marker, "w") as f:
         f.write(checkpoint_name(number) + "\n")
@@ -224,7 +275,7 @@ def _commit(root: str, temp: str, number: int) -> str:
     if keep:
         for _, old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
+    return number
 
 
 def resolve(path: str) -> str | None:
@@ -277,12 +328,33 @@ def save(
 ) -> torch.Tensor:
     """Write this rank's part of a checkpoint of ``tensors`` (under ``keys``) and ``values``
     under ``root``; returns the checkpoint's number (on every rank, once it is complete)."""
+    locks: list[int] = []  # the coordinator's, on its temporary directory: held to the end
+    try:
+        return _write(tensors, keys, values, record, root, group, locks)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def _write(
+    tensors: list[torch.Tensor],
+    keys: list[str],
+    values: dict[str, Any],
+    record: dict,
+    root: str,
+    group: dist.ProcessGroup,
+    locks: list[int],
+) -> torch.Tensor:
     rank, size = group.rank(), group.size()
     coordinator = rank == 0
 
     def prepare() -> tuple[list[bytes] | None, tuple[int, str] | None]:
         sums = digests(list(tensors)) if size > 1 else None
-        return sums, _begin(root) if coordinator else None
+        if not coordinator:
+            return sums, None
+        number, temp, fd = _begin(root)
+        locks.append(fd)
+        return sums, (number, temp)
 
     prepared = _agree(group, "preparing the checkpoint", prepare)
     number, temp = prepared[0][1]
@@ -322,12 +394,12 @@ def save(
 
     results = _agree(group, "writing the checkpoint", write)
 
-    def commit() -> None:
+    def commit() -> int:
         writer.finish(metadata, results)
-        _commit(root, temp, number)
+        return _commit(root, temp, number)
 
-    _agree(group, "committing the checkpoint", commit if coordinator else _nothing)
-    return torch.tensor(number, dtype=torch.int64)
+    committed = _agree(group, "committing the checkpoint", commit if coordinator else _nothing)
+    return torch.tensor(committed[0], dtype=torch.int64)
 
 
 def _nothing() -> None:

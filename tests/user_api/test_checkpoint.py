@@ -7,6 +7,7 @@ local tensors (plain values of the state), as torch makes them.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -141,6 +142,41 @@ def test_a_torn_write_leaves_the_last_complete_checkpoint(mesh2, tmp_path):
     assert dm.inspect(back["x"]).tolist() == [5.0] * 3
     path = dm.checkpoint.save({"x": x}, tmp_path)
     assert path.endswith("checkpoint-000002") and not torn.exists()
+
+
+def test_two_meshes_saving_into_one_directory_at_once_both_complete(client4, tmp_path):
+    """Two jobs saving into one directory at once (a notebook cell run again while the mesh of
+    its first run still saves): each save gets a number of its own, and neither removes the
+    other's temporary directory as a torn write's."""
+    meshes = {4.0: dm.device_mesh(client4, gpu=2), 2.0: dm.device_mesh(client4, gpu=2)}
+    saved = {}
+
+    def saves(value):
+        try:
+            with meshes[value].activate():
+                x = torch.full((50_000,), value)
+            saved[value] = [dm.checkpoint.save({"x": x}, tmp_path) for _ in range(3)]
+        except Exception as e:
+            saved[value] = e
+
+    try:
+        threads = [threading.Thread(target=saves, args=(value,)) for value in meshes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        assert not any(isinstance(paths, Exception) for paths in saved.values()), saved
+        assert len(set(saved[4.0]) | set(saved[2.0])) == 6
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        for value, mesh in meshes.items():
+            for path in saved[value]:
+                with mesh.activate():
+                    back = {"x": torch.zeros(50_000)}
+                dm.checkpoint.load(back, path)
+                assert dm.inspect(back["x"][:2]).tolist() == [value] * 2
+    finally:
+        for mesh in meshes.values():
+            mesh.exit()
 
 
 def test_load_refuses_a_state_that_does_not_match_before_changing_anything(mesh2, tmp_path):
