@@ -69,18 +69,29 @@ def close_sessions(sessions: list[Session]) -> None:
 
 
 def wait_for_ranks(client: Client, n: int, say: Callable[[str], None]) -> None:
-    """Wait until ``n`` workers are registered (``elastic.wait-for-ranks``); raise
-    TimeoutError saying how many came back otherwise."""
+    """Wait until ``n`` workers are registered and running (``elastic.wait-for-ranks``); raise
+    TimeoutError saying how many came back otherwise.
+
+    Asks the scheduler itself, not ``client.wait_for_workers``: with a cluster
+    object that hands the wait to the cluster, which replaces its list of
+    workers with the scheduler's; the news of the worker just lost, arriving
+    after that, names one the list lacks, and the cluster's watch of its
+    workers ends with a KeyError (LocalMeshCluster then brings no rank back,
+    and its close raises it).
+    """
     timeout = config.seconds("elastic.wait-for-ranks") or 300
     start = time.monotonic()
-    try:
-        client.wait_for_workers(n, timeout=timeout)
-    except TimeoutError:
-        have = len(registered_workers(client))
-        raise TimeoutError(
-            f"waited {timeout:g}s for {n} ranks to run again, {have} came back "
-            "(dask_monarch.elastic.wait-for-ranks)"
-        ) from None
+    while True:
+        workers = registered_workers(client).values()
+        have = sum(w.get("status", "running") == "running" for w in workers)
+        if have >= n:
+            break
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(
+                f"waited {timeout:g}s for {n} ranks to run again, {have} came back "
+                "(dask_monarch.elastic.wait-for-ranks)"
+            )
+        time.sleep(0.1)
     say(f"{n} ranks are up after {time.monotonic() - start:.1f}s; running again")
 
 

@@ -13,6 +13,7 @@ import os
 import random
 from pathlib import Path
 
+import dask
 import pytest
 import torch
 from helpers.commands import TESTS, run_command
@@ -136,3 +137,22 @@ def test_a_rank_killed_mid_step_is_replaced_within_the_job(tmp_path, reference):
     assert f"runs again from step {step}" in stderr or f"from step {step - 1}" in stderr
     same_weights(result, reference)
     assert losses == reference["losses"]
+
+
+def test_waiting_for_the_ranks_leaves_the_clusters_own_view_of_its_workers(cluster2, client2):
+    """A restart waits for its ranks by asking the scheduler. Client.wait_for_workers would
+    hand the wait to the cluster, which replaces its worker list with a snapshot: the
+    scheduler's news of the lost worker, arriving after it, then named a worker the list
+    lacked (KeyError), which ended the cluster's watch of its workers (no rank was brought
+    back after that) and made ``dask-monarch run`` fail at its close after the job
+    succeeded."""
+    from dask_monarch.deployment import restarts
+
+    view = cluster2.scheduler_info
+    said = []
+    restarts.wait_for_ranks(client2, 2, said.append)
+    assert cluster2.scheduler_info is view
+    assert said and said[0].startswith("2 ranks are up after ")
+    with pytest.raises(TimeoutError, match="waited 0.5s for 3 ranks to run again, 2 came back"):
+        with dask.config.set({"dask_monarch.elastic.wait-for-ranks": "500ms"}):
+            restarts.wait_for_ranks(client2, 3, said.append)
