@@ -233,8 +233,15 @@ def _begin(root: str) -> tuple[int, str, int | None]:
     the descriptor that holds the latter locked until the save ends.
 
     A temporary directory no process holds locked is a torn save's, and removed; one
-    that is locked is another mesh's save in progress, and left alone.
+    that is locked is another mesh's save in progress, and left alone. A checkpoint's own
+    directory is refused: a load of it reads that checkpoint, never one saved inside it.
     """
+    if os.path.exists(os.path.join(root, ".metadata")):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise ValueError(
+            f"{root} is a checkpoint, not a directory of them: save into {parent} (its "
+            "latest is what a load of that directory reads)"
+        )
     os.makedirs(root, exist_ok=True)
     while True:
         for name in os.listdir(root):

@@ -179,6 +179,19 @@ def test_two_meshes_saving_into_one_directory_at_once_both_complete(client4, tmp
             mesh.exit()
 
 
+def test_a_save_into_one_checkpoint_is_refused(mesh2, tmp_path):
+    """load(state, path) takes a checkpoint's own directory too, and it wins over a
+    ``latest`` there: a save nested inside one would be ignored by the load of that path."""
+    with mesh2.activate():
+        x = torch.full((2,), 1.0)
+    first = dm.checkpoint.save({"x": x}, tmp_path)
+    with pytest.raises(dm.RemoteException, match="is a checkpoint, not a directory of them"):
+        dm.checkpoint.save({"x": x}, first)
+    assert sorted(os.listdir(first)) == sorted(
+        n for n in os.listdir(first) if n.endswith(".distcp") or n == ".metadata"
+    )
+
+
 def test_load_refuses_a_state_that_does_not_match_before_changing_anything(mesh2, tmp_path):
     with mesh2.activate():
         x = torch.ones(3)
