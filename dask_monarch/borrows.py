@@ -50,6 +50,10 @@ class StorageInfo:
     def add(self, handle: Tensor) -> None:
         self._handles.append(weakref.ref(handle))
 
+    def remove(self, handle: Tensor) -> None:
+        """``handle`` is no alias any more (``t.data = other`` rebound it elsewhere)."""
+        self._handles = [r for r in self._handles if r() is not handle]
+
     @property
     def handles(self) -> list[Tensor]:
         alive = [h for h in (r() for r in self._handles) if h is not None]

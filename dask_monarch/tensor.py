@@ -302,6 +302,57 @@ class Tensor(torch.Tensor, Handle):
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return _TORCH_DATA.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        set_data(self, new)
+
+
+_TORCH_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def set_data(t: Tensor, new: Any) -> None:
+    """``t.data = new`` (what ``nn.Module.to``, ``.half()`` and ``.double()`` do to each
+    parameter). torch's setter only gives the wrapper ``new``'s metadata: the handle would
+    keep its old ref, and read its old value on the ranks. It is rebound to an alias of
+    ``new`` instead, as torch's ``t`` then shares ``new``'s storage (views made of ``t``
+    before keep the old one)."""
+    if not isinstance(new, Tensor):
+        if isinstance(new, torch.Tensor):
+            raise misuse(
+                f"LOCAL_TENSOR: t.data = local tensor of shape {list(new.shape)}, with t "
+                f"{t._describe()}: place it on the mesh first (t.data = "
+                "dask_monarch.put(local)), or copy it in (with torch.no_grad(): t.copy_(local))"
+            )
+        _TORCH_DATA.__set__(t, new)  # torch's own TypeError
+        return
+    check_mutable(t)
+    mesh, _ = placement([t, new], "t.data = new", "borrow it first")
+    if mesh._session.capture is not None:
+        raise NotImplementedError(
+            "t.data = new inside dask_monarch.compile: a replay cannot rebind a handle; "
+            "assign outside the compiled function, or copy the value in "
+            "(with torch.no_grad(): t.copy_(new))"
+        )
+    t._settle_views()  # views of t read its old value: they get refs of their own first
+    with torch.no_grad():
+        alias = _aten.alias.default(new)
+    ref = alias._ref  # sent now if it was a lazy view
+    with mesh._session.lock:
+        Handle.rebind(t, ref)  # deletes the value t owned on the ranks
+        alias._owns_ref = False
+        _TORCH_DATA.__set__(t, alias)  # the wrapper's shape, strides and dtype
+        t._mkey = alias._mkey
+        t._storage.remove(t)
+        t._storage = alias._storage
+        t._storage.add(t)
+        t._known = None
+        if alias._known is not None:
+            t._storage.learn(t, alias._known)
+
 
 def cpu_ranks(mesh: DeviceMesh) -> list[int]:
     """The ranks of ``mesh`` whose device is the CPU (they have no GPU)."""

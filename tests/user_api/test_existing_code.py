@@ -226,6 +226,34 @@ def test_a_conjugate_view_keeps_its_bit(mesh2):
     assert torch.equal(dm.inspect(real), torch.view_as_real(local.conj().resolve_conj()))
 
 
+def test_assigning_data_rebinds_the_handle_as_nn_module_to_and_half_do(mesh2):
+    torch.manual_seed(0)
+    local = nn.Linear(4, 3)
+    with mesh2.activate():
+        w = torch.ones(3)
+        old_view = w[:2]
+        w.data = torch.arange(6, dtype=torch.float64).reshape(2, 3)  # new dtype and shape
+        assert (w.shape, w.dtype) == ((2, 3), torch.float64)
+        doubled = w * 2
+        model = nn.Linear(4, 3)
+        model.load_state_dict(local.state_dict())
+        model.half()  # nn.Module._apply: param.data = param.half()
+        assert model.weight.dtype == torch.float16 and model.weight.requires_grad
+        model.to(torch.float64)
+        out = model(torch.ones(2, 4, dtype=torch.float64))
+        out.sum().backward()
+    assert torch.equal(dm.inspect(w, gpu=1), torch.arange(6.0).reshape(2, 3).double())
+    assert dm.inspect(old_view).tolist() == [1.0, 1.0]  # a view made before keeps its storage
+    assert torch.equal(dm.inspect(doubled), torch.arange(0.0, 12.0, 2).reshape(2, 3).double())
+    local.half().to(torch.float64)
+    want = local(torch.ones(2, 4, dtype=torch.float64))
+    want.sum().backward()
+    assert dm.inspect(model.weight).dtype == torch.float64
+    assert torch.equal(dm.inspect(model.weight), local.weight.detach())
+    assert torch.equal(dm.inspect(out.detach()), want.detach())
+    assert torch.equal(dm.inspect(model.weight.grad), local.weight.grad)
+
+
 # -- copies --------------------------------------------------------------------------------
 
 
