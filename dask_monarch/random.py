@@ -181,6 +181,27 @@ def manual_seed(seed: int) -> None:
     _manual_seed(seed, **_own(get_active_stream(), mesh))
 
 
+_torch_manual_seed = torch.random.manual_seed
+
+
+def _torch_manual_seed_on_the_mesh(seed: int) -> torch.Generator:
+    """``torch.manual_seed(seed)``: the client's generator, as always, and under an active
+    mesh the ranks' too (:func:`manual_seed`). torch's own seeds only the client, whose
+    generator no mesh op draws from: code that seeds torch before building its model
+    (transformers' ``set_seed``) got weights that differed from the same code run locally,
+    and from rank to rank."""
+    generator = _torch_manual_seed(seed)
+    if active_mesh() is not None:
+        manual_seed(int(seed))
+    return generator
+
+
+def install_torch_manual_seed() -> None:
+    """Route ``torch.manual_seed`` (and ``torch.random.manual_seed``) through
+    :func:`_torch_manual_seed_on_the_mesh`. The first mesh of a client does it."""
+    torch.manual_seed = torch.random.manual_seed = _torch_manual_seed_on_the_mesh
+
+
 def get_state() -> Tensor:
     """Every rank's generator states (CPU and CUDA), as a mesh tensor of bytes: a fork of the
     active stream's generators that :func:`set_state` restores."""

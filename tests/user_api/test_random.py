@@ -109,3 +109,22 @@ def test_random_needs_a_mesh_and_an_int_seed(mesh2):
             dm.random.seed_stream(1.5)
         with pytest.raises(TypeError, match="seed must be an int"):
             dm.random.new_state(True)
+
+
+def test_torch_manual_seed_under_a_mesh_seeds_the_ranks_too(mesh2):
+    from torch import nn
+
+    torch.manual_seed(0)
+    want_draw, want = torch.rand(3), nn.Linear(3, 2)
+    with mesh2.activate():
+        torch.random.manual_seed(5)  # transformers' set_seed, model code seeding itself
+        before = torch.rand(3)
+        assert torch.manual_seed(0) is torch.default_generator  # torch's own result
+        draw, model = torch.rand(3), nn.Linear(3, 2)
+    # the client's generator is seeded too, as before (the mesh's draws are the ranks')
+    assert torch.equal(torch.rand(3), want_draw)
+    (five,) = _local(5, 3)
+    for rank in range(2):
+        assert torch.equal(dm.inspect(before, gpu=rank), five)
+        assert torch.equal(dm.inspect(draw, gpu=rank), want_draw)
+        assert torch.equal(dm.inspect(model.weight.detach(), gpu=rank), want.weight.detach())
