@@ -330,6 +330,8 @@ class Propagator:
         return self._cache.get((id(info), _key(args, handles), ()))
 
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
+        if info.makes_tensors and func._schema.name.startswith("aten::_nested"):
+            raise NotImplementedError(_nested_text(func))
         return plan_of(self.run_fake(func, args, kwargs), info)
 
     def run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -355,6 +357,18 @@ class Propagator:
                 return x
 
             return func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+
+
+def _nested_text(func: OpOverload) -> str:
+    """Why an op that makes a nested tensor is refused, and how code gets around it (torch's
+    own error there is an internal one: "NestedTensorImpl doesn't support sizes")."""
+    return (
+        f"{func} makes a nested tensor, which a mesh tensor cannot be (mesh tensors are dense, "
+        "strided). nn.TransformerEncoder makes one in eval mode given a src_key_padding_mask "
+        "(its fast path packs the unpadded rows): build it with enable_nested_tensor=False "
+        "(or set encoder.use_nested_tensor = False); its padded positions then hold "
+        "computed values rather than zeros, as in training mode"
+    )
 
 
 def extent(meta: TensorMeta) -> int:

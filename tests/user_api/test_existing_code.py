@@ -300,6 +300,30 @@ def test_transformer_encoder_with_a_mask_equals_local(mesh2, no_fetch):
     assert all(torch.allclose(a, b.grad, atol=1e-5) for a, b in zip(grads, local.parameters()))
 
 
+def test_a_nested_tensor_is_refused_saying_how_to_avoid_it(mesh2):
+    torch.manual_seed(0)
+
+    def build(nested: bool):
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+    local = build(False)
+    src = torch.randn(2, 3, 8)
+    pad = torch.tensor([[False, False, True], [False, False, False]])
+    with torch.no_grad():
+        want = local(src, src_key_padding_mask=pad)
+    with mesh2.activate(), torch.no_grad():
+        encoder = build(True)
+        encoder.load_state_dict(local.state_dict())
+        x = dm.put(src)
+        # its fast path packs the unpadded rows into a nested tensor, which is not dense
+        with pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+            encoder(x, src_key_padding_mask=pad)
+        encoder.use_nested_tensor = False  # what enable_nested_tensor=False sets
+        got = encoder(x, src_key_padding_mask=pad)
+    assert torch.allclose(dm.inspect(got), want, atol=1e-5)
+
+
 def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
     with mesh2.activate():
         x = torch.ones(2)
