@@ -400,9 +400,10 @@ def device_mesh(
     )
     answer_torch_collectives(Tensor)  # torch.distributed.all_reduce(t) points to t.reduce
     install_cuda_check()  # device="cuda" on CPU ranks names them, also on a CPU-only client
-    from .random import install_torch_manual_seed
+    from .random import install_torch_rng
 
-    install_torch_manual_seed()  # torch.manual_seed under mesh.activate() seeds the ranks
+    install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'
+
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,7 +138,8 @@ def _deterministic_now() -> bool:
 
 
 def _state_like(*args, **kwargs) -> torch.Tensor:
-    return torch.empty(torch.get_rng_state().numel() + 1 + CUDA_STATE_BYTES, dtype=torch.uint8)
+    cpu_bytes = _torch_get_rng_state().numel()  # the client's: torch.get_rng_state is a mesh's
+    return torch.empty(cpu_bytes + 1 + CUDA_STATE_BYTES, dtype=torch.uint8)
 
 
 _get_state = remote("dask_monarch.random._states", propagate=_state_like)
@@ -181,7 +182,14 @@ def manual_seed(seed: int) -> None:
     _manual_seed(seed, **_own(get_active_stream(), mesh))
 
 
-_torch_manual_seed = torch.random.manual_seed
+def _original(function: Callable) -> Callable:
+    """torch's own function, also when this module is imported again after installing."""
+    return getattr(function, "__dask_monarch_original__", function)
+
+
+_torch_manual_seed = _original(torch.random.manual_seed)
+_torch_get_rng_state = _original(torch.random.get_rng_state)
+_torch_set_rng_state = _original(torch.random.set_rng_state)
 
 
 def _torch_manual_seed_on_the_mesh(seed: int) -> torch.Generator:
@@ -196,10 +204,43 @@ def _torch_manual_seed_on_the_mesh(seed: int) -> torch.Generator:
     return generator
 
 
-def install_torch_manual_seed() -> None:
-    """Route ``torch.manual_seed`` (and ``torch.random.manual_seed``) through
-    :func:`_torch_manual_seed_on_the_mesh`. The first mesh of a client does it."""
+def _torch_get_rng_state_on_the_mesh() -> torch.Tensor:
+    """``torch.get_rng_state()``: under an active mesh, the ranks' states (:func:`get_state`),
+    which :func:`_torch_set_rng_state_on_the_mesh` restores. torch's own gave the client's,
+    so ``torch.utils.checkpoint`` replayed dropout with other masks in backward (wrong
+    gradients) and ``torch.random.fork_rng`` restored nothing on the ranks."""
+    if active_mesh() is None:
+        return _torch_get_rng_state()
+    return get_state()
+
+
+def _torch_set_rng_state_on_the_mesh(new_state: torch.Tensor) -> None:
+    """``torch.set_rng_state(state)``: a mesh state (from ``torch.get_rng_state()`` under a
+    mesh) is restored on its ranks, under its mesh if none is active (a checkpointed
+    forward recomputed by a backward called outside ``mesh.activate()``)."""
+    if not isinstance(new_state, Tensor):
+        _torch_set_rng_state(new_state)
+        return
+    if active_mesh() is None:
+        with new_state._mesh.activate():
+            set_state(new_state)
+        return
+    set_state(new_state)
+
+
+def install_torch_rng() -> None:
+    """Route ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (and
+    their ``torch.random`` names, which ``fork_rng`` and ``torch.utils.checkpoint`` call)
+    through the functions above. The first mesh of a client does it."""
+    for wrapper, original in (
+        (_torch_manual_seed_on_the_mesh, _torch_manual_seed),
+        (_torch_get_rng_state_on_the_mesh, _torch_get_rng_state),
+        (_torch_set_rng_state_on_the_mesh, _torch_set_rng_state),
+    ):
+        wrapper.__dask_monarch_original__ = original  # type: ignore[attr-defined]
     torch.manual_seed = torch.random.manual_seed = _torch_manual_seed_on_the_mesh
+    torch.get_rng_state = torch.random.get_rng_state = _torch_get_rng_state_on_the_mesh
+    torch.set_rng_state = torch.random.set_rng_state = _torch_set_rng_state_on_the_mesh
 
 
 def get_state() -> Tensor:

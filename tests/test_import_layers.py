@@ -19,7 +19,7 @@ BACK_REFERENCES = {
     ("tensor", "transfer"): "Tensor.to_mesh and Tensor.slice_mesh",
     ("mesh", "remote_function"): "DeviceMesh.rank runs a remote function",
     ("mesh", "actor_mesh"): "DeviceMesh.spawn makes an ActorMesh",
-    ("mesh", "random"): "device_mesh routes torch.manual_seed through dm.random.manual_seed",
+    ("mesh", "random"): "device_mesh routes torch.manual_seed and the rng states through dm.random",
 }
 # Worker modules other layers may import directly; everything else goes through the
 # ``dask_monarch.worker`` package's entry points.

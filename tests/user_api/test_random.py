@@ -25,8 +25,8 @@ def test_new_state_is_a_seed_s_state_without_touching_the_generators(mesh2):
         dm.random.set_state(fresh)
         c = torch.rand(3)
         got = [dm.inspect((a, b, c), gpu=r) for r in range(2)]
-        cpu_bytes = torch.get_rng_state().numel()
         state = dm.inspect(fresh, gpu=1)
+    cpu_bytes = torch.get_rng_state().numel()  # a CPU generator's (under a mesh: the ranks')
     a1, b1 = _local(1, 3, 3)
     (c7,) = _local(7, 3)
     for a_, b_, c_ in got:
@@ -128,3 +128,26 @@ def test_torch_manual_seed_under_a_mesh_seeds_the_ranks_too(mesh2):
         assert torch.equal(dm.inspect(before, gpu=rank), five)
         assert torch.equal(dm.inspect(draw, gpu=rank), want_draw)
         assert torch.equal(dm.inspect(model.weight.detach(), gpu=rank), want.weight.detach())
+
+
+def test_checkpointed_dropout_replays_its_masks_through_torch_s_rng_state(mesh2):
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    def run(reentrant: bool) -> tuple:
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8)
+        x = torch.arange(16.0).reshape(2, 8).requires_grad_()
+        # recomputed in backward from the RNG state torch.get_rng_state() gave in forward
+        y = checkpoint(lambda t: nn.functional.dropout(lin(t), 0.5), x, use_reentrant=reentrant)
+        y.sum().backward()
+        with torch.random.fork_rng():  # restores the generators on the way out
+            torch.rand(3)
+        return y.detach(), x.grad, lin.weight.grad, torch.rand(3)
+
+    for reentrant in (False, True):
+        want = run(reentrant)
+        with mesh2.activate():
+            got = run(reentrant)
+        for rank in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(dm.inspect(got, gpu=rank), want))
