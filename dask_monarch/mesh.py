@@ -359,7 +359,7 @@ def device_mesh(
     # imported here: the workers import this module (for _coordinate) and need none of these
     from .controller.session import Session
     from .propagation import Propagator, warm_up
-    from .tensor import Tensor, install_cuda_check
+    from .tensor import Tensor, install_cuda_check, install_tensor_constructors
     from .torch_collectives import install as answer_torch_collectives
 
     if workers is not None and (
@@ -400,6 +400,7 @@ def device_mesh(
     )
     answer_torch_collectives(Tensor)  # torch.distributed.all_reduce(t) points to t.reduce
     install_cuda_check()  # device="cuda" on CPU ranks names them, also on a CPU-only client
+    install_tensor_constructors()  # torch.tensor([loss, ...]) of mesh tensors: on the ranks
     from .random import install_torch_rng
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'

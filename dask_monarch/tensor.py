@@ -402,6 +402,78 @@ def install_cuda_check() -> None:
     torch.cuda._lazy_init = _lazy_cuda_init
 
 
+def _mesh_leaves(data: Any, leaves: list) -> tuple[int, ...] | None:
+    """The shape of nested lists ``data`` (their leaves appended to ``leaves``)."""
+    if not isinstance(data, (list, tuple)):
+        leaves.append(data)
+        return ()
+    shapes = {_mesh_leaves(v, leaves) for v in data}
+    inner = shapes.pop() if len(shapes) == 1 else ()
+    return (len(data), *inner)
+
+
+def _with_mesh_values(original: Callable) -> Callable:
+    """``torch.tensor(data)`` / ``torch.as_tensor(data)``, when lists ``data`` hold mesh
+    tensors (``torch.tensor(losses)``): torch's C++ reads each element's memory, which a
+    mesh tensor has none of ("its data is not allocated yet"). Made on the ranks instead,
+    each rank's elements stacked, with torch's dtype (the promotion of the elements')."""
+
+    def constructor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        try:  # torch's own first: nothing to pay unless it failed
+            return original(data, *args, **kwargs)
+        except RuntimeError:
+            if not isinstance(data, (list, tuple)):
+                raise
+            leaves: list = []
+            shape = _mesh_leaves(data, leaves)
+            handles = [v for v in leaves if isinstance(v, Tensor)]
+            if not handles:
+                raise
+        dtype = kwargs.get("dtype", args[0] if args else None)
+        for h in handles:
+            if h.numel() != 1:
+                raise ValueError(
+                    f"{original.__name__}(data): data holds {h._describe()}; only one-element "
+                    "tensors can be elements (torch's rule): use torch.stack or torch.cat"
+                )
+        if dtype is None:
+            dtype = handles[0].dtype
+            for v in leaves:
+                if isinstance(v, torch.Tensor):
+                    other = v.dtype
+                else:
+                    with no_dispatch():  # a local tensor, for torch's inference of its dtype
+                        other = original(v).dtype
+                dtype = torch.promote_types(dtype, other)
+        mesh = handles[0]._mesh
+        with contextlib.nullcontext() if active_mesh() is mesh else mesh.activate():
+            with torch.no_grad():
+                values = [
+                    v.detach().reshape(()).to(dtype)
+                    if isinstance(v, torch.Tensor)
+                    else original(v, dtype=dtype)
+                    for v in leaves
+                ]
+                out = torch.stack(values).reshape(shape)
+        if kwargs.get("requires_grad"):
+            out.requires_grad_()
+        return out
+
+    constructor.__dask_monarch_original__ = original  # type: ignore[attr-defined]
+    constructor.__name__ = original.__name__
+    constructor.__doc__ = original.__doc__
+    return constructor
+
+
+def install_tensor_constructors() -> None:
+    """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`
+    (once per process: the first mesh of a client does it)."""
+    for name in ("tensor", "as_tensor"):
+        current = getattr(torch, name)
+        if not hasattr(current, "__dask_monarch_original__"):
+            setattr(torch, name, _with_mesh_values(current))
+
+
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:
     original = getattr(torch.Tensor, name)
     direct = _DIRECT.get(name)

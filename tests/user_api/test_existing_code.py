@@ -69,6 +69,24 @@ def test_values_made_on_the_client_are_mesh_tensors(mesh2, no_fetch):
         assert isinstance(found, torch.Tensor) and found.tolist() == [False, True]
 
 
+def test_a_list_of_mesh_scalars_makes_a_mesh_tensor_on_the_ranks(mesh2, no_fetch):
+    with mesh2.activate():
+        loss = _unknown(torch.tensor(1.5))  # a value only the ranks know
+        step = torch.tensor(2, dtype=torch.int64)
+        losses = torch.tensor([loss, loss * 2])  # logging code: torch.tensor(losses)
+        mixed = torch.as_tensor([[step, 1], [3, step]])
+        wide = torch.tensor([step, loss.double()], dtype=torch.float16)
+        assert isinstance(losses, dm.Tensor) and not losses.requires_grad
+        dtypes = (losses.dtype, mixed.dtype, wide.dtype)
+        assert dtypes == (torch.float32, torch.int64, torch.float16)
+        assert mixed.shape == (2, 2)
+    outside = torch.tensor([loss])  # after the block: on the mesh of its elements
+    assert dm.inspect(losses, gpu=1).tolist() == [1.5, 3.0]
+    assert dm.inspect(outside).tolist() == [1.5]
+    assert dm.inspect(mixed).tolist() == [[2, 1], [3, 2]]
+    assert dm.inspect(wide).tolist() == [2.0, 1.5]
+
+
 def test_a_small_local_tensor_is_placed_and_a_large_one_refused_naming_the_call(mesh2):
     with mesh2.activate():
         x = torch.ones(4)
