@@ -32,7 +32,7 @@ from .opaque_ref import OpaqueRef
 from .protocol.names import rank_function
 from .remote_function import remote
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, active_mesh
+from .tensor import Tensor, active_mesh, as_torch_builtin
 from .worker import rank_gpu
 
 if TYPE_CHECKING:
@@ -238,6 +238,7 @@ def install_torch_rng() -> None:
         (_torch_set_rng_state_on_the_mesh, _torch_set_rng_state),
     ):
         wrapper.__dask_monarch_original__ = original  # type: ignore[attr-defined]
+        as_torch_builtin(wrapper, original)
     torch.manual_seed = torch.random.manual_seed = _torch_manual_seed_on_the_mesh
     torch.get_rng_state = torch.random.get_rng_state = _torch_get_rng_state_on_the_mesh
     torch.set_rng_state = torch.random.set_rng_state = _torch_set_rng_state_on_the_mesh

@@ -465,13 +465,26 @@ def _with_mesh_values(original: Callable) -> Callable:
     return constructor
 
 
+def as_torch_builtin(wrapper: Callable, original: Callable) -> None:
+    """TorchScript compiles a call of ``wrapper`` (installed in place of torch's
+    ``original``) as the aten op it compiled ``original`` to: scripted code never sees
+    a mesh tensor, and a Python wrapper (``*args``, a ContextVar) cannot be scripted."""
+    from torch.jit._builtins import _find_builtin, _register_builtin
+
+    op = _find_builtin(original)
+    if op is not None:
+        _register_builtin(wrapper, op)
+
+
 def install_tensor_constructors() -> None:
     """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`
     (once per process: the first mesh of a client does it)."""
     for name in ("tensor", "as_tensor"):
         current = getattr(torch, name)
         if not hasattr(current, "__dask_monarch_original__"):
-            setattr(torch, name, _with_mesh_values(current))
+            wrapper = _with_mesh_values(current)
+            as_torch_builtin(wrapper, current)
+            setattr(torch, name, wrapper)
 
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:

@@ -87,6 +87,14 @@ def test_a_list_of_mesh_scalars_makes_a_mesh_tensor_on_the_ranks(mesh2, no_fetch
     assert dm.inspect(wide).tolist() == [2.0, 1.5]
 
 
+def test_torch_functions_wrapped_for_meshes_still_script(mesh2):
+    def scripted(x: torch.Tensor) -> torch.Tensor:  # torch.tensor and manual_seed are wrapped
+        torch.manual_seed(0)
+        return x + torch.tensor([1.0]) + torch.as_tensor([2.0])
+
+    assert torch.jit.script(scripted)(torch.zeros(1)).tolist() == [3.0]
+
+
 def test_a_small_local_tensor_is_placed_and_a_large_one_refused_naming_the_call(mesh2):
     with mesh2.activate():
         x = torch.ones(4)
