@@ -15,6 +15,7 @@ What the lock protects stays in one class.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import functools
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -48,6 +49,7 @@ DELETE_BATCH = 1024  # refs deleted in one DeleteRefs (earlier at fetches and ex
 # ... or earlier once the dropped handles name this many bytes: 1024 dropped activations of a
 # real model are gigabytes the ranks (GPUs) would keep for nothing.
 DELETE_BYTES = 64 << 20
+REPORT_RETRY_S = 0.002  # a report that found the session's lock taken is applied after this
 
 
 class Capture:
@@ -230,6 +232,8 @@ class Session:
         self.watch: Callable[[int, Any, int, tuple[int, ...]], None] | None = None
         self._exit_instead: Callable[[], None] | None = None
         self.closed = False
+        self._arrived: deque = deque()  # reports not applied yet: the lock was taken
+        self._apply_armed = False  # a retry of them is due on the event loop
         self.controller.add_listener(self._on_message, consume=True)  # futures hold what they need
         _live.add(self)
 
@@ -500,20 +504,52 @@ class Session:
         self._unobserved.pop(id(failure), None)
 
     def _on_message(self, msg: m.FetchResult | m.RemoteFunctionFailed | m.Status) -> None:
-        """A report from a rank (event loop thread): resolve futures, record failures."""
+        """A report from a rank (event loop thread): resolve futures, record failures.
+
+        Applied under the session's lock, but the loop never waits for it: the user's thread
+        may hold it while it waits for the loop (an op whose flush adds lanes or opens the
+        rendezvous calls ``client.run``), and both would wait forever. A report that finds
+        the lock taken waits in arrival order for a retry on the loop a moment later."""
+        self._arrived.append(msg)
+        self._apply_arrived()
+
+    def _apply_arrived(self) -> None:
+        """Apply the reports that arrived, in order, if the lock is free (event loop thread);
+        else try again shortly."""
+        if not self.lock.acquire(blocking=False):
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on an event loop: no thread waits for this one
+                self.lock.acquire()
+            else:
+                if not self._apply_armed:
+                    self._apply_armed = True
+                    loop.call_later(REPORT_RETRY_S, self._retry_arrived)
+                return
+        try:
+            arrived = self._arrived
+            while arrived:
+                self._apply(arrived.popleft())
+        finally:
+            self.lock.release()
+
+    def _retry_arrived(self) -> None:
+        self._apply_armed = False
+        self._apply_arrived()
+
+    def _apply(self, msg: m.FetchResult | m.RemoteFunctionFailed | m.Status) -> None:
         t = type(msg)
-        with self.lock:
-            if t is m.FetchResult:
-                if msg.seq in self._futures:
-                    self._values[msg.seq][msg.rank] = msg.value
-            elif t is m.RemoteFunctionFailed:
-                self._failed(msg)
-            elif t is m.Status:
-                self._progress(msg)
-            elif t is ValueFailed:  # fails the seq that defined the value, and its users
-                seq = self.history.definer.get(msg.ref)
-                if seq is not None:
-                    self._failed(m.RemoteFunctionFailed(seq, msg.rank, msg.error))
+        if t is m.FetchResult:
+            if msg.seq in self._futures:
+                self._values[msg.seq][msg.rank] = msg.value
+        elif t is m.RemoteFunctionFailed:
+            self._failed(msg)
+        elif t is m.Status:
+            self._progress(msg)
+        elif t is ValueFailed:  # fails the seq that defined the value, and its users
+            seq = self.history.definer.get(msg.ref)
+            if seq is not None:
+                self._failed(m.RemoteFunctionFailed(seq, msg.rank, msg.error))
 
     def _failed(self, msg: m.RemoteFunctionFailed) -> None:
         inv = self.history.invocations.get(msg.seq)
