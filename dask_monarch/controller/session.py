@@ -694,6 +694,7 @@ class Session:
             return
         if cancel:
             return cancel_session(self)
+        drained = False  # else the wait failed (timeout, broken, Ctrl-C): release at once
         try:
             with self.lock:
                 self.request_status()
@@ -712,10 +713,13 @@ class Session:
                             f"{waiting_for(self.controller)}"
                         )
                     self._completion.wait(min(remaining, 0.1))
+            drained = True
             unobserved = next(iter(self._unobserved.values()), None)
         finally:
             self.closed = True
-            self.controller.close()
+            # a wait that failed has had its time: Controller.close would drain once more
+            # (timeouts.close), and exit(timeout=2) would take 12 s
+            self.controller.close(timeout=None if drained else 0)
         if unobserved is not None:
             raise unobserved
 
