@@ -11,6 +11,7 @@ protocol refuse it saying what to call instead (docs/dask.md §5);
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +45,12 @@ class MeshFuture(concurrent.futures.Future):
         while True:
             try:
                 value = super().result(timeout=0.05)
-                if self.check is not None:
-                    self.check(value)
-                return value
             except concurrent.futures.TimeoutError:
                 if controller.debugging:  # a rank stopped in pdb: its user may drive it here
                     controller.attend_debugger()
                 broken = controller.broken
                 if broken is not None:
-                    raise broken from None
+                    raise _own(broken) from None
                 if controller.closed and not self.done():
                     raise RuntimeError(
                         f"the mesh was exited before the fetch of seq {self.seq} resolved"
@@ -62,6 +60,12 @@ class MeshFuture(concurrent.futures.Future):
                         f"the fetch of seq {self.seq} did not resolve within "
                         f"{timeout}s: {waiting_for(controller)}"
                     ) from None
+            except Exception as e:  # failed: its own copy (see _own)
+                raise _own(e) from None
+            else:
+                if self.check is not None:
+                    self.check(value)
+                return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -143,6 +147,16 @@ class MeshFuture(concurrent.futures.Future):
             f"{escape(state)}<br><small>f.result() (or <code>await f</code>) waits for the "
             "value</small></div>"
         )
+
+
+def _own(error: Exception) -> Exception:
+    """A copy of ``error`` to raise: one failure is shared by every future that depends on it
+    (controller/history.py), and raising the same object again would add this fetch's frames
+    to the traceback of every earlier one (keeping their locals, mesh tensors too, alive)."""
+    try:
+        return copy.copy(error)
+    except Exception:  # an exception type that cannot be rebuilt from its args
+        return error
 
 
 def _not_for_dask(future: MeshFuture, what: str) -> str:
