@@ -40,6 +40,15 @@ class MeshFuture(concurrent.futures.Future):
         wait on, as a LivenessWarning does.
         """
         controller = self._session.controller
+        if not self.done() and not controller.can_wait_for_ranks():
+            # the ranks' reports arrive on this very thread: the wait could never end, and
+            # it would stop the loop (heartbeats, every mesh of the client) meanwhile
+            raise RuntimeError(
+                f"the fetch of seq {self.seq} cannot be waited for on the Dask client's event "
+                "loop thread (a done callback of a MeshFuture runs there): the ranks' "
+                "reports arrive on that thread. Wait for it elsewhere (in your own thread, "
+                "or `await` it in async code), or read it in a later done callback"
+            )
         controller.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -99,3 +99,34 @@ def test_fetches_from_a_thread_while_another_makes_streams(client):
         assert _in_thread(body, 120) > 0
     finally:
         mesh.exit(timeout=30)
+
+
+def test_a_fetch_in_a_done_callback_is_refused_not_left_to_hang(client):
+    """Done callbacks run on the client's event loop, where reports arrive: a fetch that
+    waited there could never resolve (and stopped the loop: heartbeats, every mesh)."""
+    mesh = dm.device_mesh(client, gpu=2)
+    try:
+        with mesh.activate():
+            x = torch.ones(2)
+            y = x * 5
+            seen: list = []
+
+            def callback(f) -> None:
+                try:
+                    seen.append((f.result(), dm.inspect(y, timeout=20)))  # the first is done
+                except BaseException as e:
+                    seen.append(e)
+
+            f = dm.fetch_shard(x)
+            f.add_done_callback(callback)
+            assert f.result(timeout=30).tolist() == [1.0, 1.0]
+            start = time.monotonic()
+            while not seen and time.monotonic() - start < 30:
+                time.sleep(0.05)
+            (error,) = seen
+            assert isinstance(error, RuntimeError), error
+            assert "event loop" in str(error) and "done callback" in str(error)
+            assert time.monotonic() - start < 5
+            assert dm.inspect(y, timeout=30).tolist() == [5.0, 5.0]  # the mesh still works
+    finally:
+        mesh.exit(timeout=30)
