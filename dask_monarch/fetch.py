@@ -24,6 +24,7 @@ from .mesh import DeviceMesh
 from .protocol import messages as m
 from .stream import get_active_stream
 from .tensor import Tensor, check_usable, placement
+from .transfer import MeshSliceTensor
 
 
 def shard_rank(mesh: DeviceMesh, shard: dict[str, int]) -> int:
@@ -68,7 +69,15 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **coords: int) ->
     """
     if shard is not None and coords:
         raise TypeError("give the shard as a dict or as keywords, not both")
-    handles = [x for x in tree_leaves(obj) if isinstance(x, Tensor)]
+    leaves = tree_leaves(obj)
+    for x in leaves:
+        if isinstance(x, MeshSliceTensor):  # else pickled as a plain value: "cannot be pickled"
+            raise TypeError(
+                f"{x!r} is the shards of a tensor on a sub-mesh, not a tensor: move them "
+                "first (t.slice_mesh(...).to_mesh(mesh)), or fetch the tensor on one rank "
+                "directly (dask_monarch.inspect(t, gpu=0))"
+            )
+    handles = [x for x in leaves if isinstance(x, Tensor)]
     # the fetch runs on the active stream, as in Monarch
     mesh, _ = placement(handles, "fetch_shard", "fetch it under that stream")
     rank = shard_rank(mesh, shard if shard is not None else coords)
