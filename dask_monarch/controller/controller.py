@@ -249,6 +249,8 @@ class Controller:
         self._attach = config.get("debug.attach", "auto")  # may a wait attach to a paused rank
         self._probes = itertools.count(1)
         self._broken: DeviceException | None = None
+        # called on the client's loop once broken or closed (the user API fails its futures)
+        self.on_shutdown: Callable[[], None] | None = None
         # (distributed.span annotation, task-name label) of the dask_monarch.span open now
         self.span: tuple[dict, str] | None = None
         # outside any dask_monarch.span: one span of its own, not a new default span per flush
@@ -950,6 +952,11 @@ class Controller:
                 logger.debug("mesh %s: no release through its client: %r", self.mesh_id, e)
         self._actors.clear()
         self._reports.hang_up()
+        if self.on_shutdown is not None:  # after the hang-up: no report resolves them now
+            try:
+                self.on_shutdown()
+            except Exception as e:  # a listener's bug must not stop the shutdown
+                logger.warning("mesh %s: on_shutdown failed: %r", self.mesh_id, e)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds for outstanding work, then release every rank.

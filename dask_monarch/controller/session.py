@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -235,6 +236,8 @@ class Session:
         self._arrived: deque = deque()  # reports not applied yet: the lock was taken
         self._apply_armed = False  # a retry of them is due on the event loop
         self.controller.add_listener(self._on_message, consume=True)  # futures hold what they need
+        controller = self.controller  # its own: a dry run's stand-in may take its place
+        controller.on_shutdown = lambda: self._fail_pending(controller)
         _live.add(self)
 
     # -- ids ----------------------------------------------------------------------------------
@@ -570,6 +573,22 @@ class Session:
                 self._values.pop(seq, None)
                 self._observe(failure)
                 future.set_exception(failure)
+
+    def _fail_pending(self, controller: Controller) -> None:
+        """The controller broke or closed (on the client's loop): no report will resolve the
+        fetches still pending, so fail them now. Only ``result()`` polled for this; a
+        ``concurrent.futures.wait``/``as_completed`` or a done callback waited forever.
+        Without the session's lock (the user's thread may hold it, waiting on this loop):
+        a future resolves once, whoever comes first."""
+        broken = controller.broken
+        for seq, future in list(self._futures.items()):
+            if future.done():
+                continue
+            error = broken or RuntimeError(
+                f"the mesh was exited before the fetch of seq {seq} resolved"
+            )
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(error)
 
     def _progress(self, msg: m.Status) -> None:
         ranks = self._first_incomplete

@@ -5,6 +5,7 @@ execution slot and saying where it was; a call in C code is named, with the work
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -133,3 +134,22 @@ def test_a_call_the_release_ends_is_not_interrupted_after_it_returned(client, tm
         mesh.exit(cancel=True)
     _freed(client, token)
     assert not any(client.run(remote_fns.executor_errors).values())
+
+
+def test_fetches_pending_at_a_cancel_are_failed_for_every_way_of_waiting(client, tmp_path):
+    """``concurrent.futures.wait``/``as_completed`` and done callbacks do not poll the mesh as
+    ``result()`` does: a fetch that no report can resolve any more must fail."""
+    marker = str(tmp_path / "started")
+    mesh = dm.device_mesh(client, gpu=2)
+    spin = dm.remote("helpers.remote_fns.spin", propagate=lambda x, path: x)
+    with mesh.activate():
+        pending = dm.fetch_shard(spin(torch.ones(2), marker))
+    called = threading.Event()
+    pending.add_done_callback(lambda _: called.set())
+    _started(marker, 2)
+    with pytest.warns(RuntimeWarning):
+        mesh.exit(cancel=True)
+    done, _ = concurrent.futures.wait([pending], timeout=30)
+    assert done == {pending} and called.wait(5)
+    with pytest.raises((dm.DeviceException, RuntimeError)):
+        pending.result(timeout=5)
