@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import copy
 import functools
 import itertools
 import logging
@@ -331,7 +332,7 @@ class Controller:
         segments cost Dask far less per message than many small ones.
         """
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
         if self._closed:
             raise RuntimeError("the controller is closed")
         if type(message) not in _WORKER_MESSAGE_TYPES:
@@ -398,7 +399,7 @@ class Controller:
                         )
                     )
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
 
     def _submit(self, buffer: list, final: bool | tuple[int, int] = False) -> None:
         """Compile ``buffer`` and hand it to Dask; whatever stops that half way breaks the
@@ -591,7 +592,7 @@ class Controller:
         with self._progress:
             while True:
                 if self._broken is not None:
-                    raise self._broken
+                    raise fresh_copy(self._broken)
                 if ready():
                     return
                 remaining = deadline - time.monotonic()
@@ -740,7 +741,7 @@ class Controller:
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
         if self._closed:
             raise RuntimeError("the controller is closed")
 
@@ -994,6 +995,17 @@ class Controller:
     def __repr__(self) -> str:
         state = "broken" if self._broken else "closed" if self._closed else "running"
         return f"<Controller of mesh {self.mesh_id}: {self.world_size} ranks, {state}>"
+
+
+def fresh_copy(error: Exception) -> Exception:
+    """A copy of ``error`` to raise: the one DeviceException of a broken controller (or the
+    one RemoteException a failure poisons its dependents with) is raised by every later
+    call, and raising the same object again adds each call's frames to the traceback of
+    every earlier one (another thread's included), keeping their locals alive."""
+    try:
+        return copy.copy(error)
+    except Exception:  # an exception type that cannot be rebuilt from its args
+        return error
 
 
 def clock_offset(worker_clock: float, sent: float, back: float) -> float:

@@ -11,11 +11,11 @@ protocol refuse it saying what to call instead (docs/dask.md §5);
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import DeviceException, RemoteException
+from .controller import fresh_copy
 
 if TYPE_CHECKING:
     from .seam import ControllerSeam
@@ -59,7 +59,7 @@ class MeshFuture(concurrent.futures.Future):
                     controller.attend_debugger()
                 broken = controller.broken
                 if broken is not None:
-                    raise _own(broken) from None
+                    raise fresh_copy(broken) from None
                 if controller.closed and not self.done():
                     raise RuntimeError(
                         f"the mesh was exited before the fetch of seq {self.seq} resolved"
@@ -69,8 +69,8 @@ class MeshFuture(concurrent.futures.Future):
                         f"the fetch of seq {self.seq} did not resolve within "
                         f"{timeout}s: {waiting_for(controller)}"
                     ) from None
-            except Exception as e:  # failed: its own copy (see _own)
-                raise _own(e) from None
+            except Exception as e:  # failed: its own copy (see fresh_copy)
+                raise fresh_copy(e) from None
             else:
                 if self.check is not None:
                     self.check(value)
@@ -156,16 +156,6 @@ class MeshFuture(concurrent.futures.Future):
             f"{escape(state)}<br><small>f.result() (or <code>await f</code>) waits for the "
             "value</small></div>"
         )
-
-
-def _own(error: Exception) -> Exception:
-    """A copy of ``error`` to raise: one failure is shared by every future that depends on it
-    (controller/history.py), and raising the same object again would add this fetch's frames
-    to the traceback of every earlier one (keeping their locals, mesh tensors too, alive)."""
-    try:
-        return copy.copy(error)
-    except Exception:  # an exception type that cannot be rebuilt from its args
-        return error
 
 
 def _not_for_dask(future: MeshFuture, what: str) -> str:

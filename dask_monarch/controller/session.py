@@ -40,7 +40,7 @@ from ..protocol.ndslice import Slice
 from ..protocol.rules import streams_named
 from ..protocol.wire import ValueFailed
 from .cancel import cancel_session
-from .controller import Controller
+from .controller import Controller, fresh_copy
 from .futures import MeshFuture, waiting_for
 from .history import History
 from .seam import ControllerSeam, Substitute
@@ -299,7 +299,7 @@ class Session:
             while self.history.completed < target:
                 broken = controller.broken
                 if broken is not None:
-                    raise broken
+                    raise fresh_copy(broken)
                 if controller.closed or controller.debugging:
                     return
                 self._completion.wait(0.05)
@@ -724,7 +724,7 @@ class Session:
                 while self.history.completed < target:
                     broken = self.controller.broken
                     if broken is not None:
-                        raise broken
+                        raise fresh_copy(broken)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(

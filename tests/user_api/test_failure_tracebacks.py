@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import traceback
 
+import dask
 import pytest
 import torch
 
@@ -44,3 +45,30 @@ def test_each_fetch_of_one_failure_has_its_own_traceback(mesh2):
     assert "_first_site" in frames[0] and "_second_site" not in frames[0]
     assert "_second_site" in frames[1] and "_first_site" not in frames[1]
     assert len({len(traceback.extract_tb(e.__traceback__)) for e in (second, *again)}) == 1
+
+
+def test_each_call_on_a_broken_mesh_has_its_own_traceback(client2):
+    with dask.config.set({"dask_monarch.limits.lanes": 2}):  # a third stream breaks it
+        mesh = dm.device_mesh(client2, gpu=2)
+    try:
+        with mesh.activate():
+            t = torch.ones(2)
+            streams = [dm.Stream(f"s{i}") for i in range(3)]
+            with pytest.raises(dm.DeviceException, match="limits.lanes"):
+                for s in streams:
+                    with s.activate():
+                        torch.ones(1)
+                    mesh._session.controller.flush()
+            errors = []
+            for fetch in (_first_site, _second_site, _second_site):
+                with pytest.raises(dm.DeviceException) as info:
+                    fetch(t)
+                errors.append(info.value)
+    finally:
+        with pytest.raises(dm.DeviceException) as at_exit:
+            mesh.exit()
+    assert len({id(e) for e in errors}) == 3 and len({str(e) for e in errors}) == 1
+    frames = ["".join(traceback.format_tb(e.__traceback__)) for e in (*errors, at_exit.value)]
+    assert "_first_site" in frames[0] and "_second_site" not in frames[0]
+    assert "_second_site" in frames[1] and "_first_site" not in frames[1]
+    assert "_second_site" not in frames[3] and "_flush_loop" not in frames[3]
