@@ -14,7 +14,6 @@ import concurrent.futures
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import DeviceException, RemoteException
 from .controller import fresh_copy
 
 if TYPE_CHECKING:
@@ -77,9 +76,15 @@ class MeshFuture(concurrent.futures.Future):
                 return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The failure (any type: a DryRunError, an exited mesh's RuntimeError too), or None;
+        only a wait past ``timeout`` raises (TimeoutError), as ``concurrent.futures`` does."""
         try:
             self.result(timeout)
-        except (RemoteException, DeviceException) as e:
+        except TimeoutError:
+            if self.done():  # the fetch itself failed with one
+                return super().exception(timeout=0)
+            raise
+        except Exception as e:
             return e
         return None
 
