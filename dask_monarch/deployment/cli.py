@@ -22,10 +22,11 @@ entry point for each ``dask ...`` command.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import click
 
@@ -245,6 +246,22 @@ def _address_or_file(scheduler_address: str | None, scheduler_file: str | None) 
     return scheduler_address
 
 
+@contextlib.contextmanager
+def _unreachable_is_an_error(
+    scheduler_address: str | None, scheduler_file: str | None
+) -> Iterator[None]:
+    """A scheduler that cannot be reached (refused, timed out, unresolvable) while connecting
+    is one line saying what to check, not a traceback (``info`` and ``debug`` alike)."""
+    try:
+        yield
+    except OSError as e:
+        where = scheduler_address or f"the address in {scheduler_file}"
+        raise click.ClickException(
+            f"cannot reach the scheduler at {where}: {e}. Is the scheduler running there "
+            "(dask scheduler, or the cluster's scheduler_address)?"
+        ) from None
+
+
 @cli.command()
 @_running_cluster
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -255,14 +272,8 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
     from .cluster_info import describe_cluster, table_lines
 
     scheduler_address = _address_or_file(scheduler_address, scheduler_file)
-    try:
+    with _unreachable_is_an_error(scheduler_address, scheduler_file):
         report = describe_cluster(scheduler_address, scheduler_file)
-    except OSError as e:  # refused, timed out, unresolvable: no traceback, what to check
-        where = scheduler_address or f"the address in {scheduler_file}"
-        raise click.ClickException(
-            f"cannot reach the scheduler at {where}: {e}. Is the scheduler running there "
-            "(dask scheduler, or the cluster's scheduler_address)?"
-        ) from None
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
         return
@@ -277,10 +288,14 @@ def info(scheduler_address: str | None, scheduler_file: str | None, as_json: boo
 @_running_cluster
 def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
     """Ranks paused in breakpoint(): list them, attach to one's pdb, resume all (a shell)."""
-    from .debug_shell import main as shell
+    from .debug_shell import connect
+    from .debug_shell import run as shell
 
     scheduler_address = _address_or_file(scheduler_address, scheduler_file)
-    sys.exit(shell(scheduler_address, scheduler_file))
+    with _unreachable_is_an_error(scheduler_address, scheduler_file):
+        client = connect(scheduler_address, scheduler_file)
+    with client:
+        sys.exit(shell(client))
 
 
 # -- worker ----------------------------------------------------------------------------------

@@ -118,13 +118,21 @@ class Shell:
     do_q = do_exit = do_quit
 
 
-def main(scheduler_address: str | None, scheduler_file: str | None) -> int:
-    """Connect to the scheduler and run the shell on this process's stdin and stdout."""
+def connect(scheduler_address: str | None, scheduler_file: str | None) -> Any:
+    """A client of the scheduler (raises ``OSError`` when it cannot be reached)."""
     from distributed import Client
 
     if scheduler_file:
-        client = Client(scheduler_file=scheduler_file, set_as_default=False)
-    else:
-        client = Client(scheduler_address, set_as_default=False)
-    with client:
-        return Shell(client, sys.stdin, sys.stdout).run()
+        return Client(scheduler_file=scheduler_file, set_as_default=False)
+    return Client(scheduler_address, set_as_default=False)
+
+
+def run(client: Any) -> int:
+    """The shell on this process's stdin and stdout, driving ``client``'s cluster."""
+    return Shell(client, sys.stdin, sys.stdout).run()
+
+
+def main(scheduler_address: str | None, scheduler_file: str | None) -> int:
+    """Connect to the scheduler and run the shell on this process's stdin and stdout."""
+    with connect(scheduler_address, scheduler_file) as client:
+        return run(client)

@@ -273,3 +273,15 @@ def test_progress_line_never_garbles_the_script_output(tmp_path, address):
     assert drawn, raw  # the line was shown while the script ran ...
     assert all(x.startswith("dask-monarch: 1 mesh, ") for x in drawn), drawn  # ... real figures
     assert not any(x.startswith("dask-monarch: 0 ") or " 0 messages" in x for x in drawn)
+
+
+@pytest.mark.timeout(300)
+def test_debug_on_an_unreachable_scheduler_is_a_short_clear_error(tmp_path):
+    done = run_cli(
+        ["debug", "--scheduler-address", "tcp://127.0.0.1:1"],
+        tmp_path,
+        env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"},
+    )
+    assert done.returncode == 1, explain(done)
+    assert "cannot reach the scheduler at tcp://127.0.0.1:1" in done.stderr, explain(done)
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 3, explain(done)
