@@ -7,5 +7,6 @@ and ``lifeline`` (scheduler preloads: Dask's batched-send gaps, and a scheduler
 that ends with its parent); ``cli`` (the ``dask-monarch`` command), ``runner``
 (``dask-monarch run``), ``cluster_info`` (``dask-monarch info``) and
 ``debug_shell`` (``dask-monarch debug``); ``restarts`` (``--max-restarts`` and
-``dm.elastic``: a job run again after its mesh broke).
+``dm.elastic``: a job run again after its mesh broke); ``options`` (the checked
+values of their command-line options).
 """

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 
 import click
 
+from .options import DURATION, MEMORY_LIMIT
+
 RUN_HELP = """Run a Python SCRIPT (with its ARGS) on a dask_monarch mesh.
 
 Without --scheduler-address/--scheduler-file, an embedded LocalMeshCluster
@@ -331,6 +333,7 @@ def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
 )
 @click.option(
     "--memory-limit",
+    type=MEMORY_LIMIT,
     default="auto",
     show_default=True,
     help="Per worker: bytes, '16GB', or 'auto' (the node's memory divided among them).",
@@ -348,6 +351,7 @@ def debug(scheduler_address: str | None, scheduler_file: str | None) -> None:
 )
 @click.option(
     "--batched-interval",
+    type=DURATION,
     default=None,
     metavar="DURATION",
     envvar="MONARCH_BATCHED_INTERVAL",
@@ -361,10 +365,10 @@ def worker(
     gpus: str | None,
     first_rank: int | None,
     torch_threads: int | None,
-    memory_limit: str,
+    memory_limit: int | str | None,
     host: str | None,
     name_prefix: str | None,
-    batched_interval: str | None,
+    batched_interval: float | None,
 ) -> None:
     """Start one rank worker per GPU of this node, as `dask cuda worker` does.
 
@@ -387,20 +391,6 @@ def worker(
             )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    gap = None
-    if batched_interval is not None:
-        from dask.utils import parse_timedelta
-
-        gap = parse_timedelta(batched_interval, default="s")
-        if gap is None or gap < 0:
-            raise click.BadParameter(f"--batched-interval={batched_interval}")
-    limit: int | str | None = memory_limit
-    if memory_limit not in ("auto", "0", "none", "None"):
-        from dask.utils import parse_bytes
-
-        limit = parse_bytes(memory_limit)
-    elif memory_limit != "auto":
-        limit = None
     asyncio.run(
         run_node(
             scheduler,
@@ -408,10 +398,10 @@ def worker(
             devices,
             first_rank=first_rank,
             torch_threads=torch_threads,
-            memory_limit=limit,
+            memory_limit=memory_limit,
             host=host,
             name_prefix=name_prefix,
-            batched_interval=gap,
+            batched_interval=batched_interval,
         )
     )
 

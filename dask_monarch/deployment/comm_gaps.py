@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import click
-from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..dask_internals import lower_scheduler_gaps
+from .options import DURATION
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -56,10 +56,11 @@ class LowerGaps(SchedulerPlugin):
 @click.command(name="dask_setup")
 @click.option(
     "--batched-interval",
+    type=DURATION,
     default="1ms",
     show_default=True,
     help="The gap of the scheduler's streams to workers and clients.",
 )
-def dask_setup(scheduler: Scheduler, batched_interval: str) -> None:
+def dask_setup(scheduler: Scheduler, batched_interval: float) -> None:
     """Preload hook: add :class:`LowerGaps` to the scheduler."""
-    scheduler.add_plugin(LowerGaps(parse_timedelta(batched_interval, default="s")))
+    scheduler.add_plugin(LowerGaps(batched_interval))

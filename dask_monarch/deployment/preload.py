@@ -40,13 +40,13 @@ import os
 from typing import TYPE_CHECKING
 
 import click
-from dask.utils import parse_timedelta
 
 # Imported here, not in dask_setup: a scheduler imports its preloads before its dashboard
 # starts, and the "More..." menu entry must exist by then.
 from ..observability import dashboard
 from ..protocol.names import PLUGIN_NAME, RESOURCE_CAPACITY, RESOURCE_PREFIX, rank_resource
 from .comm_gaps import LowerGaps
+from .options import DURATION
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -143,6 +143,7 @@ def setup_nanny(
 )
 @click.option(
     "--monarch-batched-interval",
+    type=DURATION,
     default=None,
     metavar="DURATION",
     envvar="MONARCH_BATCHED_INTERVAL",
@@ -156,16 +157,12 @@ async def dask_setup(
     monarch_rank: int | None,
     monarch_gpu: str | None,
     monarch_torch_threads: int | None,
-    monarch_batched_interval: str | None,
+    monarch_batched_interval: float | None,
 ) -> None:
     """Preload hook for schedulers (the dashboard page), workers and nannies."""
     from distributed import Nanny, Scheduler, Worker
 
-    gap = None
-    if monarch_batched_interval is not None:
-        gap = parse_timedelta(monarch_batched_interval, default="s")
-        if gap < 0:
-            raise click.BadParameter(f"--monarch-batched-interval={monarch_batched_interval}")
+    gap = monarch_batched_interval
     if isinstance(server, Scheduler):
         if monarch_rank is not None or monarch_gpu is not None or monarch_torch_threads:
             raise click.UsageError("--monarch-* options are for workers, not the scheduler")

@@ -285,3 +285,36 @@ def test_debug_on_an_unreachable_scheduler_is_a_short_clear_error(tmp_path):
     assert done.returncode == 1, explain(done)
     assert "cannot reach the scheduler at tcp://127.0.0.1:1" in done.stderr, explain(done)
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 3, explain(done)
+
+
+def test_bad_durations_and_sizes_are_usage_errors_naming_the_option(tmp_path):
+    """Not a KeyError/ValueError traceback from dask's parsers, and never a worker started."""
+    for option, value, words in [
+        ("--batched-interval", "1xs", "is not a duration"),
+        ("--batched-interval", "-1ms", "is not a duration"),
+        ("--memory-limit", "16QQ", "is not a size"),
+    ]:
+        done = run_cli(
+            ["worker", "tcp://127.0.0.1:1", "--gpus", "0", f"{option}={value}"], tmp_path
+        )
+        assert done.returncode == 2, explain(done)
+        assert option in done.stderr and words in done.stderr, explain(done)
+        assert "Traceback" not in done.stderr, explain(done)
+
+
+def test_preload_options_are_checked_by_their_parser():
+    """A preload's failure is only logged by Dask, which starts the server without it: the
+    message must name the option and say what it takes."""
+    import click
+
+    from dask_monarch.deployment import comm_gaps, preload
+
+    for command, option in [
+        (preload.dask_setup, "--monarch-batched-interval"),
+        (comm_gaps.dask_setup, "--batched-interval"),
+    ]:
+        with pytest.raises(click.BadParameter, match="is not a duration") as raised:
+            command.make_context("dask_setup", [f"{option}=abc"])
+        assert option in raised.value.format_message() or option in str(raised.value.param.opts)
+        context = command.make_context("dask_setup", [f"{option}=1ms"])
+        assert context.params[option.lstrip("-").replace("-", "_")] == 0.001
