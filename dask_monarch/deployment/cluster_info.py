@@ -8,15 +8,59 @@ this works on any deployment, not only on clusters dask_monarch started.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from distributed import Worker
+    from distributed import Client, Worker
 
 
-def dashboard_note(link: str) -> str:
-    """``", dashboard <the /monarch/ page>"`` for an information line ("" without a dashboard)."""
-    return f", dashboard {link.rsplit('/', 1)[0]}/monarch/" if link else ""
+def dashboard_note(link: str | None, page: str | None) -> str:
+    """``", dashboard <the /monarch/ page>"`` for an information line; Dask's own ``link`` and
+    how to add the page where the scheduler serves none ("" without a dashboard)."""
+    if page:
+        return f", dashboard {page}"
+    if link:
+        return f", dashboard {link} (without a /monarch/ page: --preload dask_monarch.dashboard)"
+    return ""
+
+
+def monarch_page(client: Client) -> str | None:
+    """The URL of the ``/monarch/`` page of ``client``'s scheduler, None where it serves none.
+
+    Dask's ``dashboard_link`` exists whenever the scheduler listens for HTTP,
+    which it does without the page (a scheduler started without the preload),
+    and even without a dashboard: a link made from it answered 404.
+    """
+    link = client.dashboard_link
+    if not link:
+        return None
+    try:
+        served = client.run_on_scheduler(_serves_monarch_page())
+    except Exception:  # a scheduler that cannot run it (no tornado app) serves no page
+        served = False
+    return f"{link.rsplit('/', 1)[0]}/monarch/" if served else None
+
+
+def _serves_monarch_page() -> Callable:
+    """A function that tells whether a scheduler routes ``/monarch/state.json`` to a handler.
+
+    Made inside this function so that cloudpickle sends it by value: the
+    scheduler needs neither dask_monarch nor torch to answer.
+    """
+
+    def serves(dask_scheduler: Any) -> bool:
+        from tornado.httputil import HTTPServerRequest
+        from tornado.web import ErrorHandler
+
+        application = getattr(dask_scheduler, "http_application", None)
+        if application is None:
+            return False
+        request = HTTPServerRequest(method="GET", uri="/monarch/state.json", host="localhost")
+        handler = application.find_handler(request)
+        return handler is not None and not issubclass(handler.handler_class, ErrorHandler)
+
+    return serves
 
 
 def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) -> dict:
@@ -52,8 +96,9 @@ def describe_cluster(scheduler_address: str | None, scheduler_file: str | None) 
             )
         rows.sort(key=lambda r: rank_order(r["address"], r))  # the order controllers take
         link = client.dashboard_link
+        page = monarch_page(client)
         scheduler = client.scheduler.address
-    return {"scheduler": scheduler, "dashboard": link, "workers": rows}
+    return {"scheduler": scheduler, "dashboard": link, "monarch_page": page, "workers": rows}
 
 
 def table_lines(report: dict) -> list[str]:
@@ -63,7 +108,7 @@ def table_lines(report: dict) -> list[str]:
     rows = report["workers"]
     lines = [
         f"scheduler {report['scheduler']}, {len(rows)} workers"
-        + dashboard_note(report["dashboard"])
+        + dashboard_note(report["dashboard"], report.get("monarch_page"))
     ]
     header = ("worker", "address", "rank resource", "threads", "memory", "GPUs", "plugin", "meshes")
     table = [header] + [

@@ -88,7 +88,7 @@ def run(
     from ..controller.session import live_sessions
     from ..observability.progress import ProgressLine
     from . import restarts
-    from .cluster_info import dashboard_note
+    from .cluster_info import dashboard_note, monarch_page
 
     with contextlib.ExitStack() as stack:
         if scheduler_address or scheduler_file:
@@ -97,16 +97,19 @@ def run(
             say(
                 f"using the cluster at {client.scheduler.address} "
                 f"({len(registered_workers(client))} workers)"
-                + dashboard_note(client.dashboard_link)
+                + dashboard_note(client.dashboard_link, monarch_page(client))
             )
         else:
             client = stack.enter_context(
                 _embedded_client(ranks, device, dashboard_address, security, say, progress)
             )
             cluster = client.cluster
+            # Without a dashboard Dask's scheduler still listens for HTTP (no page of its own
+            # or ours): there is nothing to link to.
+            link = client.dashboard_link if dashboard_address is not None else None
             say(
                 f"{cluster.n_ranks} {cluster.device} ranks on an embedded cluster at "
-                f"{cluster.scheduler_address}" + dashboard_note(client.dashboard_link)
+                f"{cluster.scheduler_address}" + dashboard_note(link, link and monarch_page(client))
             )
         embedded = client.cluster is not None and hasattr(client.cluster, "n_ranks")
         n = client.cluster.n_ranks if embedded else ranks or len(registered_workers(client))

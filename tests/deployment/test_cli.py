@@ -7,6 +7,7 @@ starts the embedded LocalMeshCluster.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -318,3 +319,37 @@ def test_preload_options_are_checked_by_their_parser():
         assert option in raised.value.format_message() or option in str(raised.value.param.opts)
         context = command.make_context("dask_setup", [f"{option}=1ms"])
         assert context.params[option.lstrip("-").replace("-", "_")] == 0.001
+
+
+@pytest.mark.timeout(300)
+def test_no_monarch_page_link_where_the_scheduler_serves_none(tmp_path, throwaway_cluster):
+    """A scheduler started without the dashboard preload has no /monarch/ page: the commands
+    must not print a link to it (it answered 404), but say how to get it."""
+    with throwaway_cluster(1, plain=True, dashboard_address="127.0.0.1:0") as (cluster, client):
+        at = cluster.scheduler_address
+        done = run_cli(["info", "--scheduler-address", at], tmp_path)
+        assert done.returncode == 0, explain(done)
+        assert not re.search(r"http\S*/monarch/", done.stdout), explain(done)
+        assert "--preload dask_monarch.dashboard" in done.stdout, explain(done)
+        done = run_cli(["info", "--scheduler-address", at, "--json"], tmp_path)
+        assert json.loads(done.stdout)["monarch_page"] is None, explain(done)
+        (tmp_path / "noop.py").write_text("print('ran')\n")
+        done = run_cli(["run", "--scheduler-address", at, "noop.py"], tmp_path)
+        assert done.returncode == 0 and "ran" in done.stdout, explain(done)
+        assert not re.search(r"http\S*/monarch/", done.stderr), explain(done)
+
+
+@pytest.mark.timeout(300)
+def test_run_without_a_dashboard_prints_no_dashboard_link(tmp_path):
+    """--dashboard-address '' (none): Dask's scheduler still listens for HTTP on 8787, without
+    its pages or ours, so a link would lead nowhere."""
+    (tmp_path / "noop.py").write_text("print('ran')\n")
+    done = run_cli(["run", "--ranks", "1", "--dashboard-address", "", "noop.py"], tmp_path)
+    assert done.returncode == 0 and "ran" in done.stdout, explain(done)
+    assert "embedded cluster at" in done.stderr and "dashboard" not in done.stderr, explain(done)
+
+
+def test_info_names_the_monarch_page_of_a_cluster_that_serves_it(tmp_path, address, client2):
+    done = run_cli(["info", "--scheduler-address", address, "--json"], tmp_path)
+    page = json.loads(done.stdout)["monarch_page"]
+    assert page == client2.dashboard_link.rsplit("/", 1)[0] + "/monarch/", explain(done)
