@@ -43,7 +43,9 @@ class ProgressLine:
         self.stream = stream
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.interval = interval or config.seconds("cli.progress-interval") or 0.5
-        self.delay = config.seconds("cli.progress-delay") if delay is None else delay
+        if delay is None:  # null: at once (a None here stopped the line's thread)
+            delay = config.seconds("cli.progress-delay") or 0.0
+        self.delay = delay
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name="dask-monarch-progress"

@@ -129,12 +129,14 @@ def test_exit_codes_of_plain_errors_and_sys_exit(tmp_path, address):
     assert done.returncode == 7, explain(done)
 
 
-def test_progress_line_on_stderr(tmp_path, address):
+@pytest.mark.parametrize("delay", ["0s", "null"])
+def test_progress_line_on_stderr(tmp_path, address, delay):
+    """A null progress-delay is no delay: it crashed the line's thread (a TypeError)."""
     done = run_cli(
         ["run", "--scheduler-address", address, "--progress", "-q", "script.py"],
         tmp_path,
         env={
-            "DASK_MONARCH__CLI__PROGRESS_DELAY": "0s",
+            "DASK_MONARCH__CLI__PROGRESS_DELAY": delay,
             "DASK_MONARCH__CLI__PROGRESS_INTERVAL": "100ms",
         },
         script="""
@@ -150,6 +152,7 @@ def test_progress_line_on_stderr(tmp_path, address):
     lines = [x for x in done.stderr.splitlines() if x.startswith("dask-monarch: 1 mesh, ")]
     assert lines, explain(done)
     assert "messages" in lines[-1] and "tasks done" in lines[-1] and "elapsed" in lines[-1]
+    assert "Traceback" not in done.stderr, explain(done)
 
 
 def test_info_lists_the_ranks(tmp_path, address):
