@@ -90,6 +90,11 @@ def run(
     from . import restarts
     from .cluster_info import dashboard_note, monarch_page
 
+    existing = bool(scheduler_address or scheduler_file)
+    cpu_ranks = not existing and ranks is None
+    check_settings(
+        existing=existing, cpu_ranks=cpu_ranks, progress=progress, restarts=max_restarts > 0
+    )
     with contextlib.ExitStack() as stack:
         if scheduler_address or scheduler_file:
             client = _connect(scheduler_address, scheduler_file, ranks, security)
@@ -154,6 +159,26 @@ def run(
                     except Exception as e:  # exiting anyway: the processes end with us
                         logging.getLogger("dask_monarch.cli").debug("closing: %r", e)
     return code
+
+
+def check_settings(*, existing: bool, cpu_ranks: bool, progress: bool, restarts: bool) -> None:
+    """Read the settings this run will read, before anything starts: a bad value is a
+    :class:`SetupError` (one line), not a traceback halfway through the run (or, for
+    ``elastic.wait-for-ranks``, after the script ran and its mesh broke)."""
+    from .. import config
+
+    durations = [
+        *(["cli.wait-for-workers"] if existing else []),
+        *(["cli.progress-interval", "cli.progress-delay"] if progress else []),
+        *(["elastic.wait-for-ranks"] if restarts else []),
+    ]
+    try:
+        for key in durations:
+            config.seconds(key)
+        if cpu_ranks:
+            config.integer("cli.cpu-ranks", minimum=1)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
 
 
 def security_for(

@@ -356,3 +356,26 @@ def test_info_names_the_monarch_page_of_a_cluster_that_serves_it(tmp_path, addre
     done = run_cli(["info", "--scheduler-address", address, "--json"], tmp_path)
     page = json.loads(done.stdout)["monarch_page"]
     assert page == client2.dashboard_link.rsplit("/", 1)[0] + "/monarch/", explain(done)
+
+
+@pytest.mark.parametrize(
+    "setting, options",
+    [
+        ("CLI__WAIT_FOR_WORKERS", ["--ranks", "2"]),
+        ("CLI__PROGRESS_INTERVAL", ["--progress"]),
+        ("ELASTIC__WAIT_FOR_RANKS", ["--max-restarts", "1"]),
+    ],
+)
+def test_a_bad_setting_of_run_is_one_line_before_the_script(tmp_path, address, setting, options):
+    """Not a traceback (wait-for-ranks: only once a mesh broke, after the script had run)."""
+    (tmp_path / "noop.py").write_text("print('ran')\n")
+    done = run_cli(
+        ["run", "--scheduler-address", address, *options, "noop.py"],
+        tmp_path,
+        env={f"DASK_MONARCH__{setting}": "abc"},
+    )
+    key = setting.lower().replace("__", ".").replace("_", "-")
+    assert done.returncode == 1, explain(done)
+    assert f"Error: the setting dask_monarch.{key}" in done.stderr, explain(done)
+    assert "is 'abc', which is not a duration" in done.stderr, explain(done)
+    assert "Traceback" not in done.stderr and "ran" not in done.stdout, explain(done)
