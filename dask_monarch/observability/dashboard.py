@@ -187,12 +187,21 @@ def rank_workers(scheduler: Scheduler) -> list[str]:
     ]
 
 
+NO_PLUGIN = (
+    "no dask_monarch plugin on this worker yet (it advertises a rank resource; a controller "
+    "installs the plugin when it claims the worker, --preload dask_monarch.preload before)"
+)
+
+
 async def _ask(scheduler: Scheduler, address: str, timeout: float) -> tuple[str, Any, str | None]:
     try:
         reply = await asyncio.wait_for(
             scheduler.broadcast(msg={"op": STATE_HANDLER}, workers=[address]), timeout
         )
-        return address, reply.get(address, []), None
+        ranks = reply.get(address)
+        if ranks is None:  # no handler: the worker logged it and answered nothing
+            return address, [], NO_PLUGIN
+        return address, list(ranks), None
     except asyncio.TimeoutError:
         return address, [], f"no answer within {timeout:g}s (its event loop is busy or blocked)"
     except Exception as e:

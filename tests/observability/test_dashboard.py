@@ -331,3 +331,31 @@ def test_workers_table_shows_tensor_bytes_as_bytes():
     formatter = built["column"].formatter
     assert isinstance(formatter, NumberFormatter) and formatter.format == "0.0 b", formatter
     assert 3 << 20 in built["data"]["monarch_tensor_bytes"]  # the figure stays a number
+
+
+def _routes_config(module: str) -> dict:
+    """The Dask config that serves ``module``'s routes on the scheduler, as documented."""
+    import dask
+
+    routes = dask.config.get("distributed.scheduler.http.routes")
+    return {"distributed.scheduler.http.routes": [*routes, module]}
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_worker_without_the_plugin_is_shown_not_a_failed_page(throwaway_cluster):
+    """A worker that advertises a rank resource by hand (``--resources monarch-rank0=1``) has
+    no plugin until a controller claims it: its row says so, and the page still answers
+    (it was a 500 for the whole cluster)."""
+    with throwaway_cluster(
+        1,
+        plain=True,
+        dashboard_address="127.0.0.1:0",
+        resources={"monarch-rank0": 1},
+        config=_routes_config("dask_monarch.observability.dashboard"),
+    ) as (cluster, client):
+        base = client.dashboard_link.rsplit("/", 1)[0]
+        found = state(base)
+        assert found["workers"], found
+        for worker in found["workers"]:
+            assert worker["ranks"] == 0 and "no dask_monarch plugin" in worker["error"], worker
+        assert found["controllers"] == []
