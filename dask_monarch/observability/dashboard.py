@@ -409,7 +409,8 @@ def install(scheduler: Scheduler) -> None:
     application = getattr(scheduler, "http_application", None)
     if application is None:
         return
-    if __name__ in dask.config.get("distributed.scheduler.http.routes", []):
+    listed = dask.config.get("distributed.scheduler.http.routes", [])
+    if __name__ in listed or "dask_monarch.dashboard" in listed:
         return  # distributed already serves our routes
     application.add_handlers(r".*", get_handlers(server=scheduler, modules=[__name__]))
     logger.debug("dask_monarch dashboard page at /monarch/")

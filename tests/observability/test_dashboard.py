@@ -359,3 +359,18 @@ def test_a_rank_worker_without_the_plugin_is_shown_not_a_failed_page(throwaway_c
         for worker in found["workers"]:
             assert worker["ranks"] == 0 and "no dask_monarch plugin" in worker["error"], worker
         assert found["controllers"] == []
+
+
+@pytest.mark.timeout(300)
+def test_the_public_module_listed_in_the_route_config_serves_the_page(throwaway_cluster):
+    """``dask_monarch.dashboard`` in ``distributed.scheduler.http.routes`` (as the dashboard
+    module says) serves the page; it failed the scheduler's start (no ``routes``)."""
+    with throwaway_cluster(
+        1,
+        plain=True,
+        dashboard_address="127.0.0.1:0",
+        config=_routes_config("dask_monarch.dashboard"),
+    ) as (cluster, client):
+        base = client.dashboard_link.rsplit("/", 1)[0]
+        assert "<title>dask_monarch</title>" in get(f"{base}/monarch/")
+        assert state(base)["controllers"] == []
