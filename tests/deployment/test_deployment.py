@@ -269,3 +269,35 @@ def test_the_batched_interval_opt_in_lowers_the_stock_clusters_gaps(tmp_path):
             assert len(scheduler) == 3, scheduler  # both workers and this client
     finally:
         stop(processes)
+
+
+@pytest.mark.timeout(180)
+def test_the_scheduler_preload_file_is_the_preload_module(tmp_path):
+    """``plugins/dask_monarch_scheduler.py`` is ``dask_monarch.preload`` as a file (its docstring,
+    docs/deployment.md): it serves the page and takes ``--monarch-batched-interval``, which
+    the file refused ("Unknown argument specified")."""
+    import urllib.request
+
+    from distributed import Client
+
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    processes = []
+    try:
+        _, address = start_scheduler(
+            tmp_path,
+            "--dashboard-address",
+            "127.0.0.1:0",
+            "--preload",
+            str(PLUGINS / "dask_monarch_scheduler.py"),
+            "--monarch-batched-interval=1ms",
+            env=env,
+            processes=processes,
+        )
+        with Client(address, timeout="60s") as client:
+            plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+            assert "dask_monarch-comm-gaps" in plugins, logs(tmp_path)
+            page = client.dashboard_link.rsplit("/", 1)[0] + "/monarch/"
+            with urllib.request.urlopen(page, timeout=30) as response:
+                assert b"<title>dask_monarch</title>" in response.read()
+    finally:
+        stop(processes)
