@@ -402,22 +402,13 @@ class Compiler:
                     self.executor(seg.lane),
                 )
             )
-        if self.relay:  # a task per wave; each rank orders its own segments
-            waves = self._waves(tasks)
-            return Plan(
-                waves,
-                [w.key for w in waves],
-                {},
-                new_lanes,
-                counts,
-                count,
-                error,
-                token=self.token,
-                segments=tasks,
-            )
+        submitted, keys = tasks, list(final.values())
+        if self.relay:  # a task per wave; each rank orders its own segments: no tails
+            submitted = self._waves(tasks)
+            keys, tails = [w.key for w in submitted], {}
         return Plan(
-            tasks,
-            list(final.values()),
+            submitted,
+            keys,
             tails,
             new_lanes,
             counts,

@@ -9,7 +9,7 @@ import dask
 import pytest
 import torch
 from distributed.utils import key_split
-from helpers.raw import S0, S1, call, create_streams, fetch, values
+from helpers.raw import S0, S1, call, create_streams, fetch, mixes_on_two_streams, values
 from helpers.waiting import wait_until
 
 import dask_monarch as dm
@@ -31,33 +31,7 @@ def test_500_dependent_in_place_ops_on_two_streams_and_two_ranks(client2):
     with dask.config.set({"dask_monarch.flush.size": 7, "dask_monarch.flush.idle": "1ms"}):
         ctrl = dm.Controller(client2, world_size=2)
     try:
-        create_streams(ctrl, [0, 1], S0, S1)
-        for stream in (S0, S1):
-            ctrl.send(
-                [0, 1],
-                call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64, stream=stream),
-            )
-        for i in range(500):
-            for stream, offset in ((S0, 0), (S1, 7)):
-                x = Ref(10 + stream.id)
-                ctrl.send(
-                    [0, 1],
-                    call(
-                        1 + i,
-                        None,
-                        "helpers.remote_fns.mix_",
-                        x,
-                        i + offset,
-                        mutates=[x],
-                        stream=stream,
-                    ),
-                )
-            if i % 37 == 0:
-                ctrl.flush()
-            if i % 101 == 0:
-                time.sleep(0.01)  # let the idle timer flush too
-        ctrl.send([0, 1], fetch(1000, Ref(10), stream=S0))
-        ctrl.send([0, 1], fetch(1001, Ref(11), stream=S1))
+        mixes_on_two_streams(ctrl, [0, 1], 500)
         got = values(ctrl.sync(timeout=120))
         for rank in (0, 1):
             assert got[(1000, rank)].item() == expected(500, 0)

@@ -15,7 +15,7 @@ import dask
 import pytest
 import torch
 from distributed import get_task_stream
-from helpers.raw import S0, S1, call, create_streams, fetch, values
+from helpers.raw import S0, call, create_streams, fetch, mixes_on_two_streams, values
 from helpers.remote_fns import mix_
 from helpers.task_stream import wait_until_recorded
 
@@ -102,31 +102,7 @@ def test_relayed_flushes_keep_every_lanes_order_across_many_flushes(client4, fan
     """Fan-out 1 is a chain through all four ranks; 3 fans out from rank 0 at once."""
     ctrl = relayed(client4, fanout, **{"flush.size": 7, "flush.idle": "1ms"})
     try:
-        create_streams(ctrl, RANKS, S0, S1)
-        for stream in (S0, S1):
-            ctrl.send(
-                RANKS,
-                call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64, stream=stream),
-            )
-        for i in range(120):
-            for stream, offset in ((S0, 0), (S1, 7)):
-                x = Ref(10 + stream.id)
-                ctrl.send(
-                    RANKS,
-                    call(
-                        1 + i,
-                        None,
-                        "helpers.remote_fns.mix_",
-                        x,
-                        i + offset,
-                        mutates=[x],
-                        stream=stream,
-                    ),
-                )
-            if i % 37 == 0:
-                ctrl.flush()
-        ctrl.send(RANKS, fetch(1000, Ref(10), stream=S0))
-        ctrl.send(RANKS, fetch(1001, Ref(11), stream=S1))
+        mixes_on_two_streams(ctrl, RANKS, 120)
         with get_task_stream(client4) as stream:
             got = values(ctrl.sync(timeout=120))
             wait_until_recorded(client4, ctrl.token)

@@ -43,3 +43,31 @@ def values(messages, kind=m.FetchResult):
 
 def failures(messages):
     return [x for x in messages if type(x) is m.RemoteFunctionFailed]
+
+
+def mixes_on_two_streams(ctrl, ranks, n):
+    """Streams S0 and S1 on ``ranks``, ``n`` dependent in-place ``mix_`` calls on each (on
+    refs 10 and 11), flushed every 37 rounds and left to the idle timer now and then (many
+    segments per lane, chained across flushes), then fetches of both (seqs 1000 and 1001)."""
+    import time
+
+    import torch
+
+    create_streams(ctrl, ranks, S0, S1)
+    for stream in (S0, S1):
+        ctrl.send(
+            ranks, call(0, Ref(10 + stream.id), "torch.zeros", 1, dtype=torch.int64, stream=stream)
+        )
+    for i in range(n):
+        for stream, offset in ((S0, 0), (S1, 7)):
+            x = Ref(10 + stream.id)
+            mixed = call(
+                1 + i, None, "helpers.remote_fns.mix_", x, i + offset, mutates=[x], stream=stream
+            )
+            ctrl.send(ranks, mixed)
+        if i % 37 == 0:
+            ctrl.flush()
+        if i % 101 == 0:
+            time.sleep(0.01)  # let the idle timer flush too
+    ctrl.send(ranks, fetch(1000, Ref(10), stream=S0))
+    ctrl.send(ranks, fetch(1001, Ref(11), stream=S1))
