@@ -100,6 +100,7 @@ class DryController:
     def __init__(self, real: Any, first_id: int, futures: dict) -> None:
         self._real = real
         self.world_size = real.world_size
+        self.on_shutdown = None  # nothing to fail: a dry run's futures fail at once
         self.workers = real.workers  # the mesh's display (to_table) still names them
         self.backend = real.backend
         self.token = f"{real.token}-dry"

@@ -34,6 +34,9 @@ class ControllerSeam(Protocol):
     mesh_id: str  # the short id users read in errors, logs and the dashboard
     devices: list[str]  # each rank's device ("cpu", "cuda:0"), by rank
     span: tuple[dict, str] | None  # the distributed span (annotation, label) work is issued in
+    # run on the client's event loop once the controller broke or closed (the session fails
+    # its pending fetches there)
+    on_shutdown: Callable[[], None] | None
 
     @property
     def client(self) -> Client: ...
