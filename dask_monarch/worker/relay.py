@@ -213,12 +213,10 @@ class Inbox:
     def _run_here(self, lane: Any, label: Any, index: int, payload: tuple, after: list) -> bool:
         """Run a quick segment on the event loop, as worker/inline.py does for a segment task,
         when nothing of its lane is left to run before it and what it follows ran."""
-        state, done = self.state, self.done
+        state = self.state
         if not state.plugin.inline or state.torch_device is not None or state.abort.is_set():
             return False
-        if done.get(label, -1) != index - 1:
-            return False
-        if any(done.get(lane_, -1) < i for lane_, i in after):
+        if self.done.get(label, -1) != index - 1 or not self._followed(after):
             return False
         from .inline import is_quick, small_steps  # import torch, as every rank has
         from .lane import _current
@@ -227,36 +225,45 @@ class Inbox:
         if steps is None or not is_quick(steps, lane.env):
             return False
         try:
-            state.run_segment(label, index, (), steps)
-        except Exception as e:  # run_segment reported it (Fatal)
-            logger.debug("relayed segment %s/%s of rank %d: %r", label, index, state.rank, e)
+            self._segment(label, index, (), steps)
         finally:
             _current.lane = None  # the loop is no lane's thread
-            with self.ran:
-                done[label] = index
-                self.ran.notify_all()
         lane.inlined += 1
         return True
 
     def _run(self, label: Any, index: int, payload: tuple, after: list) -> None:
         """Run one segment on its lane's thread, once the ones it follows ran."""
+        if after and not self._wait(after):
+            with self.ran:  # the rank failed or was released: nothing more runs
+                self.done[label] = index
+                self.ran.notify_all()
+            return
+        self._segment(label, index, payload)
+
+    def _segment(self, label: Any, index: int, payload: tuple, steps: list | None = None) -> None:
+        """Run one segment (a failure is reported by run_segment: no Dask task carries it),
+        then mark it done for the segments that follow it."""
         state = self.state
         try:
-            if after and not self._wait(after):
-                return  # the rank failed or was released: nothing more runs
-            state.run_segment(label, index, payload)
-        except Exception as e:  # run_segment reported it (Fatal); no Dask task carries it
+            state.run_segment(label, index, payload, steps)
+        except Exception as e:
             logger.debug("relayed segment %s/%s of rank %d: %r", label, index, state.rank, e)
         finally:
             with self.ran:
                 self.done[label] = index
                 self.ran.notify_all()
 
+    def _followed(self, after: list) -> bool:
+        """Whether every segment in ``after`` (``(lane, index)`` of this rank) ran."""
+        done = self.done
+        return all(done.get(lane, -1) >= index for lane, index in after)
+
     def _wait(self, after: list) -> bool:
-        done, abort = self.done, self.state.abort
+        """Wait until ``after`` ran; False if the rank failed or was released first."""
+        abort = self.state.abort
 
         def ready() -> bool:
-            return abort.is_set() or all(done.get(lane, -1) >= index for lane, index in after)
+            return abort.is_set() or self._followed(after)
 
         with self.ran:
             while not self.ran.wait_for(ready, WAIT_POLL_S):
