@@ -73,6 +73,22 @@ def split(entries: list, fanout: int) -> list[list]:
     return [entries[i : i + size] for i in range(0, len(entries), size)]
 
 
+def narrowed(wave: dict, run: list) -> dict:
+    """``wave`` for the entries of ``run`` only, with only the pickles they use.
+
+    A wave's pickles are mostly shared by every rank, but a few are one rank's
+    own (a fetch's probe, a delete of one rank's refs): forwarded whole, each of
+    N ranks would receive all N of them, N² pickles per flush."""
+    blobs, kept, where, entries = wave["blobs"], [], {}, []
+    for rank, index, ids, after, address in run:
+        for i in ids:
+            if i not in where:
+                where[i] = len(kept)
+                kept.append(blobs[i])
+        entries.append((rank, index, [where[i] for i in ids], after, address))
+    return {**wave, "blobs": kept, "entries": entries}
+
+
 class Relay:
     """A worker's end of relayed waves: delivers its ranks' segments, forwards the rest."""
 
@@ -89,7 +105,7 @@ class Relay:
         the event loop)."""
         own, *rest = wave["entries"]
         for run in split(rest, wave["fanout"]):
-            self._link(run[0][ADDRESS]).send({**wave, "entries": run}, wave["token"])
+            self._link(run[0][ADDRESS]).send(narrowed(wave, run), wave["token"])
         token = wave["token"]
         state = self.plugin.ranks.get(token)
         if state is None or state.rank != own[RANK]:

@@ -24,7 +24,7 @@ from dask_monarch import messages as m
 from dask_monarch.controller.compiler import Compiler
 from dask_monarch.controller.intake import RelayTask
 from dask_monarch.messages import Ref
-from dask_monarch.worker.relay import split
+from dask_monarch.worker.relay import narrowed, split
 
 RANKS = [0, 1, 2, 3]
 
@@ -86,6 +86,42 @@ def test_a_relayed_flush_is_a_task_per_wave_with_each_ranks_edges_on_its_own_ran
     assert {(s.rank, s.lane, s.index) for s in plan.segments} == {
         (r, lane, i) for r in RANKS for lane, i in ((S0.id, 0), ("control", 0), (S0.id, 1))
     }
+
+
+def test_a_forwarded_run_carries_only_the_pickles_its_ranks_use():
+    # a wave whose ranks each have a pickle of their own (a fetch's probe) besides the shared
+    # one: forwarded whole, each of N ranks would get all N of them
+    n = 64
+    blobs = [b"shared"] + [b"own-%d" % r for r in range(n)]
+    entries = [(r, 5, [0, r + 1], [("control", 2)], f"tcp://w{r}") for r in range(n)]
+    wave = {"token": "tok", "lane": 1, "fanout": 4, "blobs": blobs, "entries": entries}
+    runs = split(entries[1:], 4)
+    for run in runs:
+        sent = narrowed(wave, run)
+        assert len(sent["blobs"]) == len(run) + 1
+        for entry, kept in zip(run, sent["entries"]):
+            assert kept[:2] == entry[:2] and kept[3:] == entry[3:]
+            assert [sent["blobs"][i] for i in kept[2]] == [blobs[i] for i in entry[2]]
+    # narrowed again at the next hop, as each run's first rank forwards the rest of its run
+    first = narrowed(wave, runs[0])
+    inner = narrowed(first, first["entries"][1:])
+    assert inner["blobs"] == [b"shared"] + [b"own-%d" % r for r, *_ in runs[0][1:]]
+
+
+def test_each_ranks_own_steps_are_pickled_once_and_the_same_rests_share_one_pickle():
+    ranks = list(range(256))
+    compiler = Compiler("tok", [f"r{r}" for r in ranks], {})
+    everyone = tuple(ranks)
+    create = (everyone, m.CreateStream(S0, m.StreamCreationMode.UseDefaultStream))
+    own = [((r,), call(r, Ref(r + 1), "torch.ones", 1)) for r in ranks]
+    plan = compiler.compile([create, *own])
+    assert plan.error is None
+    assert len({id(t.payload[0]) for t in plan.tasks}) == 1  # the shared prefix, once
+    assert len({id(p) for t in plan.tasks for p in t.payload}) == 1 + len(ranks)
+    # a message to ranks 0 and 1 only: their rests are the same objects, one pickle
+    plan = compiler.compile([create, ((0, 1), call(1000, Ref(1000), "torch.ones", 1))])
+    rests = [t.payload[1] for t in plan.tasks if len(t.payload) == 2]
+    assert len(rests) == 2 and rests[0] is rests[1]
 
 
 def test_without_addresses_or_with_one_rank_nothing_is_relayed():
