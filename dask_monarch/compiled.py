@@ -31,6 +31,10 @@ A replay does what running the function again would do, or does not happen
   error (:mod:`.implicit_fetch`).
 
 ``verify=True`` traces again on the first reuse and compares the messages.
+
+A recording lives on the ranks while a trace can replay it: once the compiled
+function is garbage-collected or a trace replaced, a batched ``DeleteRefs``
+of its ref frees it there, after the replays already sent (:class:`_Recording`).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class _Trace:
         messages: list[tuple[tuple[int, ...], Any]],
         guards: list[Guard],
     ) -> None:
-        self.ref: m.Ref | None = None  # the recording on the ranks, once defined
+        self.recording: _Recording | None = None  # on the ranks, once defined
         self.ranks = ranks
         # per output: (TensorMeta, stream, index of the formal it is or None, index of the
         # escaped handle it is or None)
@@ -100,6 +104,11 @@ class _Trace:
         self.provisional = bool(escaped)  # made state: confirm with a second trace
         self.verified = False
         self.streams: list = []  # the Streams it runs on: their lanes must outlive the user's
+
+    @property
+    def ref(self) -> m.Ref | None:
+        """The recording's ref on the ranks (None: not defined)."""
+        return None if self.recording is None else self.recording.ref
 
     def stale(self, actuals: list[Tensor]) -> str | None:
         """Why this recording cannot replay for ``actuals`` now (None: it can)."""
@@ -120,8 +129,27 @@ class _Trace:
 
     def adopt(self, other: _Trace) -> None:
         """Replay ``other``'s recording, which sends the same messages as this trace."""
-        self.ref, self.streams = other.ref, other.streams
+        self.recording, self.streams = other.recording, other.streams
         self.provisional = False
+
+
+class _Recording:
+    """A recording defined on ``ranks``, owned by the traces that replay it (``adopt`` shares
+    it). Once the last of them is gone (the compiled function collected, or the trace
+    replaced), its ref is deleted on the ranks like a dropped tensor's, in the next batched
+    ``DeleteRefs``: the ranks then free its commands and what only they hold (captured
+    constants, generated code). Replays already sent run first, as the delete follows them
+    on every lane (docs/protocol.md §3.5)."""
+
+    __slots__ = ("ranks", "ref", "session")
+
+    def __init__(self, session: Session, ranks: tuple[int, ...], ref: m.Ref) -> None:
+        self.session = session
+        self.ranks = ranks
+        self.ref = ref
+
+    def __del__(self) -> None:
+        self.session.drop_ref(self.ranks, self.ref)
 
 
 class Compiled:
@@ -510,7 +538,8 @@ def _abandon(capture: Capture) -> None:
 def _define_recording(session: Session, trace: _Trace) -> None:
     """Send a traced recording to each of its ranks, in chunks (never captured)."""
     with session.lock:
-        trace.ref = ref = session.new_ref()
+        ref = session.new_ref()
+        trace.recording = _Recording(session, tuple(trace.ranks), ref)
         nresults = sum(1 for _, msg in trace.messages if type(msg) is m.RecordingResult)
         nformals = sum(1 for _, msg in trace.messages if type(msg) is m.RecordingFormal)
         for rank in trace.ranks:

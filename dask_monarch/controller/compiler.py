@@ -258,7 +258,10 @@ class Compiler:
                         run_segments, run_seq = joined, msg.seq
                 else:
                     checked = type(msg) in CHECKED
+                    deletes = type(msg) is m.DeleteRefs  # maybe of recordings
                     for rank in ranks:
+                        if deletes:
+                            check.delete(rank, msg)
                         for lane, step, drains in routers[rank].route(msg):
                             if lane == CONTROL:
                                 seg = self._control(

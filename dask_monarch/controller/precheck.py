@@ -611,6 +611,13 @@ class Precheck:
         else:
             self.recordings[rank].pop(msg.result.id, None)
 
+    def delete(self, rank: int, msg: m.DeleteRefs) -> None:
+        """Forget the waits of the recordings ``msg`` deletes (their replays are modelled)."""
+        recordings = self.recordings[rank]
+        if recordings:
+            for ref in msg.refs:
+                recordings.pop(int(ref), None)
+
     def _replay(self, rank: int, label: int, msg: m.CallRecording) -> None:
         streams = self.recordings[rank].get(msg.recording.id)
         if streams is None:

@@ -90,6 +90,8 @@ class RankRouter:
             yield self.stream(stream_of(msg), t.__name__), msg, False
         elif lanes is Lanes.EVERY_STREAM:
             step = msg
+            if t is m.DeleteRefs and self.recordings:
+                self.forget(msg)
             if t is m.RequestStatus:  # as a probe: the last stream to pass it answers
                 step = self.probes.probe(msg, max(len(self.streams), 1))
                 if not self.streams:
@@ -185,6 +187,11 @@ class RankRouter:
             for stream in streams_named(command):
                 streams[self.stream(stream, f"recording r{ref}")] = None
         self.recordings[ref] = tuple(streams)
+
+    def forget(self, msg: m.DeleteRefs) -> None:
+        """The recordings ``msg`` deletes: a later CallRecording of one is refused here."""
+        for ref in msg.refs:
+            self.recordings.pop(int(ref), None)
 
 
 _probe_counter = iter(range(1, 2**63))

@@ -21,7 +21,7 @@ from ..protocol.messages import (
     Status,
 )
 from ..protocol.wire import DropLane, Exited, ExpectResults, Fetched, ReadRef, RefValue, StatusProbe
-from . import calls
+from . import calls, recording
 from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
 from .failures import call_failed, dependent_failure, fail_call
@@ -173,7 +173,11 @@ def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
     """Forget refs on this stream (fanned out to every stream; unknown ids are ignored).
 
     On the event loop (a quick segment) the values are dropped on the lane's thread: freeing
-    a user's object runs its ``__del__`` (:meth:`Lane.discard`)."""
+    a user's object runs its ``__del__`` (:meth:`Lane.discard`). A ref may name a
+    recording (a compiled function the client collected): worker/recording.py's
+    ``forget``."""
+    if lane.rank.recordings:
+        recording.forget(lane, msg.refs)
     pop = lane.env.pop
     if lane.rank.on_loop():
         lane.discard([pop(int(ref), None) for ref in msg.refs])

@@ -27,6 +27,7 @@ from .device import device_for
 from .dispatch import HANDLERS
 from .errors import FatalError, SeqError, format_exception
 from .lane import Lane, _current
+from .recording import forget_lane
 from .restricted import RestrictedPickleError
 from .restricted import loads as restricted_loads
 from .user_groups import forget as forget_user_groups
@@ -127,6 +128,8 @@ class RankState:
                 lane.label,
                 drain=lambda: self.device.drain(lane.stream, self.abort.is_set, comms.timeout),
             )
+        if self.recordings:
+            forget_lane(self, lane.label)
         lane.retire()
         self.loop.add_callback(self.plugin.remove_lane, self, lane)
 

@@ -9,7 +9,9 @@ inside must be dropped inside, no worker-level messages inside). Each
 each lane replays its commands on objects it already holds: formals alias
 the actual arguments, results are bound at the end, and every ref defined
 inside is deleted once the last command naming it has run (at the latest
-when the call ends). Replay costs a type dispatch and the handler of each
+when the call ends). A ``DeleteRefs`` naming the recording frees it: each
+lane drops its part after the replays sent to it before (:func:`forget`).
+Replay costs a type dispatch and the handler of each
 command: no unpickling, no graph, no scheduler; a plan replayed
 ``recordings.generate-after`` times runs as generated code (worker/plan.py).
 
@@ -80,8 +82,15 @@ class StreamRecording:
 
 @dataclass
 class Recording:
+    """A rank's recording: each stream's part, until a ``DeleteRefs`` of ``ref`` passed that
+    stream's lane (see :func:`forget`); ``lanes`` is how many streams replay it."""
+
     ref: int
     streams: dict[int, StreamRecording]
+    lanes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lanes = len(self.streams)
 
 
 class ReplayState:
@@ -200,6 +209,36 @@ def _last_uses(plan: list, internal: set[int]) -> list[tuple[int, ...]]:
     return [tuple(f) for f in frees]
 
 
+def forget(lane: Lane, refs: list) -> None:
+    """A ``DeleteRefs`` reached ``lane`` (it reaches every stream): drop the lane's part of
+    each recording it names, and the recording with its last part.
+
+    Each lane runs the delete after the replays sent before it, so a part goes only once
+    its lane replayed them; the other parts stay for their own lanes, which may still have
+    those replays to run (the client sends no replay after the delete). A dropped stream
+    leaves the same way (:func:`forget_lane`)."""
+    state = lane.rank
+    recordings = state.recordings
+    with state.lock:
+        for ref in refs:
+            recording = recordings.get(int(ref))
+            if recording is not None:
+                _leave(state, recording, lane.label)
+
+
+def forget_lane(state: RankState, label: int) -> None:
+    """A stream is dropped: its lane replays no part of any recording again."""
+    with state.lock:
+        for recording in list(state.recordings.values()):
+            _leave(state, recording, label)
+
+
+def _leave(state: RankState, recording: Recording, label: int) -> None:
+    recording.streams.pop(label, None)
+    if not recording.streams:
+        del state.recordings[recording.ref]
+
+
 def outside_recording(lane: Lane, msg: m.RecordingFormal | m.RecordingResult) -> None:
     """Formals and results only exist inside a recording."""
     name = "recording_formal" if type(msg) is m.RecordingFormal else "recording_result"
@@ -221,7 +260,7 @@ def call_recording(lane: Lane, msg: m.CallRecording) -> None:
     with state.lock:
         replay = state.replays.get(msg.seq)
         if replay is None:
-            replay = state.replays[msg.seq] = ReplayState(msg.seq, len(recording.streams))
+            replay = state.replays[msg.seq] = ReplayState(msg.seq, recording.lanes)
     env = lane.env
     lane.recording = replay
     lane.last_seq = msg.seq

@@ -552,3 +552,43 @@ def test_a_replay_leaves_its_lane_at_the_call_recordings_seq(ctrl, client2):
         return lane["last_seq"], lane["done_seq"]
 
     assert set(client2.run(lane_0, ctrl.token).values()) == {(7, 7)}
+
+
+def _recording_ids(token, dask_worker=None):
+    return sorted(dask_worker.plugins["dask_monarch"].ranks[token].recordings)
+
+
+@pytest.mark.exercises("DeleteRefs", "CallRecording")
+def test_deleting_a_recording_frees_it_after_its_replays_and_refuses_later_calls(client2):
+    """``DeleteRefs`` of a recording's ref (a compiled function the client collected) runs on
+    each stream after the replays sent before it: every rank frees the recording once
+    each of its streams passed the delete, and a later call of it is refused by name."""
+    ctrl = dm.Controller(client2, world_size=2)
+    create_streams(ctrl, BOTH, S0, S1)
+    fx, out, side = Ref(10), Ref(11), Ref(12)
+    define(
+        ctrl,
+        BOTH,
+        [
+            m.RecordingFormal(fx, 0, S0),
+            call(0, out, "torch.ops.aten.neg.default", fx),
+            call(0, side, "torch.ones", 2, stream=S1),  # a part on stream 1 too
+            m.RecordingResult(out, 0, S0),
+        ],
+        nresults=1,
+        nformals=1,
+    )
+    ctrl.send(BOTH, call(1, Ref(1), "torch.ones", 2))
+    ctrl.send(BOTH, m.CallRecording(2, REC, [Ref(2)], [Ref(1)]))
+    assert ctrl.sync() == []
+    assert set(map(tuple, client2.run(_recording_ids, ctrl.token).values())) == {(REC.id,)}
+    ctrl.send(BOTH, m.CallRecording(3, REC, [Ref(3)], [Ref(2)]))
+    ctrl.send(BOTH, m.DeleteRefs([REC]))
+    assert ctrl.sync() == []
+    for rank in BOTH:
+        assert torch.equal(ctrl.get_ref(rank, Ref(3), S0), torch.ones(2))
+    assert set(map(tuple, client2.run(_recording_ids, ctrl.token).values())) == {()}
+    ctrl.send(BOTH, m.CallRecording(4, REC, [Ref(4)], [Ref(3)]))
+    with pytest.raises(dm.DeviceException, match="not a completely defined recording"):
+        ctrl.sync(timeout=30)
+    ctrl.close()
