@@ -29,7 +29,7 @@ from .lane import Lane
 from .mesh import DeviceMesh
 from .nccl_watch import check_device
 from .pipe import pipe_for
-from .user_groups import checked
+from .user_groups import MemberFailure, agree_to_start, checked
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
@@ -44,23 +44,72 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
     seq, results, mutates, function, args_kwargs, _, group_refs = msg  # a named tuple
     calls.check_panic(function)
     lane.last_seq = seq
-    groups = (
-        checked(process_groups_for(lane, group_refs), lane.rank.user_groups) if group_refs else None
-    )
-    try:
-        fn = calls.resolve_function(function)
-        args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
-        value = fn(*args, **kwargs) if kwargs else fn(*args)
-        calls.bind_results(lane.env, results, value)
-    except FatalError:
-        raise
-    except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill a rank
-        call_failed(lane, seq, results, mutates, e)
+    if group_refs:
+        call_with_groups(lane, msg)
+    else:
+        try:
+            fn = calls.resolve_function(function)
+            args, kwargs = calls.resolve_args(lane, args_kwargs)
+            value = fn(*args, **kwargs) if kwargs else fn(*args)
+            calls.bind_results(lane.env, results, value)
+        except FatalError:
+            raise
+        except BaseException as e:  # SystemExit, KeyboardInterrupt...: user code cannot kill
+            call_failed(lane, seq, results, mutates, e)
     expected = lane.expected
     if expected is not None:  # a remote function whose propagation said what it returns
         lane.expected = None
         if expected.seq == seq:
             check_results(lane, msg, expected)
+
+
+def call_with_groups(lane: Lane, msg: CallFunction, failed: SeqError | None = None) -> None:
+    """A call that takes process groups: its members first agree that each can start it.
+
+    A member whose input failed (``failed``: a replay already failed), or
+    whose function or arguments cannot be resolved, skips the call, as any
+    call does; its peers would wait for it in their first collective until
+    the collective timeout, which breaks the group for good. So every member
+    first tells the others whether it can start (:func:`.user_groups.agree_to_start`):
+    if one cannot, no member runs the function, and the others' results and
+    mutated inputs hold that member's error, naming its rank, unreported (the
+    controller has the root: a fetch raises it).
+    """
+    seq, results, mutates, function, args_kwargs, _, group_refs = msg
+    groups = checked(process_groups_for(lane, group_refs), lane.rank.user_groups)
+    root = failed
+    if root is None:
+        try:
+            fn = calls.resolve_function(function)
+            args, kwargs = calls.resolve_args(lane, args_kwargs, groups)
+        except FatalError:
+            raise
+        except DependentError as e:
+            root = e.root
+            dependent_failure(lane, results, mutates, root)
+        except BaseException as e:  # user code cannot kill a rank (SystemExit...)
+            root = fail_call(lane, seq, results, mutates, e)
+    else:
+        dependent_failure(lane, results, mutates, root)
+    mine = None if root is None else MemberFailure(lane.rank.rank, root.seq, root.error)
+    peer = agree_to_start(groups.values(), mine)
+    if root is not None:
+        return
+    if peer is not None:
+        error = SeqError(
+            peer.seq,
+            f"{peer.error}\n(rank {peer.rank}, a member of the process group this call takes, "
+            "could not start it, so no member ran it)",
+        )
+        dependent_failure(lane, results, mutates, error)
+        return
+    try:
+        value = fn(*args, **kwargs) if kwargs else fn(*args)
+        calls.bind_results(lane.env, results, value)
+    except FatalError:
+        raise
+    except BaseException as e:  # user code cannot kill a rank (SystemExit...)
+        call_failed(lane, seq, results, mutates, e)
 
 
 class ResultMismatch(Exception):

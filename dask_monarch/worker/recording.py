@@ -45,6 +45,7 @@ from ..protocol.rules import (
 from .calls import poison
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
 from .failures import call_failed
+from .handlers import call_with_groups
 from .lane import Lane
 from .plan import FastCall, Generated, compile_command, generate, refs_named, settle, store
 
@@ -352,7 +353,10 @@ def step(lane: Lane, replay: ReplayState, plan: list, index: int, msg: m.CallRec
             )
         env[msg.results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
     elif replay.error is not None and t in RUNS_USER_CODE:
-        _skip(lane, cmd, replay.error)
+        if t is m.CallFunction and cmd.remote_process_groups:  # its peers are about to ask
+            call_with_groups(lane, cmd, replay.error)
+        else:
+            _skip(lane, cmd, replay.error)
     else:
         lane.rank.handlers[t](lane, cmd)
 

@@ -18,17 +18,25 @@ raises.
 
 The exchange costs one small collective (a point-to-point message for a send)
 per op: user-code collectives pay it, dask_monarch's own never do.
+
+A call that takes groups starts with one more exchange (:func:`agree_to_start`):
+a member whose input failed skips the call, as any call does, and its peers
+would wait for it in their first collective until the collective timeout,
+after which the group is broken. So the members first tell each other whether
+each can start; if one cannot, none does, and each learns that member's
+error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["CollectiveMismatch", "CheckedGroup", "checked"]
+__all__ = ["CollectiveMismatch", "CheckedGroup", "MemberFailure", "agree_to_start", "checked"]
 
 _CPU = torch.device("cpu")
 _KINDS = (
@@ -168,6 +176,30 @@ class CheckedGroup(dist.ProcessGroup):
             w.numel() != p.numel() * self.size() for w, p in zip(whole, parts)
         )
         self._agree(kind, [*whole, *parts], _numel(parts), opts, problem=bad)
+
+    def start(self, failure: MemberFailure | None) -> MemberFailure | None:
+        """One member's part of :func:`agree_to_start` on this group."""
+        text = b"" if failure is None else failure.error.encode()
+        rank, seq = (-1, -1) if failure is None else (failure.rank, failure.seq)
+        mine = torch.tensor([int(failure is not None), rank, seq, len(text)], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.size())]
+        self._gloo.allgather([every], [mine]).wait()
+        rows = [row.tolist() for row in every]
+        if not any(row[0] for row in rows):
+            return None
+        longest = max(row[3] for row in rows)  # the same on every member
+        data = torch.zeros(longest, dtype=torch.uint8)
+        texts = [data] * self.size()
+        if longest:
+            if text:  # a healthy member sends padding only
+                data[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            texts = [torch.empty_like(data) for _ in range(self.size())]
+            self._gloo.allgather([texts], [data]).wait()
+        if failure is not None:
+            return failure
+        first, row = next((i, row) for i, row in enumerate(rows) if row[0])
+        error = texts[first][: row[3]].numpy().tobytes().decode(errors="replace")
+        return MemberFailure(row[1], row[2], error)
 
     # -- collectives (what torch.distributed's functions call on a group) ---------------------
 
@@ -419,6 +451,35 @@ def _agreeing(rows: list[list[int]], size: int) -> bool:
         received = [row[_HEADER + size :] for row in rows]
         return all(sent[i][j] == received[j][i] for i in range(size) for j in range(size))
     return True
+
+
+class MemberFailure(NamedTuple):
+    """Why a member of a call's group could not start it: its rank, the root error's seq
+    and text."""
+
+    rank: int
+    seq: int
+    error: str
+
+
+def agree_to_start(
+    groups: Iterable[CheckedGroup], failure: MemberFailure | None
+) -> MemberFailure | None:
+    """Tell every member of ``groups`` (in the call's order: the same on each member)
+    whether this one can start the call (``failure`` None) or not; the failure that stops
+    it (this member's own first), or None when every member can start.
+
+    A member that learns of a failure through one group passes it on through the others:
+    with ``n`` groups, ``n`` passes over them reach every member of groups that overlap,
+    in the same order on each member. One small all-gather per group and pass (one in
+    all for a call taking one group); a second one, of the errors' text, only when a
+    member failed.
+    """
+    groups = list(groups)
+    for _ in groups:
+        for group in groups:
+            failure = group.start(failure)
+    return failure
 
 
 def checked(groups: dict[int, dist.ProcessGroup], cache: dict) -> dict[int, CheckedGroup]:

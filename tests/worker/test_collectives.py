@@ -348,6 +348,43 @@ def test_process_group_udf(ctrl4):
         assert (group_rank, size) == (gpu, 2)
 
 
+# well below the collective timeout (60 s): a member left waiting for its peer fails the test
+@pytest.mark.timeout(40, func_only=True)
+def test_a_process_group_call_whose_input_failed_on_one_rank_runs_on_no_rank(ctrl):
+    """Rank 1's input failed, so rank 1 skips the call; rank 0 must not enter its collectives
+    and wait there until gloo's timeout (which broke the group): no member runs the call,
+    rank 0's results hold rank 1's error naming it, nothing new is reported, and the group
+    serves the next call."""
+    setup_mesh(ctrl, [2], ["gpu"])
+    group = Ref(901)
+    ctrl.send([0, 1], m.CreateRemoteProcessGroup(group, MESH, ["gpu"]))
+    ctrl.send([0, 1], m.SplitCommForProcessGroup(group, S0))
+    make_inputs(ctrl, [0], Ref(1), (2,))
+    ctrl.send(1, call(0, Ref(1), "helpers.remote_fns.boom", 1))  # rank 1's input fails
+    ctrl.send([0, 1], call(1, Ref(2), "helpers.remote_fns.per_rank", MESH, 2))
+    failed = [Ref(20 + i) for i in range(6)]
+    ctrl.send(
+        [0, 1],
+        call(5, failed, "helpers.remote_fns.pg_collectives", Ref(1), group, MESH, groups=[group]),
+    )
+    results = [Ref(30 + i) for i in range(6)]
+    ctrl.send(
+        [0, 1],
+        call(6, results, "helpers.remote_fns.pg_collectives", Ref(2), group, MESH, groups=[group]),
+    )
+    ctrl.send([0, 1], fetch(7, results[0]))
+    reports = ctrl.sync(timeout=30)
+    assert [(f.seq, f.rank) for f in failures(reports)] == [(0, 1)]
+    total = expected_input(0, (2,)) + expected_input(1, (2,))
+    got = values(reports)
+    assert torch.equal(got[(7, 0)], total) and torch.equal(got[(7, 1)], total)
+    for rank in (0, 1):
+        with pytest.raises(dm.RemoteException, match="boom from a remote function") as info:
+            ctrl.get_ref(rank, failed[0], S0)
+        if rank == 0:
+            assert "rank 1, a member of the process group" in str(info.value)
+
+
 def all_reduce_of_ones(ctrl, device: str) -> torch.Tensor:
     setup_mesh(ctrl, [2], ["gpu"], split=[("gpu",)])
     ctrl.send([0, 1], call(0, Ref(1), "torch.ones", 4, device=device))
