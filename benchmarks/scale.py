@@ -184,7 +184,13 @@ def measure(ranks: int, rounds: int, per_process: int, relays: list[int]) -> dic
             result = {"ranks": ranks, "scheduler_idle_cpu": idle_rate}
             result.update(_plain_dask(client, rounds, cluster, idle_rate))
             for relay in relays:
-                with dask.config.set({"dask_monarch.flush.relay": relay}):
+                # 128 simulated ranks share each host process's event loop on two cores: at
+                # 1 024 ranks a heartbeat can wait longer than a real worker's ever should
+                settings = {
+                    "dask_monarch.flush.relay": relay,
+                    "dask_monarch.timeouts.unresponsive": "120s",
+                }
+                with dask.config.set(settings):
                     mesh = _mesh_rounds(client, cluster, ranks, rounds, idle_rate)
                 result[relay] = mesh
     finally:
