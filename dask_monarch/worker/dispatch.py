@@ -44,7 +44,7 @@ HANDLERS: dict[type, Handler] = {
     m.CallFunction: handlers.call_function,
     ExpectResults: handlers.expect_results,
     m.SendValue: handlers.send_value,
-    m.DeleteRefs: handlers.delete_refs,
+    m.DeleteRefs: recording.delete_refs,
     m.CreateStream: handlers.create_stream,
     DropLane: handlers.drop_lane,
     StatusProbe: handlers.status_probe,

@@ -21,7 +21,7 @@ from ..protocol.messages import (
     Status,
 )
 from ..protocol.wire import DropLane, Exited, ExpectResults, Fetched, ReadRef, RefValue, StatusProbe
-from . import calls, recording
+from . import calls
 from .comm import process_groups_for
 from .errors import DependentError, FatalError, SeqError
 from .failures import call_failed, dependent_failure, fail_call
@@ -222,11 +222,8 @@ def delete_refs(lane: Lane, msg: DeleteRefs) -> None:
     """Forget refs on this stream (fanned out to every stream; unknown ids are ignored).
 
     On the event loop (a quick segment) the values are dropped on the lane's thread: freeing
-    a user's object runs its ``__del__`` (:meth:`Lane.discard`). A ref may name a
-    recording (a compiled function the client collected): worker/recording.py's
-    ``forget``."""
-    if lane.rank.recordings:
-        recording.forget(lane, msg.refs)
+    a user's object runs its ``__del__`` (:meth:`Lane.discard`). A ref that names a
+    recording is freed by worker/recording.py's ``delete_refs``, which calls this one."""
     pop = lane.env.pop
     if lane.rank.on_loop():
         lane.discard([pop(int(ref), None) for ref in msg.refs])

@@ -42,10 +42,10 @@ from ..protocol.rules import (
     refs_mutated,
     stream_of,
 )
+from . import handlers
 from .calls import poison
 from .errors import DependentError, FatalError, RefNotFound, SeqError, format_exception
 from .failures import call_failed
-from .handlers import call_with_groups
 from .lane import Lane
 from .plan import FastCall, Generated, compile_command, generate, refs_named, settle, store
 
@@ -210,6 +210,13 @@ def _last_uses(plan: list, internal: set[int]) -> list[tuple[int, ...]]:
     return [tuple(f) for f in frees]
 
 
+def delete_refs(lane: Lane, msg: m.DeleteRefs) -> None:
+    """``DeleteRefs``: the recordings it names (:func:`forget`), then the values."""
+    if lane.rank.recordings:
+        forget(lane, msg.refs)
+    handlers.delete_refs(lane, msg)
+
+
 def forget(lane: Lane, refs: list) -> None:
     """A ``DeleteRefs`` reached ``lane`` (it reaches every stream): drop the lane's part of
     each recording it names, and the recording with its last part.
@@ -354,7 +361,7 @@ def step(lane: Lane, replay: ReplayState, plan: list, index: int, msg: m.CallRec
         env[msg.results[cmd.output_index].id] = _value_or_error(lane, replay, cmd.result.id)
     elif replay.error is not None and t in RUNS_USER_CODE:
         if t is m.CallFunction and cmd.remote_process_groups:  # its peers are about to ask
-            call_with_groups(lane, cmd, replay.error)
+            handlers.call_with_groups(lane, cmd, replay.error)
         else:
             _skip(lane, cmd, replay.error)
     else:
