@@ -412,12 +412,28 @@ class LocalMeshCluster(SpecCluster):
 
     def _update_worker_status(self, op: str, msg: Any) -> None:
         """A rank worker that left is awaited until it is back (:meth:`_await_rank`), instead of
-        SpecCluster's closing its nanny after ``distributed.deploy.lost-worker-timeout``."""
-        if op == "remove":
-            name = self.scheduler_info["workers"][msg]["name"]
+        SpecCluster's closing its nanny after ``distributed.deploy.lost-worker-timeout``.
+
+        The worker may already be gone from ``scheduler_info``: ``wait_for_workers`` (a
+        user's, or Dask's) replaces it with the scheduler's identity, which can drop the
+        worker before its "remove" arrives. A KeyError here would end Dask's watch of the
+        workers for good, so the name comes from the nanny that ran it instead.
+        """
+        if op != "remove":
+            Cluster._update_worker_status(self, op, msg)  # the scheduler's view
+            return
+        info = self.scheduler_info["workers"].pop(msg, None)
+        name = info["name"] if info is not None else self._rank_at(msg)
+        if name is not None:
             delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
             asyncio.get_running_loop().call_later(delay, self._await_rank, name, delay)
-        Cluster._update_worker_status(self, op, msg)  # the scheduler's view, not SpecCluster's
+
+    def _rank_at(self, address: str) -> str | None:
+        """The rank whose nanny runs (or last ran) the worker at ``address``, if any."""
+        for name, nanny in self.workers.items():
+            if getattr(nanny, "worker_address", None) == address:
+                return name
+        return None
 
     def _await_rank(self, name: str, delay: float) -> None:
         """Rank ``name`` left the scheduler ``delay`` ago: wait on while its nanny restarts it,

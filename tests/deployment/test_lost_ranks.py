@@ -108,3 +108,27 @@ def test_a_rank_whose_nanny_gave_up_is_started_again_from_its_spec(throwaway_clu
             lambda: cluster.workers.get("rank1") not in (None, nanny), what="rank1's new nanny"
         )
         _works(client, 2)
+
+
+def test_a_remove_for_a_worker_scheduler_info_already_dropped_is_no_error(throwaway_cluster):
+    """``wait_for_workers`` (a user's, or Dask's own) replaces the cluster's
+    ``scheduler_info`` with the scheduler's identity, which can drop a killed rank before
+    the scheduler's "remove" for it arrives: that remove raised KeyError, which ended the
+    cluster's watch of its workers (no more adds, removes, or restarts of lost ranks)."""
+    with throwaway_cluster(2) as (cluster, client):
+        old = next(a for a, w in registered_workers(client).items() if w["name"] == "rank1")
+        client.run(_exit, workers=[old], wait=False)
+        wait_until(lambda: old not in cluster.scheduler_info["workers"], what="rank1 removed")
+
+        async def remove_again() -> None:  # the remove, after a refresh that dropped the worker
+            cluster._update_worker_status("remove", old)
+
+        cluster.sync(remove_again)
+        client.wait_for_workers(2, timeout=120)
+        assert not cluster._watch_worker_status_task.done()
+        assert _replaced(client, {old}, 2, timeout=120) == ["rank0", "rank1"]
+        # the watch still runs: the cluster hears of the next rank lost and back
+        again = next(a for a, w in registered_workers(client).items() if w["name"] == "rank1")
+        client.run(_exit, workers=[again], wait=False)
+        wait_until(lambda: again not in cluster.scheduler_info["workers"], what="rank1 removed")
+        assert _replaced(client, {old, again}, 2, timeout=120) == ["rank0", "rank1"]
