@@ -476,15 +476,41 @@ def as_torch_builtin(wrapper: Callable, original: Callable) -> None:
         _register_builtin(wrapper, op)
 
 
+_TENSOR_NEW = torch._C.TensorBase.__new__
+
+
+def _legacy_tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.Tensor(data)``, the old-style constructor, when lists ``data`` hold mesh
+    tensors (``torch.Tensor([loss_a, loss_b])``): torch's C++ reads each element's memory,
+    which a mesh tensor has none of. Made on the ranks as ``torch.tensor(data)`` is
+    (:func:`_with_mesh_values`), in the default dtype as torch's legacy constructor makes
+    it. Everything else is torch's own, and nothing is paid unless torch's failed."""
+    try:
+        return _TENSOR_NEW(cls, *args, **kwargs)
+    except RuntimeError:
+        if cls is not torch.Tensor or kwargs or len(args) != 1:
+            raise
+        if not isinstance(args[0], (list, tuple)):
+            raise
+        leaves: list = []
+        _mesh_leaves(args[0], leaves)
+        if not any(isinstance(v, Tensor) for v in leaves):
+            raise
+    return torch.tensor(args[0], dtype=torch.get_default_dtype())
+
+
 def install_tensor_constructors() -> None:
-    """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`
-    (once per process: the first mesh of a client does it)."""
+    """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`,
+    and ``torch.Tensor(data)`` through :func:`_legacy_tensor_new` (once per process: the
+    first mesh of a client does it)."""
     for name in ("tensor", "as_tensor"):
         current = getattr(torch, name)
         if not hasattr(current, "__dask_monarch_original__"):
             wrapper = _with_mesh_values(current)
             as_torch_builtin(wrapper, current)
             setattr(torch, name, wrapper)
+    if "__new__" not in torch.Tensor.__dict__:  # torch's is TensorBase's: subclasses keep theirs
+        torch.Tensor.__new__ = staticmethod(_legacy_tensor_new)  # type: ignore[method-assign]
 
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:

@@ -95,6 +95,26 @@ def test_torch_functions_wrapped_for_meshes_still_script(mesh2):
     assert torch.jit.script(scripted)(torch.zeros(1)).tolist() == [3.0]
 
 
+def test_the_legacy_constructor_of_mesh_scalars_makes_a_mesh_tensor_on_the_ranks(mesh2, no_fetch):
+    """``torch.Tensor([loss_a, loss_b])`` (the old-style constructor) failed in torch's C++
+    ("data is not allocated yet"); it is made on the ranks, as torch makes it locally: the
+    default dtype, whatever the elements' dtypes."""
+    local = [torch.tensor(1.5), torch.tensor(2, dtype=torch.int64)]
+    expected = torch.Tensor([[local[0], 3], [local[1], local[0]]])
+    with mesh2.activate():
+        loss = _unknown(torch.tensor(1.5))  # a value only the ranks know
+        step = torch.tensor(2, dtype=torch.int64)
+        made = torch.Tensor([[loss, 3], [step, loss]])
+        assert isinstance(made, dm.Tensor) and not made.requires_grad
+        assert (made.dtype, made.shape) == (expected.dtype, expected.shape)
+        assert torch.Tensor([1.0, 2.0]).tolist() == [1.0, 2.0]  # plain data as before
+    outside = torch.Tensor([loss])  # after the block: on the mesh of its elements
+    assert dm.inspect(made, gpu=1).tolist() == expected.tolist()
+    assert dm.inspect(outside).tolist() == [1.5]
+    with pytest.raises(ValueError, match="only one element"):  # torch's own rule and words
+        torch.Tensor([loss.expand(2)])
+
+
 def test_a_small_local_tensor_is_placed_and_a_large_one_refused_naming_the_call(mesh2):
     with mesh2.activate():
         x = torch.ones(4)
