@@ -177,7 +177,7 @@ class RankState:
                 else:
                     trace.run_steps(self, lane, steps, index)
         except FatalError as e:
-            self.fail(f"{lane.title}: {e}")
+            self.fail(_naming(lane, e))
             return 0
         except BaseException as e:
             self.fail(f"{lane.title}: internal error: {format_exception(e)}")
@@ -390,3 +390,13 @@ class RankState:
             "borrows": sorted(map(str, list(self.borrows))),
             "errors": [{"seq": s, "error": e, "time": t} for s, e, t in list(self.recent_errors)],
         }
+
+
+def _naming(lane: Lane, error: FatalError) -> str:
+    """``error``'s text led by the lane it ended, once: errors raised in a lane (a cancelled
+    call, a wait given up) often name it already, and read twice ("stream 'main' (1): stream
+    'main' (1): the call of seq 1 was cancelled") when prefixed again."""
+    text = str(error)
+    if text.startswith((f"{lane.title}:", f"{lane.title} ")):
+        return text
+    return f"{lane.title}: {text}"

@@ -81,6 +81,26 @@ def test_a_spinning_function_is_interrupted_and_its_thread_and_slot_freed(client
     other.exit()
 
 
+def test_the_cancelled_call_names_its_lane_once(client, tmp_path):
+    """The rank's report of the call it cancelled read "stream 'main' (1): stream 'main' (1):
+    the call of seq 1 was cancelled": the rank names the lane of every fatal error of a
+    segment, and the cancel's own message named it again."""
+    marker = str(tmp_path / "started")
+    mesh = dm.device_mesh(client, gpu=2)
+    spin = dm.remote("helpers.remote_fns.spin", propagate=lambda x, path: x)
+    with mesh.activate():
+        spin(torch.ones(2), marker)
+    controller = mesh._session.controller
+    controller.flush()
+    _started(marker, 2)
+    with pytest.warns(RuntimeWarning):
+        mesh.exit(cancel=True)
+    cause = str(wait_until(lambda: controller._broken, 30, "the rank's report of the cancel"))
+    assert "the call of seq" in cause and "was cancelled" in cause, cause
+    assert cause.count("stream 'main'") == 1, cause
+    _freed(client, controller.token)
+
+
 def test_a_call_in_c_code_is_named_with_the_worker_to_restart(client, tmp_path):
     marker = str(tmp_path / "started")
     mesh = dm.device_mesh(client, gpu=2)
