@@ -8,6 +8,8 @@ order, lane limits, the pre-dispatch check of collectives, sends, borrows
 and exits: DESIGN decision 14), whose graph is dropped instead of
 submitted, so a protocol error is raised as the ``DeviceException`` the
 real run would break with, naming the rank, before any worker is touched.
+Once broken, each call raises its own copy of that exception, as the real
+controller does (``fresh_copy``): raising one object again grows its traceback.
 
 Meanwhile it counts per rank the messages each rank would run, the live
 tensor bytes (the user API tells it the bytes of each handle it makes:
@@ -32,6 +34,7 @@ from ..protocol import messages as m
 from ..protocol.messages import WORKER_MESSAGES
 from ..protocol.wire import ActorCall, DropLane, ExpectResults
 from .compiler import Compiler, InternalStep, PayloadError
+from .controller import fresh_copy
 
 _WORKER_MESSAGE_TYPES = frozenset(WORKER_MESSAGES)
 _keys = itertools.count()
@@ -130,7 +133,7 @@ class DryController:
 
     def send(self, ranks: Any, message: Any) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
         if type(message) not in _WORKER_MESSAGE_TYPES:
             raise TypeError(f"expected a worker message, got {message!r}")
         ranks = self._ranks(ranks)
@@ -143,7 +146,7 @@ class DryController:
 
     def _send_internal(self, ranks: tuple[int, ...], stream: m.StreamRef, step: Any) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
         for r in ranks:
             self.ranks[r].messages += 1
         self._buffer.append((ranks, InternalStep(stream.id, step)))
@@ -176,7 +179,7 @@ class DryController:
                 if plan.error is not None:
                     self._broken = DeviceException(plan.error.cause, rank=plan.error.rank)
         if self._broken is not None:
-            raise self._broken
+            raise fresh_copy(self._broken)
 
     @property
     def broken(self) -> DeviceException | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
 
 import pytest
 import torch
@@ -159,6 +160,46 @@ def test_protocol_errors_are_raised_before_anything_runs(mesh2):
     assert controller.broken is None  # the real mesh is fine
     with mesh2.activate():
         assert dm.inspect(torch.ones(2) * 2).tolist() == [2.0, 2.0]
+
+
+def _first_site(dry: DryController) -> None:
+    dry.sync()
+
+
+def _second_site(dry: DryController) -> None:
+    dry.sync()
+
+
+def test_each_raise_of_a_broken_dry_run_has_its_own_traceback(mesh2):
+    """A broken dry run raised its one DeviceException object again on every call: each
+    raise added its frames to the traceback of every earlier one (as the real controller
+    did before it raised fresh copies)."""
+    errors = []
+    with pytest.raises(dm.DeviceException, match="rank 1"):
+        with dm.dry_run(mesh2):
+            with mesh2.activate():
+                t = torch.ones(3)
+            session = mesh2._session
+            stream = session.stream_ref(dm.get_active_stream())
+            mesh_ref = session.mesh_ref(("gpu",), Slice.row_major([2]))
+            session.ensure_split(mesh_ref, stream, ("gpu",))
+            factory = m.Factory((3,), torch.float32, torch.strided, "cpu")
+            reduce = m.Reduce(
+                session.new_ref(), t._ref, factory, mesh_ref, stream, ["gpu"], m.ReduceOp.SUM,
+                False, False, None,
+            )  # fmt: skip
+            session.send((0,), reduce)  # rank 1 is never sent its part
+            dry = session.controller
+            assert isinstance(dry, DryController)
+            for site in (_first_site, _second_site, _second_site):
+                with pytest.raises(dm.DeviceException) as info:
+                    site(dry)
+                errors.append(info.value)
+    assert len({id(e) for e in errors}) == 3 and len({str(e) for e in errors}) == 1
+    frames = ["".join(traceback.format_tb(e.__traceback__)) for e in errors]
+    assert "_first_site" in frames[0] and "_second_site" not in frames[0]
+    assert "_second_site" in frames[1] and "_first_site" not in frames[1]
+    assert len({len(traceback.extract_tb(e.__traceback__)) for e in errors[1:]}) == 1
 
 
 def test_a_fetch_inside_fails_clearly_and_the_mesh_comes_out_usable(mesh2):
