@@ -75,6 +75,22 @@ def integer(key: str, minimum: int | None = None) -> int:
     return number
 
 
+def flag(key: str, auto: bool = False) -> bool | None:
+    """A true/false setting, from YAML or an environment variable's text; with ``auto``, also
+    ``auto`` or null (None: the caller decides). Anything else is refused: a misspelt value
+    ("ture") would otherwise read as one or the other without a word."""
+    value = get(key)
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text in ("true", "false"):
+        return text == "true"
+    if auto and text in (None, "auto"):
+        return None
+    accepted = "true, false or auto (null too)" if auto else "true or false"
+    raise ValueError(f"{_setting(key)} is {value!r}, which is not one of: {accepted}")
+
+
 def _setting(key: str) -> str:
     """How an error names setting ``key``: its name and its environment variable."""
     variable = f"DASK_MONARCH__{key.upper().replace('.', '__').replace('-', '_')}"

@@ -143,13 +143,13 @@ def redact(text: str | None) -> str | None:
 
 def show_details(scheduler: Scheduler) -> bool:
     """``dashboard.show-details``: true, false, or ``auto`` (null too): only when every address
-    the scheduler's dashboard listens on is a loopback address (only this host opens it)."""
-    setting = config.get("dashboard.show-details", "auto")
-    if setting in (None, "auto"):
+    the scheduler's dashboard listens on is a loopback address (only this host opens it).
+    Any other value is refused (ValueError naming the setting), not read as false: a
+    misspelt ``true`` hid every message without a word."""
+    setting = config.flag("dashboard.show-details", auto=True)
+    if setting is None:
         return _loopback_only(scheduler)
-    if isinstance(setting, str):  # from an environment variable
-        return setting.strip().lower() in ("true", "yes", "1", "on")
-    return bool(setting)
+    return setting
 
 
 def _loopback_only(scheduler: Scheduler) -> bool:

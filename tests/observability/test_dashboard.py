@@ -20,7 +20,7 @@ from helpers.waiting import wait_until
 from dask_monarch import messages as m
 from dask_monarch.controller.placement import registered_workers
 from dask_monarch.messages import Ref
-from dask_monarch.observability.dashboard import HIDDEN, all_loopback
+from dask_monarch.observability.dashboard import HIDDEN, all_loopback, show_details
 from dask_monarch.protocol.names import mesh_id
 
 CHROMIUM = "/usr/bin/chromium"
@@ -190,6 +190,27 @@ def test_hidden_messages_say_how_to_show_them(ctrl, dashboard, scheduler_setting
     assert "DASK_MONARCH__DASHBOARD__SHOW_DETAILS=true" in HIDDEN
     page = get(f"{dashboard}/monarch/")
     assert "show-details: true" in page and "details_hidden" in page  # the page's note
+
+
+def test_a_show_details_value_that_is_not_a_boolean_is_refused(client2, scheduler_setting):
+    """A misspelt ``show-details`` ("ture", or "yes") read as false and hid every message
+    without a word; it is refused, naming the setting and the values it takes."""
+
+    def details(dask_scheduler=None):
+        return show_details(dask_scheduler)
+
+    for value in ("ture", "yes", 1):
+        scheduler_setting("dask_monarch.dashboard.show-details", value)
+        with pytest.raises(ValueError, match="show-details") as info:
+            client2.run_on_scheduler(details)
+        assert "true, false or auto" in str(info.value)
+        assert "DASK_MONARCH__DASHBOARD__SHOW_DETAILS" in str(info.value)
+    for value, shown in (("True", True), (" false", False), (True, True), (False, False)):
+        scheduler_setting("dask_monarch.dashboard.show-details", value)
+        assert client2.run_on_scheduler(details) is shown
+    for value in ("auto", None):  # a LocalMeshCluster's dashboard is on loopback only
+        scheduler_setting("dask_monarch.dashboard.show-details", value)
+        assert client2.run_on_scheduler(details) is True
 
 
 def test_only_loopback_listening_addresses_count_as_this_host_only():
