@@ -13,6 +13,7 @@ the borrow is dropped. A borrow's steps, all sent from here: ``BorrowCreate``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import warnings
 import weakref
@@ -177,15 +178,38 @@ class Borrow:
             warnings.warn(
                 f"borrow {self.id} was garbage collected without drop(); dropping it", stacklevel=2
             )
-            try:
-                self.drop()
-            except Exception as e:  # a finalizer must not raise; the mesh may be gone
-                logger.debug("dropping garbage-collected borrow %s failed: %r", self.id, e)
+            session = self.session
+            if session.lock.acquire(blocking=False):
+                try:
+                    self.drop_quietly()
+                finally:
+                    session.lock.release()
+            elif _on_event_loop():
+                # a GC on the client's event loop while the user's thread holds the lock: the
+                # loop must not wait for it (the user's thread may wait on the loop)
+                session.adopt_orphan(self)
+            else:
+                self.drop_quietly()
+
+    def drop_quietly(self) -> None:
+        """:meth:`drop` for a finalizer: it must not raise; the mesh may be gone."""
+        try:
+            self.drop()
+        except Exception as e:
+            logger.debug("dropping garbage-collected borrow %s failed: %r", self.id, e)
 
     def __repr__(self) -> str:
         state = "dropped" if self.dropped else "active"
         kind = "mutable" if self.mutable else "immutable"
         return f"<Borrow {self.id} ({kind}, {state})>"
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def lend(stream: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:

@@ -216,6 +216,8 @@ class Session:
         self._streams: dict[int, m.StreamRef] = {}  # id(Stream) -> its ref, while it lives
         self._stream_objects: dict[int, weakref.ref] = {}  # stream ref id -> the Stream
         self._dead_streams: list[m.StreamRef] = []  # garbage Streams not yet dropped on the ranks
+        self._orphans: list = []  # undropped Borrows a GC found while the lock was taken
+        self._dropping_orphans = False
         self._meshes: dict[tuple, m.Ref] = {}
         self._network = False
         self._comms: set = set()
@@ -270,7 +272,8 @@ class Session:
             return
         if (
             len(self._pending_deletes) >= DELETE_BATCH or self._pending_bytes >= DELETE_BYTES
-        ) and not _gc_state.collecting:  # a finalizer's message goes before the deletes
+        ) and not (_gc_state.collecting or self._dropping_orphans):
+            # a finalizer's message goes before the deletes (those of its own tensors too)
             self._flush_deletes()
         self.controller.send(ranks, message)
         if self._seq - self._status_requested_at > self._status_every:
@@ -407,7 +410,37 @@ class Session:
             self._dead_streams.append(ref)
             self._pending_bytes = DELETE_BYTES
 
+    def adopt_orphan(self, borrow: Any) -> None:
+        """An undropped Borrow a GC found on the event loop while another thread held the
+        lock: dropped once the lock is free (the loop never waits for it), or by the lock's
+        holder before it drops any dead stream (the borrow's last steps name its stream)."""
+        self._orphans.append(borrow)
+        asyncio.get_running_loop().call_later(REPORT_RETRY_S, self._drop_orphans_later)
+
+    def _drop_orphans_later(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            asyncio.get_running_loop().call_later(REPORT_RETRY_S, self._drop_orphans_later)
+            return
+        try:
+            self._drop_orphans()
+        finally:
+            self.lock.release()
+
+    def _drop_orphans(self) -> None:
+        """Drop the adopted borrows (the caller holds the lock); no dead stream is dropped
+        meanwhile: a borrow's steps may name one."""
+        self._dropping_orphans = True
+        try:
+            while self._orphans:
+                self._orphans.pop(0).drop_quietly()
+        finally:
+            self._dropping_orphans = False
+
     def _drop_dead_streams(self) -> None:
+        if self._dropping_orphans:
+            return  # after the orphans' steps (the next send)
+        if self._orphans:
+            self._drop_orphans()
         dead, self._dead_streams = self._dead_streams, []
         for ref in dead:
             self.controller.drop_stream(self.world, ref)

@@ -6,12 +6,15 @@ every worker (the shared cluster also runs other tests' controllers).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
+import warnings
 
 import pytest
 import torch
+from helpers.waiting import wait_until
 
 import dask_monarch as dm
 from dask_monarch.protocol.names import PLUGIN_NAME, executor_name, executor_prefix
@@ -119,6 +122,46 @@ def test_an_undropped_borrow_collected_with_its_stream_gives_the_tensor_back(mes
         with pytest.warns(UserWarning, match="without drop"):
             leak(x)
             gc.collect()
+        x.add_(1)  # the lender has its tensor back
+        assert dm.inspect(x).tolist() == [2.0] * 3
+
+
+def test_a_borrow_collected_on_the_event_loop_while_the_lock_is_held_does_not_block_it(
+    mesh2, client2
+):
+    """A cyclic GC on the client's event loop thread finalized an undropped borrow while the
+    user's thread held the session lock: Borrow.__del__ waited for the lock on the loop, so
+    nothing the user's thread waited for on the loop came (a deadlock). The borrow is now
+    dropped once the lock is free, before its dead stream is."""
+
+    def leak(x):
+        side = dm.Stream("side")
+        y, borrow = side.borrow(x, mutable=True)
+        with side.activate():
+            y.add_(1)
+        borrow.cycle = borrow  # only the cyclic GC finalizes it, with its stream
+
+    session = mesh2._session
+    collected = threading.Event()
+
+    async def collect_on_the_loop() -> None:  # as an allocation on the loop may start one
+        gc.collect()
+        collected.set()
+
+    with mesh2.activate():
+        x = torch.zeros(3)
+        gc.disable()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                leak(x)
+                with session.lock:  # the user's thread, inside a user-API call
+                    client2.loop.add_callback(collect_on_the_loop)
+                    assert collected.wait(30), "the event loop waited for the session lock"
+                    client2.sync(asyncio.sleep, 0.01, callback_timeout=30)  # the loop answers
+                wait_until(lambda: not session._orphans, 30, "the borrow dropped")
+        finally:
+            gc.enable()
         x.add_(1)  # the lender has its tensor back
         assert dm.inspect(x).tolist() == [2.0] * 3
 
