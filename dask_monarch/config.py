@@ -75,6 +75,10 @@ def integer(key: str, minimum: int | None = None) -> int:
     return number
 
 
+_TRUE = frozenset({"true", "yes", "on", "1", 1})
+_FALSE = frozenset({"false", "no", "off", "0", 0})
+
+
 def flag(key: str, auto: bool = False) -> bool | None:
     """A true/false setting, from YAML or an environment variable's text; with ``auto``, also
     ``auto`` or null (None: the caller decides). Anything else is refused: a misspelt value
@@ -83,11 +87,15 @@ def flag(key: str, auto: bool = False) -> bool | None:
     if isinstance(value, bool):
         return value
     text = value.strip().lower() if isinstance(value, str) else value
-    if text in ("true", "false"):
-        return text == "true"
+    if isinstance(text, (str, int)) and (text in _TRUE or text in _FALSE):  # an env var's 1: int
+        return text in _TRUE
     if auto and text in (None, "auto"):
         return None
-    accepted = "true, false or auto (null too)" if auto else "true or false"
+    accepted = (
+        "true, false (yes/no, on/off, 1/0), or auto (null too)"
+        if auto
+        else "true or false (yes/no, on/off, 1/0)"
+    )
     raise ValueError(f"{_setting(key)} is {value!r}, which is not one of: {accepted}")
 
 

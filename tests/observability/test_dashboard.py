@@ -193,19 +193,29 @@ def test_hidden_messages_say_how_to_show_them(ctrl, dashboard, scheduler_setting
 
 
 def test_a_show_details_value_that_is_not_a_boolean_is_refused(client2, scheduler_setting):
-    """A misspelt ``show-details`` ("ture", or "yes") read as false and hid every message
-    without a word; it is refused, naming the setting and the values it takes."""
+    """A misspelt ``show-details`` ("ture") read as false and hid every message without a
+    word; it is refused, naming the setting and the values it takes. The usual spellings of
+    a boolean (an environment variable's 1, yes, on) still read as they did."""
 
     def details(dask_scheduler=None):
         return show_details(dask_scheduler)
 
-    for value in ("ture", "yes", 1):
+    for value in ("ture", "y", 2, "enabled"):
         scheduler_setting("dask_monarch.dashboard.show-details", value)
         with pytest.raises(ValueError, match="show-details") as info:
             client2.run_on_scheduler(details)
-        assert "true, false or auto" in str(info.value)
+        assert "true, false (yes/no, on/off, 1/0), or auto" in str(info.value)
         assert "DASK_MONARCH__DASHBOARD__SHOW_DETAILS" in str(info.value)
-    for value, shown in (("True", True), (" false", False), (True, True), (False, False)):
+    for value, shown in (
+        ("True", True),
+        (" false", False),
+        (True, True),
+        (False, False),
+        ("yes", True),
+        ("Off", False),
+        (1, True),
+        (0, False),
+    ):
         scheduler_setting("dask_monarch.dashboard.show-details", value)
         assert client2.run_on_scheduler(details) is shown
     for value in ("auto", None):  # a LocalMeshCluster's dashboard is on loopback only
