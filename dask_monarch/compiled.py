@@ -30,7 +30,8 @@ A replay does what running the function again would do, or does not happen
 * A value only the ranks know cannot be read inside: that implicit fetch is an
   error (:mod:`.implicit_fetch`).
 
-``verify=True`` traces again on the first reuse and compares the messages.
+``verify=True`` traces again on the first reuse and compares the messages; a
+trace with the same messages but other outputs or state gets its own recording.
 
 A recording lives on the ranks while a trace can replay it: once the compiled
 function is garbage-collected or a trace replaced, a batched ``DeleteRefs``
@@ -191,9 +192,12 @@ class Compiled:
         if why is None and _same_messages(trace, new):  # a second trace agrees: replay it
             new.adopt(trace)
             new.verified = True
-        elif why is None and not trace.provisional:  # verify=True, first reuse
-            _compare(self.fn, trace.messages, new.messages)
         else:
+            if why is None and not trace.provisional:  # verify=True, first reuse
+                _compare(self.fn, trace.messages, new.messages)
+                # the same messages, but it returns or keeps other handles (or metadata):
+                # the old recording's results do not describe this trace's, so it gets its own
+                why = "what it returns or keeps changed"
             _define_recording(mesh._session, new)
             if trace is not None:
                 self._retrace(key, why)

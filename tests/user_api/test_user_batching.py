@@ -114,6 +114,29 @@ def test_compile_verify_detects_divergence(mesh):
             unstable(x)
 
 
+def test_compile_verify_a_trace_that_keeps_what_it_returns_replays_right(mesh):
+    """The verification trace sends the same messages but keeps its output (it did not the
+    first time): it needs a recording of its own, and the values are those of eager calls."""
+
+    def step(x, state):
+        y = x * 2 + 1
+        if state["calls"]:  # from the second call on, the output is kept as state
+            state["last"] = y
+        state["calls"] += 1
+        return y
+
+    compiled_state, eager_state = {"calls": 0}, {"calls": 0}
+    compiled = dm.compile(verify=True)(lambda x: step(x, compiled_state))
+    with mesh.activate():
+        for i in range(4):
+            x = torch.full((2,), float(i))
+            y, e = compiled(x), step(x, eager_state)
+            assert dm.inspect(y).tolist() == dm.inspect(e).tolist() == [2.0 * i + 1] * 2
+            if i:
+                last, expected = compiled_state["last"], eager_state["last"]
+                assert dm.inspect(last).tolist() == dm.inspect(expected).tolist()
+
+
 def test_a_failed_trace_leaves_no_borrow_behind(mesh):
     """Nothing of a failed trace was sent: its borrow is undone here, never dropped there."""
     with mesh.activate():
