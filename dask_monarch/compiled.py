@@ -36,6 +36,12 @@ trace with the same messages but other outputs or state gets its own recording.
 A recording lives on the ranks while a trace can replay it: once the compiled
 function is garbage-collected or a trace replaced, a batched ``DeleteRefs``
 of its ref frees it there, after the replays already sent (:class:`_Recording`).
+
+Inside a ``dm.dry_run`` a compiled function keeps traces of the dry run's own
+(:meth:`Compiled._traces_for`): a recording on the ranks names streams the
+dry run's stand-in never created, so the function is traced there once per
+signature, and checked and counted like the eager code; after the block it
+replays its recordings of before, and the dry run's die with its stand-in.
 """
 
 from __future__ import annotations
@@ -142,15 +148,18 @@ class _Recording:
     constants, generated code). Replays already sent run first, as the delete follows them
     on every lane (docs/protocol.md §3.5)."""
 
-    __slots__ = ("ranks", "ref", "session")
+    __slots__ = ("ranks", "ref", "session", "stand_in")
 
     def __init__(self, session: Session, ranks: tuple[int, ...], ref: m.Ref) -> None:
         self.session = session
         self.ranks = ranks
         self.ref = ref
+        stand_in = session.stand_in  # defined in a dry run: only its stand-in knows it
+        self.stand_in = None if stand_in is None else weakref.ref(stand_in)
 
     def __del__(self) -> None:
-        self.session.drop_ref(self.ranks, self.ref)
+        if self.stand_in is None or self.stand_in() is self.session.controller:
+            self.session.drop_ref(self.ranks, self.ref)
 
 
 class Compiled:
@@ -160,6 +169,8 @@ class Compiled:
         self.fn = fn
         self.verify = verify
         self._traces: dict[Any, _Trace] = {}
+        # a dry run's stand-in -> its own traces (``_traces_for``)
+        self._dry_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._retraces: dict[Any, int] = {}  # traces in a row with none replayed
         self._eager: set[Any] = set()  # signatures that gave up on their recording
         functools.update_wrapper(self, fn)
@@ -183,7 +194,8 @@ class Compiled:
         if key in self._eager:
             return self.fn(*args, **kwargs)
         actuals = [t for _, t in tensors]
-        trace = self._traces.get(key)
+        traces = self._traces_for(mesh._session)
+        trace = traces.get(key)
         why = "it was never called with such arguments" if trace is None else trace.stale(actuals)
         if why is None and not trace.provisional and (trace.verified or not self.verify):
             self._retraces[key] = 0
@@ -201,8 +213,21 @@ class Compiled:
             _define_recording(mesh._session, new)
             if trace is not None:
                 self._retrace(key, why)
-        self._traces[key] = new
+        traces[key] = new
         return _call_recording(mesh, new, actuals, traced=True)
+
+    def _traces_for(self, session: Session) -> dict[Any, _Trace]:
+        """The traces whose recordings the session's controller knows. A dry run's stand-in
+        knows none of the ranks' (theirs name streams it never created), so it gets traces of
+        its own, which die with it: the function's recordings of before are left as they
+        were."""
+        stand_in = session.stand_in
+        if stand_in is None:
+            return self._traces
+        traces = self._dry_traces.get(stand_in)
+        if traces is None:
+            traces = self._dry_traces[stand_in] = {}
+        return traces
 
     def _retrace(self, key: Any, why: str) -> None:
         """Count a trace that replaced one never replayed; past RETRACES, run eagerly."""
@@ -210,6 +235,8 @@ class Compiled:
         if count >= RETRACES:
             self._eager.add(key)
             self._traces.pop(key, None)
+            for traces in self._dry_traces.values():
+                traces.pop(key, None)
             name = getattr(self.fn, "__qualname__", repr(self.fn))
             warnings.warn(
                 f"dask_monarch.compile: {name} was traced {count + 1} times in a row without "

@@ -20,6 +20,9 @@ What a dry run cannot do, and how it ends:
   tensors made before keep working (deletes of those made during the block
   go to the ranks afterwards); a tensor made inside the block has no value
   on the ranks, so a later use fails with ``DryRunError``;
+* a compiled function is traced anew for the dry run (its recordings on the
+  ranks name streams the dry run never created) and replays those of before
+  after it;
 * memory counts the tensors the block makes (by their handles' metadata), not
   those that existed before, nor a rank's temporaries (collective buffers).
 

@@ -255,6 +255,11 @@ class Session:
         self._seq += 1
         return seq
 
+    @property
+    def stand_in(self) -> ControllerSeam | None:
+        """The controller standing in for this session's own (a dry run's), or None."""
+        return self.controller if self._exit_instead is not None else None
+
     def send_views(self) -> None:
         """Send every lazy view (tensor.py) now: a compiled trace, coalescing or a dry run is
         about to start, and a view made before it must be a ref of its own on the ranks."""

@@ -251,3 +251,28 @@ def test_ddp_hooks_train_in_a_dry_run(mesh2):
     (reduce,) = run.collectives
     assert (reduce.kind, reduce.reduction, reduce.dims) == ("all-reduce", "avg", ("gpu",))
     assert reduce.bytes == 10 * 4  # the flat bucket: weight and bias
+
+
+def test_a_function_compiled_before_a_dry_run_runs_in_it_and_after(mesh2):
+    """Its recording on the ranks names streams the dry run does not know: inside, it is traced
+    for the dry run (checked and counted like the eager code), and outside it replays its own
+    recording again. One compiled first inside is traced anew after."""
+
+    @dm.compile
+    def step(x):
+        return (x * 2 + 1).reduce("gpu", "sum")
+
+    @dm.compile
+    def first_inside(x):
+        return x + 1
+
+    with mesh2.activate():
+        x = torch.ones(2)
+        y = step(step(x))  # traced, then replayed
+        with dm.dry_run(mesh2) as run:
+            z = step(step(x))  # a replay of the recording from before, then of the dry run's
+            w = first_inside(z)
+            assert w.shape == (2,)
+        assert all(figures.messages > 0 for figures in run.ranks.values())
+        assert dm.inspect(step(y)).tolist() == [106.0, 106.0]
+        assert dm.inspect(first_inside(y)).tolist() == [27.0, 27.0]

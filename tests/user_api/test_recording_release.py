@@ -123,3 +123,38 @@ def test_a_function_collected_in_a_dry_run_frees_its_recording_after_it(client2,
         assert recordings_now(client2, mesh2) == [1, 1]
         assert recordings_held(client2, mesh2) == [0, 0]
         assert dm.inspect(y).tolist() == [2.0, 2.0]
+
+
+def test_a_dry_run_keeps_the_recordings_of_before_and_deletes_none_of_its_own(client2, mesh2):
+    """A compiled function traced in a dry run (its recording there is the stand-in's) sends
+    the ranks no delete of that recording once the dry run is over."""
+
+    @dm.compile
+    def step(x):
+        return x + 1
+
+    controller = mesh2._session.controller
+    deleted, send = [], controller.send
+
+    def observe(ranks, message):
+        if type(message) is dm.messages.DeleteRefs:
+            deleted.extend(ref.id for ref in message.refs)
+        send(ranks, message)
+
+    with mesh2.activate():
+        y = step(step(torch.ones(2)))  # traced and replayed: one recording
+        with dm.dry_run(mesh2) as run:
+            step(step(torch.ones(2)))  # traced for the dry run, replayed there
+        made_inside = range(run._controller.first_id, mesh2._session.new_id())
+        controller.send = observe
+        try:
+            del run
+            gc.collect()
+            assert recordings_held(client2, mesh2) == [1, 1]
+            assert dm.inspect(step(y)).tolist() == [4.0, 4.0]  # replays its recording
+            del step
+            gc.collect()
+            assert recordings_held(client2, mesh2) == [0, 0]
+        finally:
+            del controller.send
+        assert deleted and not [ref for ref in deleted if ref in made_inside]
