@@ -594,7 +594,9 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
             )
         for t in actuals:
             check_usable(t)
-            t._ref  # noqa: B018 (a lazy view passed in is sent before the recording's seq)
+        # read now (a lazy view passed in is sent before the recording's seq), before any
+        # handle is rebound below: an argument may be one (``x = step(x)`` with state kept)
+        args = [t._ref for t in actuals]
         first_use(session, actuals)
         held = [ref() for ref in trace.escaped]
         results, handles, rebinds = [], [], []
@@ -610,18 +612,16 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
         for h in held[trace.first_extra :]:
             results.append(session.new_ref())
             rebinds.append((h, results[-1]))
-        for h, ref in rebinds:
-            _rebind(h, ref, traced)
         captured = [ref() for ref, _ in trace.captured]
         by_id = {h._ref.id: h for h in reversed(captured) if h is not None}  # the first wins
         changed = [actuals[i] if i is not None else by_id.get(ref) for i, ref in trace.mutated]
         mutates = mutated_refs([h for h in changed if h is not None], keep_known=traced)
         seq = session.new_seq()
-        uses = [a._ref.id for a in actuals] + [h._ref.id for h in captured if h is not None]
+        uses = [a.id for a in args] + [h._ref.id for h in captured if h is not None]
         session.invoke(seq, uses, [r.id for r in results] + mutates)
-        session.send(
-            tuple(trace.ranks), m.CallRecording(seq, trace.ref, results, [a._ref for a in actuals])
-        )
+        session.send(tuple(trace.ranks), m.CallRecording(seq, trace.ref, results, args))
+        for h, ref in rebinds:  # after the send: the deletes of their old values follow it
+            _rebind(h, ref, traced)
     it = iter(handles)
     leaves = [next(it) if x is TENSOR_SLOT else x for x in trace.template]
     return tree_unflatten(leaves, trace.out_spec)

@@ -137,6 +137,25 @@ def test_compile_verify_a_trace_that_keeps_what_it_returns_replays_right(mesh):
                 assert dm.inspect(last).tolist() == dm.inspect(expected).tolist()
 
 
+def test_a_replay_may_be_passed_the_state_it_rebinds(mesh):
+    """``x = step(x)`` where step keeps its output as state: the next replay's argument is the
+    handle it rebinds, and it must read the argument's value of before the call."""
+
+    def step(x, state):
+        state["last"] = x * 2 + 1
+        return state["last"]
+
+    compiled_state, eager_state = {}, {}
+    compiled = dm.compile(lambda x: step(x, compiled_state))
+    with mesh.activate():
+        x, e = torch.ones(2), torch.ones(2)
+        for _ in range(4):
+            x, e = compiled(x), step(e, eager_state)
+            assert dm.inspect(x).tolist() == dm.inspect(e).tolist()
+            assert dm.inspect(compiled_state["last"]).tolist() == dm.inspect(e).tolist()
+        assert dm.inspect(x).tolist() == [31.0, 31.0]
+
+
 def test_a_failed_trace_leaves_no_borrow_behind(mesh):
     """Nothing of a failed trace was sent: its borrow is undone here, never dropped there."""
     with mesh.activate():
