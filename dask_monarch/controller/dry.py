@@ -15,8 +15,8 @@ Meanwhile it counts per rank the messages each rank would run, the live
 tensor bytes (the user API tells it the bytes of each handle it makes:
 :meth:`created`; ``DeleteRefs`` frees them once every ref of a storage is
 gone) and their peak, and the bytes every ``Reduce`` and ``SendTensor``
-would move. Fetches cannot have a value: their futures fail at once with
-:class:`DryRunError`.
+would move (those of a recording at each ``CallRecording`` of it). Fetches
+cannot have a value: their futures fail at once with :class:`DryRunError`.
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ class DryController:
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ref_storage: dict[int, int] = {}  # ref id -> storage key
         self._borrowed: dict[int, int] = {}  # borrow id -> the borrowed ref
+        # (rank, recording ref id) -> the commands defined to it in the dry run
+        self._recordings: dict[tuple[int, int], list] = {}
 
     # -- the Controller calls the user API makes ----------------------------------------------
 
@@ -307,6 +309,8 @@ class DryController:
                     self.real_deletes.append((ranks, ref.id))
                 else:
                     self._release(ref.id)
+                    for r in ranks:
+                        self._recordings.pop((r, ref.id), None)
         elif t is m.BorrowCreate:  # the borrowed handle shares the lender's storage
             lender = self._ref_storage.get(msg.tensor.id)
             self._release(msg.result.id)
@@ -320,6 +324,12 @@ class DryController:
                 self._release(ref)
         elif t is m.Reduce:
             self._reduce(ranks, msg)
+        elif t is m.DefineRecording:
+            for r in ranks:
+                commands = self._recordings.setdefault((r, msg.result.id), [])
+                commands.extend(m.flatten_groups(msg.commands))
+        elif t is m.CallRecording:
+            self._replay(ranks, msg.recording.id)
         elif t is m.SendTensor:
             self._send(msg)
         elif t is m.SendResultOfActorCall or (t is m.SendValue and msg.destination is None):
@@ -333,6 +343,21 @@ class DryController:
                         "dry run, or leave fetches out of the code you dry-run"
                     )
                 )
+
+    def _replay(self, ranks: tuple[int, ...], recording: int) -> None:
+        """Count the collectives and sends a replay of ``recording`` runs: they are commands of
+        the recording, not messages. Each rank's commands hold the same message objects (one
+        trace), so each is counted once, with the ranks that run it."""
+        members: dict[int, tuple[Any, list[int]]] = {}
+        for r in ranks:
+            for command in self._recordings.get((r, recording), ()):
+                if type(command) is m.Reduce or type(command) is m.SendTensor:
+                    members.setdefault(id(command), (command, []))[1].append(r)
+        for command, involved in members.values():
+            if type(command) is m.Reduce:
+                self._reduce(tuple(involved), command)
+            else:
+                self._send(command)
 
     def _reduce(self, ranks: tuple[int, ...], msg: m.Reduce) -> None:
         factory = msg.factory

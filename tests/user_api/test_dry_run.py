@@ -276,3 +276,23 @@ def test_a_function_compiled_before_a_dry_run_runs_in_it_and_after(mesh2):
         assert all(figures.messages > 0 for figures in run.ranks.values())
         assert dm.inspect(step(y)).tolist() == [106.0, 106.0]
         assert dm.inspect(first_inside(y)).tolist() == [27.0, 27.0]
+
+
+def test_the_collectives_and_sends_of_a_compiled_function_count_at_each_replay(mesh2):
+    """They travel inside the recording, not as messages of their own: each replay counts
+    them, once each with the ranks that run them, as the eager calls would be counted."""
+
+    @dm.compile
+    def step(x):
+        total = (x * 2).reduce("gpu", "sum")
+        moved = total.slice_mesh(gpu=0).to_mesh(mesh2.slice(gpu=1))
+        return total, moved
+
+    with dm.dry_run(mesh2) as run, mesh2.activate():
+        x = torch.ones(4)
+        step(x)  # traced and replayed
+        step(x)  # replayed
+    assert [(c.kind, c.ranks, c.bytes) for c in run.collectives] == [("all-reduce", (0, 1), 16)] * 2
+    assert [(s.pairs, s.bytes) for s in run.sends] == [([(0, 1)], 16)] * 2
+    assert [f.collective_bytes for f in run.ranks.values()] == [32, 32]
+    assert (run.ranks[0].sent_bytes, run.ranks[1].received_bytes) == (32, 32)
