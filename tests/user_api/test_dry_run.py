@@ -137,24 +137,29 @@ def test_shape_and_mesh_errors_are_raised_inside_the_block(mesh2, client2):
     assert controller.messages_sent == sent
 
 
+def _reduce_rank_1_never_gets(mesh) -> None:
+    """Send rank 0 its part of a reduce over both ranks, and rank 1 nothing."""
+    with mesh.activate():
+        t = torch.ones(3)
+    session = mesh._session
+    stream = session.stream_ref(dm.get_active_stream())
+    mesh_ref = session.mesh_ref(("gpu",), Slice.row_major([2]))
+    session.ensure_split(mesh_ref, stream, ("gpu",))
+    factory = m.Factory((3,), torch.float32, torch.strided, "cpu")
+    reduce = m.Reduce(
+        session.new_ref(), t._ref, factory, mesh_ref, stream, ["gpu"], m.ReduceOp.SUM,
+        False, False, None,
+    )  # fmt: skip
+    session.send((0,), reduce)
+
+
 def test_protocol_errors_are_raised_before_anything_runs(mesh2):
     """A collective one member never receives: the pre-dispatch check refuses it."""
     controller = mesh2._session.controller
     sent = controller.messages_sent
     with pytest.raises(dm.DeviceException, match="rank 1") as info:
         with dm.dry_run(mesh2):
-            with mesh2.activate():
-                t = torch.ones(3)
-            session = mesh2._session
-            stream = session.stream_ref(dm.get_active_stream())
-            mesh_ref = session.mesh_ref(("gpu",), Slice.row_major([2]))
-            session.ensure_split(mesh_ref, stream, ("gpu",))
-            factory = m.Factory((3,), torch.float32, torch.strided, "cpu")
-            reduce = m.Reduce(
-                session.new_ref(), t._ref, factory, mesh_ref, stream, ["gpu"], m.ReduceOp.SUM,
-                False, False, None,
-            )  # fmt: skip
-            session.send((0,), reduce)  # rank 1 is never sent its part
+            _reduce_rank_1_never_gets(mesh2)
     assert "never" in str(info.value) or "wait" in str(info.value)
     assert controller.messages_sent == sent
     assert controller.broken is None  # the real mesh is fine
@@ -177,19 +182,8 @@ def test_each_raise_of_a_broken_dry_run_has_its_own_traceback(mesh2):
     errors = []
     with pytest.raises(dm.DeviceException, match="rank 1"):
         with dm.dry_run(mesh2):
-            with mesh2.activate():
-                t = torch.ones(3)
-            session = mesh2._session
-            stream = session.stream_ref(dm.get_active_stream())
-            mesh_ref = session.mesh_ref(("gpu",), Slice.row_major([2]))
-            session.ensure_split(mesh_ref, stream, ("gpu",))
-            factory = m.Factory((3,), torch.float32, torch.strided, "cpu")
-            reduce = m.Reduce(
-                session.new_ref(), t._ref, factory, mesh_ref, stream, ["gpu"], m.ReduceOp.SUM,
-                False, False, None,
-            )  # fmt: skip
-            session.send((0,), reduce)  # rank 1 is never sent its part
-            dry = session.controller
+            _reduce_rank_1_never_gets(mesh2)
+            dry = mesh2._session.controller
             assert isinstance(dry, DryController)
             for site in (_first_site, _second_site, _second_site):
                 with pytest.raises(dm.DeviceException) as info:
