@@ -184,7 +184,7 @@ class Borrow:
                     self.drop_quietly()
                 finally:
                     session.lock.release()
-            elif _on_event_loop():
+            elif asyncio._get_running_loop() is not None:  # as worker/device.py asks it
                 # a GC on the client's event loop while the user's thread holds the lock: the
                 # loop must not wait for it (the user's thread may wait on the loop)
                 session.adopt_orphan(self)
@@ -202,14 +202,6 @@ class Borrow:
         state = "dropped" if self.dropped else "active"
         kind = "mutable" if self.mutable else "immutable"
         return f"<Borrow {self.id} ({kind}, {state})>"
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def lend(stream: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
