@@ -23,7 +23,8 @@ knows) and ``implicit_fetch`` (values Python asks for); ``stream`` and
 ``checkpoint`` (``checkpoint.save``, ``checkpoint.load``) over ``state_tree``
 (training state as paths); ``replicas`` (``run_steps``: in-job recovery) and
 ``recovery`` (``elastic``: restarts from a notebook); ``torch_collectives``
-(``torch.distributed`` calls on mesh tensors, refused with the mesh's way).
+(``torch.distributed`` calls on mesh tensors, refused with the mesh's way);
+``torch_compile`` (``torch.compile``d code called on mesh tensors).
 Beside them: ``config`` (settings), ``exceptions``, ``dask_internals`` (the
 private parts of distributed used, checked once), and the public paths
 ``messages``, ``ndslice``, ``logs``, ``dashboard`` and ``preload`` of modules

@@ -361,6 +361,7 @@ def device_mesh(
     from .propagation import Propagator, warm_up
     from .tensor import Tensor, install_cuda_check, install_tensor_constructors
     from .torch_collectives import install as answer_torch_collectives
+    from .torch_compile import skip_in_dynamo
 
     if workers is not None and (
         isinstance(workers, (str, int)) or not hasattr(workers, "__iter__")
@@ -404,6 +405,7 @@ def device_mesh(
     from .random import install_torch_rng
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'
+    skip_in_dynamo()  # torch.compile'd code called on mesh tensors runs their ops eagerly
 
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 
