@@ -92,7 +92,7 @@ def _one_at_a_time(lane: Lane, broker: tuple) -> Iterator[None]:
             while not lock.acquire(timeout=POLL_S):
                 if state.abort.is_set():
                     raise FatalError(
-                        f"{lane.title} stopped waiting for actor {broker[0]!r}: "
+                        f"stopped waiting for actor {broker[0]!r}: "
                         f"{state.failed or 'the rank was released'}"
                     )
         finally:

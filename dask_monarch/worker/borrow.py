@@ -85,9 +85,7 @@ def borrow_create(lane: Lane, msg: BorrowCreate) -> None:
     """
     value = lane.env.get(msg.tensor.id, _MISSING)
     if value is _MISSING:
-        raise FatalError(
-            f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on stream {lane.label}"
-        )
+        raise FatalError(f"BorrowCreate {msg.borrow}: r{msg.tensor.id} is not on this stream")
     if lane.recording is not None and type(value) is SeqError:
         lane.recording.dependent(value)
     borrow = _borrow(lane, msg.borrow)
@@ -113,9 +111,7 @@ def borrow_last_use(lane: Lane, msg: BorrowLastUse) -> None:
     """Give the object back: unbind it on the borrower lane (fatal if it is gone)."""
     borrow = _borrow(lane, msg.borrow)
     if lane.env.pop(borrow.result, _MISSING) is _MISSING:
-        raise FatalError(
-            f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on stream {lane.label}"
-        )
+        raise FatalError(f"BorrowLastUse {msg.borrow}: r{borrow.result} is not on this stream")
     borrow.returned_event = lane.rank.device.record(lane.stream)
     borrow.last_used.set()
 

@@ -465,8 +465,8 @@ def process_groups_for(lane: Lane, refs: Iterable[Ref]) -> dict[int, dist.Proces
         pg = comms.remote.get((ref.id, lane.label))
         if pg is None:
             raise FatalError(
-                f"process group r{ref.id} has no communicator on stream "
-                f"{lane.label} (SplitCommForProcessGroup was not sent)"
+                f"process group r{ref.id} has no communicator on this stream "
+                "(SplitCommForProcessGroup was not sent)"
             )
         found[ref.id] = pg
     return found
@@ -486,7 +486,7 @@ def _ranks_text(ranks: list[int]) -> str:
 def _input(lane: Lane, ref, what: str):
     value = lane.env.get(ref.id, _MISSING)
     if value is _MISSING:
-        raise FatalError(f"{what}: r{ref.id} is not on {lane.title}")
+        raise FatalError(f"{what}: r{ref.id} is not on this stream")
     return value
 
 
@@ -543,7 +543,7 @@ def reduce(lane: Lane, msg: Reduce) -> None:
     pg = comms.splits.get(key)
     if pg is None:
         raise FatalError(
-            f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: {lane.title} "
+            f"Reduce over {list(dims)} of mesh r{msg.mesh.id}: this stream "
             "has no communicator for them (SplitComm was not sent)"
         )
     value = _input(lane, msg.tensor, "Reduce")
@@ -600,7 +600,7 @@ def _finish(lane: Lane, work, cuda: bool, what: str) -> None:
         return
     if not groups.finish(work, state.abort.is_set, comms_of(state).timeout):
         raise FatalError(
-            f"{lane.title} stopped waiting for its peers: {state.failed or 'the rank was released'}"
+            f"stopped waiting for its peers: {state.failed or 'the rank was released'}"
         )
 
 
@@ -732,7 +732,7 @@ def send_tensor(lane: Lane, msg: SendTensor) -> None:
     sending = lane.label == msg.from_stream.id and me in msg.from_ranks
     receiving = lane.label == msg.to_stream.id and me in msg.to_ranks
     if not sending and not receiving:
-        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on {lane.title}")
+        raise FatalError(f"SendTensor: rank {me} neither sends nor receives on this stream")
     if len(msg.from_ranks) != len(msg.to_ranks):
         raise FatalError(
             f"SendTensor of r{msg.tensor.id}: from_ranks has {len(msg.from_ranks)} "

@@ -52,7 +52,10 @@ class RefNotFound(Exception):
 
 
 class FatalError(Exception):
-    """A protocol violation or internal failure: breaks this controller on this rank."""
+    """A protocol violation or internal failure: breaks this controller on this rank.
+
+    Raised in a lane, its text does not name the lane ("this stream" where it must refer to
+    it): ``RankState.run_segment`` reports it led by the lane's title, once."""
 
 
 class ReplayRefused(FatalError):

@@ -27,7 +27,7 @@ def fail_call(
     A call that ``mesh.exit(cancel=True)`` interrupted is no failure of the user's: its
     rank was released, and the segment ends here (worker/cancel.py)."""
     if isinstance(exc, Cancelled):
-        raise FatalError(f"{lane.title}: the call of seq {seq} was cancelled") from None
+        raise FatalError(f"the call of seq {seq} was cancelled") from None
     if lane.recording is not None:
         error = lane.recording.fresh_error(lane.rank, exc)
         poison(lane.env, results, mutates, error)

@@ -129,7 +129,7 @@ class Lane:
         """Segments run exactly once and in order; anything else is a replay."""
         if index != self.next_index:
             raise ReplayRefused(
-                f"{self.title}: segment {index} arrived when {self.next_index} was expected "
+                f"segment {index} arrived when {self.next_index} was expected "
                 "(Dask re-ran work, e.g. after a lost worker); refusing to execute it twice"
             )
         self.next_index += 1

@@ -133,7 +133,7 @@ class OpSequence:
         elif self.lane[0] != lane.label:
             raise FatalError(
                 f"{self._where()}: rank {self.rank} issues on it from {self.lane[1]} and from "
-                f"{lane.title}. NCCL runs a communicator's operations in the order a rank issues "
+                "this stream. NCCL runs a communicator's operations in the order a rank issues "
                 "them, and two lanes of a rank would issue them in an order that differs "
                 "between ranks (dask_monarch.comm.emulate-nccl)"
             )

@@ -295,8 +295,8 @@ class Pipe:
                 except queue.Empty:
                     if self.state.abort.is_set():
                         raise FatalError(
-                            f"{lane.title} stopped waiting for pipe "
-                            f"{self.key!r}: {self.state.failed or 'released'}"
+                            f"stopped waiting for pipe {self.key!r}: "
+                            f"{self.state.failed or 'released'}"
                         ) from None
                     if self.process is not None and not self.process.is_alive():
                         self.ended = (

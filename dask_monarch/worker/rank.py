@@ -155,7 +155,8 @@ class RankState:
         A segment queued before the controller failed or left returns at once
         and runs nothing, and one that fails fatally returns once the failure
         is reported: their tasks end normally (no Dask error, no slot held),
-        and the controller learns of the failure from the ``Fatal`` report.
+        and the controller learns of the failure from the ``Fatal`` report,
+        led by the lane's title: the one place that names the lane of a fatal error.
         """
         if self.failed is not None or self.released:
             return 0
@@ -177,7 +178,7 @@ class RankState:
                 else:
                     trace.run_steps(self, lane, steps, index)
         except FatalError as e:
-            self.fail(_naming(lane, e))
+            self.fail(f"{lane.title}: {e}")
             return 0
         except BaseException as e:
             self.fail(f"{lane.title}: internal error: {format_exception(e)}")
@@ -300,11 +301,10 @@ class RankState:
             while not event.wait(WAIT_POLL_S):
                 if self.abort.is_set():
                     raise FatalError(
-                        f"{lane.title} stopped waiting for {what}: "
-                        f"{self.failed or 'the rank was released'}"
+                        f"stopped waiting for {what}: {self.failed or 'the rank was released'}"
                     )
                 if deadline is not None and time.monotonic() > deadline:
-                    raise FatalError(f"{lane.title} timed out after {timeout}s waiting for {what}")
+                    raise FatalError(f"timed out after {timeout}s waiting for {what}")
         finally:
             lane.state, lane.doing = before
             if self.trace is not None:
@@ -390,13 +390,3 @@ class RankState:
             "borrows": sorted(map(str, list(self.borrows))),
             "errors": [{"seq": s, "error": e, "time": t} for s, e, t in list(self.recent_errors)],
         }
-
-
-def _naming(lane: Lane, error: FatalError) -> str:
-    """``error``'s text led by the lane it ended, once: errors raised in a lane (a cancelled
-    call, a wait given up) often name it already, and read twice ("stream 'main' (1): stream
-    'main' (1): the call of seq 1 was cancelled") when prefixed again."""
-    text = str(error)
-    if text.startswith((f"{lane.title}:", f"{lane.title} ")):
-        return text
-    return f"{lane.title}: {text}"

@@ -13,6 +13,7 @@ from helpers.waiting import wait_until
 import dask_monarch as dm
 from dask_monarch import messages as m
 from dask_monarch.messages import Ref
+from dask_monarch.ndslice import Slice
 
 BOTH = [0, 1]
 
@@ -207,8 +208,8 @@ def test_lanes_raise_the_workers_thread_budget(ctrl, client2):
         ("first-use-twice", "in state 'first-used' (expected 'created')"),
         ("drop-before-last-use", "in state 'first-used' (expected 'last-used')"),
         ("unknown-stream", "stream 5, which was never created"),
-        ("missing-tensor", "r42 is not on stream 0"),
-        ("last-use-of-deleted", "r2 is not on stream 1"),
+        ("missing-tensor", "stream 0: BorrowCreate 1: r42 is not on this stream"),
+        ("last-use-of-deleted", "stream 1: BorrowLastUse 1: r2 is not on this stream"),
     ],
 )
 def test_borrow_misuse_is_fatal(client2, case, text):
@@ -236,6 +237,30 @@ def test_borrow_misuse_is_fatal(client2, case, text):
         ctrl.send(BOTH, m.BorrowLastUse(1))
     with pytest.raises(dm.DeviceException, match=re.escape(text)):
         ctrl.sync(timeout=30)
+    ctrl.close()
+
+
+@pytest.mark.parametrize("case", ["borrowed-missing-tensor", "reduced-missing-tensor"])
+def test_a_fatal_error_names_its_lane_once(client2, case):
+    """The rank leads a segment's fatal error with the lane it ended; messages that named the
+    lane themselves read twice ("stream 0: BorrowCreate 1: r42 is not on stream 0")."""
+    ctrl = dm.Controller(client2, world_size=2)
+    create_streams(ctrl, BOTH, S0, S1)
+    if case == "borrowed-missing-tensor":
+        borrow(ctrl, BOTH, 1, Ref(2), Ref(42), S0, S1)
+    else:
+        mesh = Ref(900)
+        ctrl.send(BOTH, m.CreateDeviceMesh(mesh, ["gpu"], Slice(0, [2], [1])))
+        ctrl.send(BOTH, m.BackendNetworkInit())
+        ctrl.send(BOTH, m.SplitComm(["gpu"], mesh, S0))
+        factory = m.Factory((2,), torch.float32, torch.strided, "cpu")
+        total = m.ReduceOp.SUM
+        reduce = m.Reduce(Ref(2), Ref(42), factory, mesh, S0, ["gpu"], total, False, False, None)
+        ctrl.send(BOTH, reduce)
+    with pytest.raises(dm.DeviceException) as raised:
+        ctrl.sync(timeout=30)
+    text = str(raised.value)
+    assert text.count("stream 0") == 1 and "stream 0: " in text, text
     ctrl.close()
 
 
