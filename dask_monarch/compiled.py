@@ -58,7 +58,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .borrows import first_use
+from .borrows import StorageInfo, first_use
 from .controller.session import Capture, Session
 from .debug import recorded_breakpoints
 from .exceptions import CompileWarning
@@ -270,7 +270,9 @@ class Compiled:
                 formal_values: dict[int, torch.Tensor] = {}
                 storages: dict[int, Any] = {}
                 for index, (position, t) in enumerate(tensors):
-                    storage = storages.get(id(t._storage))
+                    # aliases as the arguments are, over storages that hold nothing new on
+                    # the ranks (a dry run counts no bytes for them: the arguments' are)
+                    storage = storages.setdefault(id(t._storage), StorageInfo())
                     known = t._known.clone() if t._known is not None else None
                     formal = Tensor(
                         t._mkey,
@@ -284,7 +286,6 @@ class Compiled:
                     if known is not None:
                         formal_values[index] = known.clone()
                         capture.formal(formal, index)
-                    storages.setdefault(id(t._storage), formal._storage)
                     capture.add(
                         t._mesh._ranks,
                         m.RecordingFormal(formal._ref, index, session.stream_ref(t._stream)),
@@ -306,7 +307,7 @@ class Compiled:
                         f"dropped within it ({open_borrows})"
                     )
             except BaseException:
-                _abandon(capture)
+                _abandon(session, capture)
                 raise
             finally:
                 session.capture = None
@@ -314,7 +315,7 @@ class Compiled:
             template = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
             returned = _returned(out_leaves, formals)
             del out_leaves  # from here on, what holds a handle the trace made is not ours
-            held = _escaped(capture)
+            held = _escaped(session, capture)
             outputs, escaped = [], []
             for j, (handle, ref, meta, stream, ranks, is_formal) in enumerate(returned):
                 capture.add(ranks, m.RecordingResult(ref, j, session.stream_ref(stream)))
@@ -436,29 +437,32 @@ def _returned(leaves: list[Any], formals: dict[int, Tensor]) -> list[tuple]:
     ]
 
 
-def _escaped(capture: Capture) -> list[Tensor]:
+def _escaped(session: Session, capture: Capture) -> list[Tensor]:
     """The handles the trace made that something outside holds after it returned; each
-    stops owning its trace-internal ref."""
+    stops owning its trace-internal ref. The refs of the others are gone with the trace
+    (a dry run stops counting them); those of these go when a replay rebinds them."""
     made = _disown(capture)
     found = _alive(made)
     if found:  # what only a reference cycle keeps alive is not held by anyone
         del found
         gc.collect()
         found = _alive(made)
+    held = {id(h) for h in found}  # a dead handle's id(None) is none of them
+    session.forget_traced([ref for handle, ref in made if id(handle()) not in held])
     return found
 
 
-def _disown(capture: Capture) -> list[weakref.ref]:
-    """Weak references to the handles the trace made, none of which owns its ref any more
-    (internal to the recording: the replay deletes them)."""
+def _disown(capture: Capture) -> list[tuple[weakref.ref, int]]:
+    """Weak references to the handles the trace made, with their ref ids, none of which owns
+    its ref any more (internal to the recording: the replay deletes them)."""
     internal, capture.created = capture.created, []
     for h in internal:
         h.disown()
-    return [weakref.ref(h) for h in internal]
+    return [(weakref.ref(h), h._ref.id) for h in internal]
 
 
-def _alive(made: list[weakref.ref]) -> list[Tensor]:
-    return [h for h in (ref() for ref in made) if h is not None and h._dropped is None]
+def _alive(made: list[tuple[weakref.ref, int]]) -> list[Tensor]:
+    return [h for h in (ref() for ref, _ in made) if h is not None and h._dropped is None]
 
 
 def _uses(
@@ -556,11 +560,12 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _abandon(capture: Capture) -> None:
+def _abandon(session: Session, capture: Capture) -> None:
     """A trace failed: nothing it captured was sent, so its handles and borrows name
     nothing on the ranks and must not be deleted or dropped there."""
     for h in capture.created:
         h.disown()
+    session.forget_traced([h._ref.id for h in capture.created])
     for borrow in capture.borrows:
         if not borrow.dropped:
             borrow.forget("the compiled function that borrowed it failed")
@@ -629,7 +634,10 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
 
 def _rebind(h: Tensor, ref: m.Ref, traced: bool) -> None:
     """Point handle ``h``, made by a traced call and held since, at a replay's new value."""
+    internal = None if h._owns_ref else h._ref.id  # the trace's own: no delete frees it
     h.rebind(ref)
+    if internal is not None:
+        h._session.forget_traced([internal])
     if not traced:
         h._storage.forget_known()
 

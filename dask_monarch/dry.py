@@ -22,7 +22,8 @@ What a dry run cannot do, and how it ends:
   on the ranks, so a later use fails with ``DryRunError``;
 * a compiled function is traced anew for the dry run (its recordings on the
   ranks name streams the dry run never created) and replays those of before
-  after it;
+  after it; its memory is its results and what it keeps, as a real replay's:
+  its intermediates count while it is traced only (a replay frees them);
 * memory counts the tensors the block makes (by their handles' metadata), not
   those that existed before, nor a rank's temporaries (collective buffers).
 

@@ -164,6 +164,9 @@ class Tensor(torch.Tensor, Handle):
     def rebind(self, ref: m.Ref) -> None:
         self._settle_views()  # itself too, if it is a lazy view
         Handle.rebind(self, ref)
+        watch = self._session.watch
+        if watch is not None:  # a dry run: the new ref holds this handle's storage
+            watch(ref.id, self._storage, 0, self._mesh._ranks)
 
     @classmethod
     def __torch_dispatch__(

@@ -14,7 +14,8 @@ controller does (``fresh_copy``): raising one object again grows its traceback.
 Meanwhile it counts per rank the messages each rank would run, the live
 tensor bytes (the user API tells it the bytes of each handle it makes:
 :meth:`created`; ``DeleteRefs`` frees them once every ref of a storage is
-gone) and their peak, and the bytes every ``Reduce`` and ``SendTensor``
+gone, and so does :meth:`forgotten` for the refs of a compiled trace's own
+handles) and their peak, and the bytes every ``Reduce`` and ``SendTensor``
 would move (those of a recording at each ``CallRecording`` of it). Fetches
 cannot have a value: their futures fail at once with :class:`DryRunError`.
 """
@@ -279,6 +280,11 @@ class DryController:
                 figures.peak_tensor_bytes = max(figures.peak_tensor_bytes, figures.tensor_bytes)
         held.refs.add(ref)
         self._ref_storage[ref] = storage
+
+    def forgotten(self, ref: int) -> None:
+        """The user API dropped ref ``ref`` without a ``DeleteRefs``: a handle a compiled
+        trace made, which the ranks hold only inside a replay (that frees it)."""
+        self._release(ref)
 
     def nothing_ran(self) -> DryRunError:
         return DryRunError(

@@ -109,6 +109,9 @@ class Substitute(ControllerSeam, Protocol):
     def created(self, ref: int, storage: Any, nbytes: int, ranks: tuple[int, ...]) -> None:
         """A handle of ``ref`` on ``ranks`` was made over ``storage`` (``nbytes`` if new)."""
 
+    def forgotten(self, ref: int) -> None:
+        """Ref ``ref`` is gone without a ``DeleteRefs``: a compiled trace's own (compiled.py)."""
+
     def storages(self) -> Iterable[Any]:
         """The storages of the handles made while it stood in."""
 

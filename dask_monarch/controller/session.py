@@ -700,6 +700,14 @@ class Session:
 
         return watch
 
+    def forget_traced(self, refs: Iterable[int]) -> None:
+        """Refs of handles a compiled trace made, gone without a delete: the ranks hold them
+        only inside a replay, which frees them (compiled.py). A dry run stops counting them."""
+        stand_in = self.stand_in
+        if stand_in is not None:
+            for ref in refs:
+                stand_in.forgotten(ref)
+
     def _restore(
         self,
         real: ControllerSeam,

@@ -290,3 +290,40 @@ def test_the_collectives_and_sends_of_a_compiled_function_count_at_each_replay(m
     assert [(s.pairs, s.bytes) for s in run.sends] == [([(0, 1)], 16)] * 2
     assert [f.collective_bytes for f in run.ranks.values()] == [32, 32]
     assert (run.ranks[0].sent_bytes, run.ranks[1].received_bytes) == (32, 32)
+
+
+def _figures(mesh, fn, kept: dict, keep: bool) -> list[tuple[int, int]]:
+    """(peak, at the end) tensor bytes per rank of three calls of ``fn`` on a 1 MiB tensor,
+    with their results and what ``fn`` keeps in ``kept`` held at the end (``keep``) or
+    dropped."""
+    with dm.dry_run(mesh) as run, mesh.activate():
+        x = torch.ones(MiB // 4)
+        outs = [fn(x) for _ in range(3)]
+        if not keep:
+            del x, outs
+            kept.clear()
+            gc.collect()
+    kept.clear()
+    return [(f.peak_tensor_bytes, f.tensor_bytes) for f in run.ranks.values()]
+
+
+def test_a_compiled_function_counts_what_the_eager_code_holds(mesh2):
+    """The handles a trace makes (formals, intermediates) are the recording's own: the ranks
+    hold none of them outside a replay, which frees its intermediates itself. The dry run was
+    never told they were gone, so its figures stayed above the eager code's for good."""
+    kept: dict = {}
+
+    def step(x):
+        y = x * 2
+        z = y + 1
+        kept["last"] = z * 0  # made inside and held outside: each replay rebinds it
+        return z * 3
+
+    compiled = dm.compile(step)
+    for keep in (True, False):
+        eager = _figures(mesh2, step, kept, keep)
+        traced = _figures(mesh2, compiled, kept, keep)
+        # x, three results and the kept tensor, or nothing
+        assert [end for _, end in eager] == [5 * MiB if keep else 0] * 2
+        assert [end for _, end in traced] == [end for _, end in eager], (keep, traced, eager)
+        assert all(t <= e for (t, _), (e, _) in zip(traced, eager)), (keep, traced, eager)
