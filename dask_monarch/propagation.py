@@ -371,6 +371,17 @@ def _nested_text(func: OpOverload) -> str:
     )
 
 
+def _layout_text(op: str, layout: torch.layout) -> str:
+    """Why an op that makes a sparse (or other non-strided) tensor is refused, before the
+    ranks fail on it, and what code does instead."""
+    return (
+        f"{op} makes a {layout} tensor, which a mesh tensor cannot be (mesh tensors are "
+        "dense, torch.strided). nn.Embedding and nn.EmbeddingBag with sparse=True make sparse "
+        "gradients: build them with sparse=False on a mesh (the gradient is then dense, and "
+        "optimizers other than SparseAdam take it); for a value of your own, keep it dense"
+    )
+
+
 def extent(meta: TensorMeta) -> int:
     """The number of elements of storage a tensor of ``meta`` spans (from element 0)."""
     shape, stride, offset = meta[:3]
@@ -417,6 +428,8 @@ def plan_of(result: Any, info: OpInfo) -> Plan:
 
 
 def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
+    if t.layout is not torch.strided:  # a fake sparse tensor has strides of 0: refuse it here
+        raise NotImplementedError(_layout_text(info.function.path, t.layout))
     alias = info.returns_alias[index] if index < len(info.returns_alias) else None
     is_arg = info.returns_write[index] if index < len(info.returns_write) else False
     return Output(meta_of(t), alias, is_arg)

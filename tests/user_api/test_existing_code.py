@@ -370,6 +370,27 @@ def test_a_nested_tensor_is_refused_saying_how_to_avoid_it(mesh2):
     assert torch.allclose(dm.inspect(got), want, atol=1e-5)
 
 
+def test_a_sparse_result_is_refused_on_the_client_saying_how_to_avoid_it(mesh2):
+    """nn.Embedding(sparse=True) makes a sparse gradient: before, the client took it for a
+    dense one (a fake sparse tensor has strides of 0) and the ranks failed at its next use."""
+    torch.manual_seed(0)
+    local = nn.Embedding(10, 3)
+    ids = torch.tensor([1, 2, 2])
+    local(ids).sum().backward()
+    with mesh2.activate():
+        embedding = nn.Embedding(10, 3, sparse=True)
+        embedding.load_state_dict(local.state_dict())
+        with pytest.raises(NotImplementedError, match="sparse_coo.*sparse=False"):
+            embedding(ids).sum().backward()
+        with pytest.raises(NotImplementedError, match="sparse_coo"):
+            torch.ones(2, 2).to_sparse()
+        embedding.sparse = False  # what sparse=False builds: the mesh serves it as before
+        embedding.weight.grad = None
+        embedding(ids).sum().backward()
+        grad = dm.inspect(embedding.weight.grad)
+    assert torch.equal(grad, local.weight.grad)
+
+
 def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
     with mesh2.activate():
         x = torch.ones(2)
