@@ -357,7 +357,9 @@ def device_mesh(
         are isolated from each other. ``mesh.exit()`` releases the ranks.
     """
     # imported here: the workers import this module (for _coordinate) and need none of these
+    from . import tensor
     from .controller.session import Session
+    from .packed import install as route_packed_sequences
     from .propagation import Propagator, warm_up
     from .tensor import Tensor, install_cuda_check, install_tensor_constructors
     from .torch_collectives import install as answer_torch_collectives
@@ -406,6 +408,7 @@ def device_mesh(
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'
     skip_in_dynamo()  # torch.compile'd code called on mesh tensors runs their ops eagerly
+    route_packed_sequences(tensor)  # PackedSequence.batch_sizes: a client tensor torch's C++ reads
 
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
 

@@ -867,6 +867,9 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     try:
         plan = mesh._propagator.plan(func, info, args, kwargs, handles)
     except DATA_DEPENDENT:
+        unplanned = UNPLANNED.get(func)
+        if unplanned is not None:
+            return unplanned(func, info, args, handles, ref_args)
         plan = _plan_from_known(func, info, args, kwargs, handles)
         if plan is None:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
@@ -1246,31 +1249,14 @@ def _data_dependent(
     site = implicit_fetch.call_site()
     need = "its output's shape, which depends on the value"
     implicit_fetch.announce(session, what, site, handles[0]._describe(), need)
-    with session.lock:
-        stream_ref = session.stream_ref(stream)
-        first_use(session, handles)
-        mutates = mutated_refs(_written(info, args, kwargs))
-        results, targets = [], []
-        for i in range(len(returns)):
-            if info.returns_write[i]:  # out=: the caller's handle, restrided below
-                targets.append(argument(info, args, kwargs, info.returns_alias[i]))
-                results.append(None)
-            else:
-                targets.append(session.new_ref())
-                results.append(targets[-1])
-        seq = session.issue(handles, [r.id for r in results if r is not None] + mutates)
-        session.send(
-            mesh._ranks,
-            m.CallFunction(
-                seq,
-                results,
-                [m.Ref(r) for r in mutates],
-                info.function,
-                m.ArgsKwargs.from_python(ref_args, ref_kwargs),
-                stream_ref,
-                [],
-            ),
-        )
+    targets: list = [
+        argument(info, args, kwargs, info.returns_alias[i]) if info.returns_write[i] else None
+        for i in range(len(returns))
+    ]  # out=: the caller's handle, restrided below; else a new ref
+    results = send_unplanned(
+        mesh, stream, info, args, kwargs, handles, ref_args, ref_kwargs, targets
+    )
+    targets = [t if t is not None else r for t, r in zip(targets, results)]
     refs = [t._ref if isinstance(t, Tensor) else t for t in targets]
     fresh = [r for r in results if r is not None]
     try:
@@ -1306,6 +1292,47 @@ def _data_dependent(
             storage = base._storage if isinstance(base, Tensor) else None
             outputs.append(Tensor(meta, session, mesh, stream, target, storage))
     return _returned("tensor" if len(returns) == 1 else "tuple", outputs)
+
+
+def send_unplanned(
+    mesh: DeviceMesh,
+    stream: Stream,
+    info: OpInfo,
+    args: tuple,
+    kwargs: dict,
+    handles: list[Tensor],
+    ref_args: tuple,
+    ref_kwargs: dict,
+    targets: list,
+) -> list[m.Ref | None]:
+    """Send the call of an op whose outputs were not planned: a new ref for each output whose
+    ``targets`` entry is None, none for the others (an ``out=`` handle, or ``False``: an output
+    the ranks do not keep). Returns the results' refs (None where no new one)."""
+    session = mesh._session
+    with session.lock:
+        stream_ref = session.stream_ref(stream)
+        first_use(session, handles)
+        mutates = mutated_refs(_written(info, args, kwargs))
+        results = [session.new_ref() if t is None else None for t in targets]
+        seq = session.issue(handles, [r.id for r in results if r is not None] + mutates)
+        session.send(
+            mesh._ranks,
+            m.CallFunction(
+                seq,
+                results,
+                [m.Ref(r) for r in mutates],
+                info.function,
+                m.ArgsKwargs.from_python(ref_args, ref_kwargs),
+                stream_ref,
+                [],
+            ),
+        )
+    return results
+
+
+# Ops whose outputs' shapes depend on data and that a module of their own makes (packed.py):
+# op -> maker(func, info, args, handles, ref_args), called instead of an implicit fetch.
+UNPLANNED: dict[OpOverload, Callable] = {}
 
 
 def _flat(values: Any) -> bool:
