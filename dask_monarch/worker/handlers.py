@@ -2,7 +2,11 @@
 
 Borrows, collectives, recordings, pipes and actors have their handlers in
 their own modules; :mod:`.dispatch` maps each message type to its handler.
-Semantics: docs/protocol.md §3; error model §4.1.
+Semantics: docs/protocol.md §3; error model §4.1. A call that takes process
+groups starts and ends with an exchange among each group's members
+(:func:`call_with_groups`), so that a member that cannot start, or whose
+function raises partway, does not leave its peers in a collective until the
+timeout (a ``recv`` from a member that raised before sending still does).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .lane import Lane
 from .mesh import DeviceMesh
 from .nccl_watch import check_device
 from .pipe import pipe_for
-from .user_groups import MemberFailure, agree_to_start, checked
+from .user_groups import CollectiveMismatch, MemberFailure, agree_to_start, checked, end_call
 
 
 def call_function(lane: Lane, msg: CallFunction) -> None:
@@ -64,7 +68,8 @@ def call_function(lane: Lane, msg: CallFunction) -> None:
 
 
 def call_with_groups(lane: Lane, msg: CallFunction, failed: SeqError | None = None) -> None:
-    """A call that takes process groups: its members first agree that each can start it.
+    """A call that takes process groups: its members first agree that each can start it,
+    and tell each other how it ended.
 
     A member whose input failed (``failed``: a replay already failed), or
     whose function or arguments cannot be resolved, skips the call, as any
@@ -74,6 +79,15 @@ def call_with_groups(lane: Lane, msg: CallFunction, failed: SeqError | None = No
     if one cannot, no member runs the function, and the others' results and
     mutated inputs hold that member's error, naming its rank, unreported (the
     controller has the root: a fetch raises it).
+
+    A function that raises partway would leave its peers waiting in their next
+    collective in the same way; so each member ends the call with one more
+    exchange (:func:`.user_groups.end_call`), which a peer still inside its
+    function meets in its next collective's check and fails with that member's
+    error, and a peer whose function returned meets there and poisons its results
+    with it (unreported). Members that called different numbers of collectives
+    all fail with ``CollectiveMismatch``. A ``recv`` from a member that raised
+    before sending still waits until the collective timeout.
     """
     seq, results, mutates, function, args_kwargs, _, group_refs = msg
     groups = checked(process_groups_for(lane, group_refs), lane.rank.user_groups)
@@ -109,7 +123,19 @@ def call_with_groups(lane: Lane, msg: CallFunction, failed: SeqError | None = No
     except FatalError:
         raise
     except BaseException as e:  # user code cannot kill a rank (SystemExit...)
-        call_failed(lane, seq, results, mutates, e)
+        if isinstance(e, DependentError):  # a peer's failure (MemberFailed), not this one's
+            root = e.root
+            dependent_failure(lane, results, mutates, root)
+        else:
+            root = fail_call(lane, seq, results, mutates, e)
+    mine = None if root is None else MemberFailure(lane.rank.rank, root.seq, root.error)
+    ended = end_call(groups.values(), mine)
+    if root is not None or ended is None:
+        return
+    if isinstance(ended, SeqError):
+        dependent_failure(lane, results, mutates, ended)
+    else:
+        fail_call(lane, seq, results, mutates, CollectiveMismatch(ended))
 
 
 class ResultMismatch(Exception):

@@ -25,10 +25,26 @@ would wait for it in their first collective until the collective timeout,
 after which the group is broken. So the members first tell each other whether
 each can start; if one cannot, none does, and each learns that member's
 error.
+
+It ends with one more too (:func:`end_call`), on the same channel as the ops'
+descriptions and of the same size: a member whose function returned says
+"done", one whose function raised says "failed" with its rank, seq and error.
+Each member's k-th exchange on a group pairs with its peers' k-th, so a peer
+still inside its function meets that row in its next op's description
+exchange: it raises :class:`MemberFailed` (the failed member's error, naming
+its rank) or, facing "done", :class:`CollectiveMismatch` (the members called
+different numbers of collectives), and enters no collective; a peer whose
+function returned meets it in its own closing exchange and poisons its
+results. Either way every member has made the same number of exchanges when
+the call ends, and the group serves the next call. Not covered: a ``recv``
+(or a ``send`` gloo blocks on) from a member that raised before its matching
+``send``: point-to-point has no exchange of all members to meet it in, so it
+waits until the collective timeout as before.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -36,7 +52,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["CollectiveMismatch", "CheckedGroup", "MemberFailure", "agree_to_start", "checked"]
+from .errors import DependentError, SeqError
+
+__all__ = [
+    "CollectiveMismatch",
+    "CheckedGroup",
+    "MemberFailed",
+    "MemberFailure",
+    "agree_to_start",
+    "checked",
+    "end_call",
+]
 
 _CPU = torch.device("cpu")
 _KINDS = (
@@ -60,11 +86,22 @@ _KINDS = (
 _DTYPES = tuple(v for v in (getattr(torch, n) for n in dir(torch)) if isinstance(v, torch.dtype))
 # header fields: kind, reduce op, root, dtype, device type, unit size, tensors, local problem
 _HEADER = 8
+# a call's end, in a row of the same size as an op's: kind, rank, seq, error text's length
+_DONE, _FAILED = len(_KINDS), len(_KINDS) + 1
+_ERROR_BYTES = 1 << 16  # the most of a failed member's error text its peers get
 _DEVICES = ("cpu", "cuda")
 
 
 class CollectiveMismatch(RuntimeError):
     """Members of a user's process group called a collective that does not agree across them."""
+
+
+class MemberFailed(DependentError):
+    """A member of a user's process group failed in the call: its peers stop at their next
+    op on the group (the root is that member's error, naming its rank: unreported)."""
+
+    def __str__(self) -> str:
+        return self.root.error
 
 
 def _dtype_code(tensors: list[torch.Tensor]) -> tuple[int, bool]:
@@ -131,6 +168,9 @@ class CheckedGroup(dist.ProcessGroup):
             self._register_backend(device, kind, backend)
         self._gloo = pg._get_backend(_CPU)
         self._sending: list[dist.Work] = []  # descriptions of sends still on their way
+        # this call's end on the group, once a member's "done" or "failed" was exchanged:
+        # None while it runs, else the failure (or the mismatch's text) that ended it, if any
+        self.ended: tuple[MemberFailure | str | None] | None = None
         c10d._world.pg_group_ranks[self] = dict(c10d._world.pg_group_ranks.get(pg, {}))
 
     # -- the check ----------------------------------------------------------------------------
@@ -153,10 +193,12 @@ class CheckedGroup(dist.ProcessGroup):
         problem = problem or not (one_dtype and one_device)
         header = [_KINDS.index(kind), _op_code(opts), root, dtype, device, unit, len(tensors)]
         sent, received = counts if counts is not None else ([0] * size, [0] * size)
+        self._check_open()
         mine = torch.tensor([*header, int(problem), *sent, *received], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(size)]
-        self._gloo.allgather([every], [mine]).wait()
-        rows = [row.tolist() for row in every]
+        exchange = _Exchange(self, mine).wait()
+        if self._note_end(exchange.rows, exchange.texts) is not None:
+            self._check_open()
+        rows = exchange.rows
         if _agreeing(rows, size):
             return
         calls = "; ".join(f"group rank {i}: {_text(row, size)}" for i, row in enumerate(rows))
@@ -176,6 +218,47 @@ class CheckedGroup(dist.ProcessGroup):
             w.numel() != p.numel() * self.size() for w, p in zip(whole, parts)
         )
         self._agree(kind, [*whole, *parts], _numel(parts), opts, problem=bad)
+
+    # -- the call's end -----------------------------------------------------------------------
+
+    def _end_row(self, failure: MemberFailure | None) -> tuple[torch.Tensor, bytes]:
+        """This member's row for :func:`end_call` (an op's size) and its error's text."""
+        text = b"" if failure is None else failure.error.encode()[:_ERROR_BYTES]
+        fields = [_DONE, -1, -1, 0] if failure is None else [_FAILED, *failure[:2], len(text)]
+        row = torch.zeros(_HEADER + 2 * self.size(), dtype=torch.int64)
+        row[:4] = torch.tensor(fields, dtype=torch.int64)
+        return row, text
+
+    def _note_end(self, rows: list[list[int]], texts: list[str]) -> tuple | None:
+        """Whether an exchange's rows end the call on this group (a member's "done" or
+        "failed" row among them), noting how in :attr:`ended`; the same on every member."""
+        ends = [i for i, row in enumerate(rows) if row[0] in (_DONE, _FAILED)]
+        if not ends:
+            return None
+        failed = next((i for i in ends if rows[i][0] == _FAILED), None)
+        ops = [i for i, row in enumerate(rows) if row[0] not in (_DONE, _FAILED)]
+        outcome: MemberFailure | str | None = None
+        if failed is not None:
+            _, rank, seq = rows[failed][:3]
+            outcome = MemberFailure(rank, seq, texts[failed])
+        elif ops:
+            calls = "; ".join(f"group rank {i}: {_text(rows[i], self.size())}" for i in ops)
+            outcome = (
+                f"the members of process group {dist.get_process_group_ranks(self)} called "
+                f"different numbers of collectives: group ranks {ends} had returned from the "
+                f"function while the others called one more ({calls}), which no member ran"
+            )
+        self.ended = (outcome,)
+        return self.ended
+
+    def _check_open(self) -> None:
+        """Refuse an op once the call has ended on the group (the user caught the error)."""
+        if self.ended is None:
+            return
+        outcome = self.ended[0]
+        if isinstance(outcome, MemberFailure):
+            raise MemberFailed(member_error(outcome, self, "failed in it"))
+        raise CollectiveMismatch(outcome or "the call has ended on this process group")
 
     def start(self, failure: MemberFailure | None) -> MemberFailure | None:
         """One member's part of :func:`agree_to_start` on this group."""
@@ -282,14 +365,17 @@ class CheckedGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         """The description goes ahead of the data, on the same pair and tag (its work is kept
         until it completes: a dropped gloo work may take its buffer with it)."""
+        self._check_open()
         self._sending = [w for w in self._sending if not w.is_completed()]
         self._sending.append(self.original.send([_describe_send(tensors)], dst, tag))
         return self.original.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        self._check_open()
         return _CheckedRecv(self, tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        self._check_open()
         return _CheckedRecv(self, tensors, None, tag)
 
 
@@ -476,10 +562,105 @@ def agree_to_start(
     member failed.
     """
     groups = list(groups)
+    for group in groups:
+        group.ended = None  # a new call on the group
     for _ in groups:
         for group in groups:
             failure = group.start(failure)
     return failure
+
+
+def end_call(
+    groups: Iterable[CheckedGroup], failure: MemberFailure | None
+) -> SeqError | str | None:
+    """This member's part of the closing exchange on each of ``groups`` whose call has not
+    ended yet: "done" (``failure`` None) or "failed". What a member whose function
+    returned makes of the first group the call ended on with a failure: a member's
+    error, naming its rank (the root to poison its results with, unreported), or the text
+    of a mismatch (a fresh failure); None when every member's function returned.
+
+    The exchanges on all groups are posted before any is waited for: a peer may sit in an
+    op's exchange on the second group, and only leave it (to join the first group's
+    closing) once this member's row reaches it there.
+    """
+    groups = list(groups)
+    pending = []
+    for group in groups:
+        if group.ended is None:
+            row, text = group._end_row(failure)
+            pending.append(_Exchange(group, row, text))
+    while pending:
+        if len(pending) == 1:
+            pending[0].wait()
+        waiting = [exchange for exchange in pending if not exchange.ready()]
+        for exchange in pending:
+            if exchange not in waiting:
+                exchange.group._note_end(exchange.rows, exchange.texts)
+        if len(waiting) == len(pending):
+            time.sleep(0.0005)
+        pending = waiting
+    for group in groups:
+        outcome = group.ended[0] if group.ended else None
+        if isinstance(outcome, MemberFailure):
+            return member_error(outcome, group, "failed in it")
+        if outcome is not None:
+            return outcome
+    return None
+
+
+def member_error(failure: MemberFailure, group: CheckedGroup, what: str) -> SeqError:
+    """The root a member's failure leaves its peers (unreported: the controller has it)."""
+    return SeqError(
+        failure.seq,
+        f"{failure.error}\n(rank {failure.rank}, a member of process group "
+        f"{dist.get_process_group_ranks(group)} that this call takes, {what})",
+    )
+
+
+class _Exchange:
+    """One exchange of the members' fixed-size rows on a group's gloo side, then, when a
+    row says its member failed, one of the failures' texts (:attr:`texts`, "" for the
+    others). Posted at once; :meth:`ready` advances it without blocking."""
+
+    def __init__(self, group: CheckedGroup, mine: torch.Tensor, text: bytes = b"") -> None:
+        self.group, self.mine, self.text = group, mine, text  # kept until sent
+        self.every = [torch.empty_like(mine) for _ in range(group.size())]
+        self.work = group._gloo.allgather([self.every], [mine])
+        self.rows: list[list[int]] | None = None
+        self.texts: list[str] | None = None
+
+    def ready(self) -> bool:
+        if self.rows is None:
+            if not self.work.is_completed():
+                return False
+            self.work.wait()  # raises what the exchange failed with
+            self.rows = [row.tolist() for row in self.every]
+            failed = [row[3] for row in self.rows if row[0] == _FAILED]
+            if not any(failed):
+                self.texts = [""] * len(self.rows)
+                return True
+            self.data = torch.zeros(max(failed), dtype=torch.uint8)  # kept until it is sent
+            if self.text:
+                mine = torch.frombuffer(bytearray(self.text), dtype=torch.uint8)
+                self.data[: len(self.text)] = mine
+            self.parts = [torch.empty_like(self.data) for _ in self.rows]
+            self.work = self.group._gloo.allgather([self.parts], [self.data])
+        if self.texts is None:
+            if not self.work.is_completed():
+                return False
+            self.work.wait()
+            self.texts = [
+                part[: row[3]].numpy().tobytes().decode(errors="replace")
+                if row[0] == _FAILED
+                else ""
+                for part, row in zip(self.parts, self.rows)
+            ]
+        return True
+
+    def wait(self) -> _Exchange:
+        while not self.ready():
+            self.work.wait()
+        return self
 
 
 def checked(groups: dict[int, dist.ProcessGroup], cache: dict) -> dict[int, CheckedGroup]:

@@ -601,3 +601,43 @@ def until_lane_busy(stream_id, timeout=60.0):
         if time.monotonic() > deadline:
             raise TimeoutError(f"stream {stream_id}'s lane did not start within {timeout}s")
         time.sleep(0.001)
+
+
+def pg_fails_partway(x, pg, fails_at, extra=0):
+    """All-reduce ``x`` twice over ``pg``; group rank 1 raises before the ``fails_at``-th
+    (0, 1; 2: after both), and calls ``extra`` more all-reduces than its peers."""
+    import torch.distributed as dist
+
+    total = x.clone()
+    for i in range(3):
+        if i == fails_at and pg.rank() == 1:
+            raise ValueError(f"group rank 1 gave up before all-reduce {i}")
+        if i < 2:
+            dist.all_reduce(total, group=pg)
+    for _ in range(extra if pg.rank() == 1 else 0):
+        dist.all_reduce(total, group=pg)
+    return total
+
+
+def pg_fails_between_groups(x, first, second):
+    """All-reduce ``x`` over ``first``, then over ``second``; group rank 1 raises between."""
+    import torch.distributed as dist
+
+    total = x.clone()
+    dist.all_reduce(total, group=first)
+    if first.rank() == 1:
+        raise ValueError("group rank 1 gave up between its groups")
+    dist.all_reduce(total, group=second)
+    return total
+
+
+def pg_positive_partway(x, pg):
+    """All-reduce ``x`` over ``pg`` twice; a member whose ``x`` holds a negative number raises
+    between the two."""
+    import torch.distributed as dist
+
+    total = x.clone()
+    dist.all_reduce(total, group=pg)
+    positive(x)
+    dist.all_reduce(total, group=pg)
+    return total
