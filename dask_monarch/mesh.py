@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -319,6 +320,52 @@ class RemoteProcessGroup:
         self.mesh = mesh
         self.dims = dims
         self.ref = ref
+        self._whole: dict[Slice, tuple[int, list[int] | None] | None] = {}
+
+    def _axes(self) -> list[int]:
+        """The mesh dims the group spans (no dims: the whole mesh, as on the ranks)."""
+        names = self.mesh._names
+        return [names.index(d) for d in self.dims] if self.dims else list(range(len(names)))
+
+    def _members(self, rank: int) -> list[int]:
+        """The members of the group ``rank`` is in: its mesh's ranks along :attr:`dims`,
+        the other dims held at ``rank``'s coordinates (as the ranks make them)."""
+        s = self.mesh._slice
+        coords = s.coordinates(rank)
+        axes = self._axes()
+        members = []
+        for values in itertools.product(*(range(s.sizes[a]) for a in axes)):
+            for a, v in zip(axes, values):
+                coords[a] = v
+            members.append(s.location(coords))
+        return sorted(members)
+
+    def _split_by(self, ranks: Slice) -> tuple[int, list[int] | None] | None:
+        """A rank of ``ranks`` (a call's) whose group has members outside them, with those
+        members (None: the rank is not on the group's mesh); None when ``ranks`` hold
+        whole groups only. Remembered per slice: a call on the group's own mesh costs
+        nothing, one on a sub-mesh a pass over its ranks once."""
+        if ranks == self.mesh._slice:
+            return None
+        if ranks not in self._whole:
+            s = self.mesh._slice
+            axes = set(self._axes())
+            size = math.prod(s.sizes[a] for a in axes)
+            found: dict[tuple, list[int]] = {}
+            split = None
+            for rank in ranks:
+                if rank not in s:
+                    split = (rank, None)
+                    break
+                coords = s.coordinates(rank)
+                key = tuple(0 if a in axes else c for a, c in enumerate(coords))
+                found.setdefault(key, []).append(rank)
+            else:
+                short = next((rs for rs in found.values() if len(rs) != size), None)
+                if short is not None:
+                    split = (short[0], self._members(short[0]))
+            self._whole[ranks] = split
+        return self._whole[ranks]
 
     def __monarch_ref__(self) -> m.Ref:
         return self.ref

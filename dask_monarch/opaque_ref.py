@@ -51,7 +51,7 @@ class OpaqueRef(Handle):
         leaves = tree_flatten((args, kwargs))[0]
         handles, objects = split_handles(leaves)
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-        mesh, stream = place(handles, objects, f"OpaqueRef({name})")
+        mesh, stream = place(handles, objects, f"OpaqueRef({name})", groups)
         session = mesh._session
         with session.lock:
             if session.capture is not None and session.capture.tracing:
@@ -106,11 +106,20 @@ def split_handles(leaves: Sequence[Any]) -> tuple[list[Tensor], list[OpaqueRef]]
     return handles, objects
 
 
-def place(handles: list[Tensor], objects: list[OpaqueRef], what: str) -> tuple[DeviceMesh, Stream]:
+def place(
+    handles: list[Tensor],
+    objects: list[OpaqueRef],
+    what: str,
+    groups: Sequence[RemoteProcessGroup] = (),
+) -> tuple[DeviceMesh, Stream]:
     """Where a use of tensors and OpaqueRefs runs: :func:`~dask_monarch.tensor.placement`, and
-    every OpaqueRef on that mesh and the active stream. With only OpaqueRefs, their mesh."""
+    every OpaqueRef on that mesh and the active stream. With only OpaqueRefs, their mesh.
+    Each of ``groups`` (the process groups the call takes) must have all its members there
+    (:func:`check_groups`)."""
     if not objects:
-        return placement(handles, what, "borrow it first")
+        mesh, stream = placement(handles, what, "borrow it first")
+        check_groups(groups, mesh, what)
+        return mesh, stream
     if handles:
         mesh, stream = placement(handles, what, "borrow it first")
     else:
@@ -128,4 +137,31 @@ def place(handles: list[Tensor], objects: list[OpaqueRef], what: str) -> tuple[D
                 f"{stream.name!r} is active; use it under {obj._stream.name!r}.activate() "
                 "(objects cannot be borrowed)"
             )
+    check_groups(groups, mesh, what)
     return mesh, stream
+
+
+def check_groups(groups: Sequence[RemoteProcessGroup], mesh: DeviceMesh, what: str) -> None:
+    """Refuse a call on ``mesh`` that takes a process group some of whose members it does
+    not run on: the members it reaches would wait for the others in the call's first
+    exchange (worker/user_groups.py) until the collective timeout, and break the mesh."""
+    for group in groups:
+        split = group._split_by(mesh._slice)
+        if split is None:
+            continue
+        rank, members = split
+        ranks = list(mesh._ranks)
+        if members is None:
+            raise misuse(
+                f"GROUP_MEMBERS: {what} runs on ranks {ranks} of {mesh!r}, but rank {rank} is "
+                f"not a member of {group!r} (its members are ranks {list(group.mesh._ranks)}); "
+                "call it on the group's mesh or a sub-mesh of whole groups"
+            )
+        missing = [r for r in members if r not in ranks]
+        raise misuse(
+            f"GROUP_MEMBERS: {what} takes {group!r}, whose members {members} (rank {rank}'s "
+            f"group) are not all among the call's ranks {ranks} of {mesh!r}: ranks {missing} "
+            "would not run it, and the others would wait for them in the group until the "
+            "collective timeout; call it on the group's mesh, or make the group on the mesh "
+            "the call runs on"
+        )

@@ -73,7 +73,7 @@ class Remote:
         leaves, _ = tree_flatten((args, kwargs))
         handles, objects = split_handles(leaves)
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-        mesh, stream = place(handles, objects, repr(self))
+        mesh, stream = place(handles, objects, repr(self), groups)
         if self._propagate == "inspect":
             spec, mutated = None, []
         elif self._propagate is not None:

@@ -164,3 +164,21 @@ def test_a_first_send_to_a_late_receiver_ends_at_its_timeout_or_when_it_arrives(
             else:
                 assert got.tolist() == [3.0, 3.0]
                 assert time.monotonic() - start >= 7.0  # it waited for the receiver
+
+
+@pytest.mark.timeout(40, func_only=True)
+def test_a_call_reaching_only_some_members_of_its_process_group_is_refused(mesh2):
+    """Rank 0 alone would wait for rank 1 in the group's collectives (in the call's start
+    exchange, before the function runs) until the collective timeout."""
+    pg_collectives = dm.remote(
+        "helpers.remote_fns.pg_collectives",
+        propagate=lambda x, pg, mesh: (x.clone(), torch.stack([x, x]), x.clone(), x.clone(), 0, 0),
+    )
+    pg = mesh2.process_group("gpu")
+    alone = mesh2.slice(gpu=0)
+    with alone.activate():
+        with pytest.raises(TypeError, match=r"GROUP_MEMBERS: .*members \[0, 1\].*ranks \[0\]"):
+            pg_collectives(torch.ones(2), pg, mesh2)
+    with mesh2.activate():  # nothing was sent: the group serves the whole mesh
+        total, *_ = pg_collectives(torch.ones(2), pg, mesh2)
+        assert dm.inspect(total, gpu=1).tolist() == [2.0, 2.0]
