@@ -283,6 +283,7 @@ class Plan:
 
 
 _warm = False
+_default_dtype = torch.get_default_dtype
 
 
 def warm_up() -> None:
@@ -307,6 +308,7 @@ class Propagator:
     def __init__(self, tensor_type: type) -> None:
         self._tensor_type = tensor_type  # the mesh tensor class, which this module sits below
         self._cache: dict[tuple, Plan] = {}
+        self._dtype = _default_dtype()  # what the cached plans assumed (factories, promotions)
         self._mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def plan(
@@ -317,6 +319,8 @@ class Propagator:
             key = (id(info), _key(args, handles), _key_kwargs(kwargs, handles))
         except Uncacheable:
             return self._propagate(func, info, args, kwargs)
+        if _default_dtype() is not self._dtype:
+            self._renew()
         plan = self._cache.get(key)
         if plan is None:
             if len(self._cache) >= CACHE_SIZE:
@@ -327,7 +331,15 @@ class Propagator:
     def cached(self, info: OpInfo, args: tuple, handles: list[Tensor]) -> Plan | None:
         """The plan :meth:`plan` made for these positional ``args`` before, or None (no
         propagation: the fast path of Python operators, which then takes the general one)."""
+        if _default_dtype() is not self._dtype:
+            return None
         return self._cache.get((id(info), _key(args, handles), ()))
+
+    def _renew(self) -> None:
+        """``torch.set_default_dtype`` changed what factories and promotions of Python numbers
+        make: the plans made before say the old dtype."""
+        self._cache.clear()
+        self._dtype = _default_dtype()
 
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         if info.makes_tensors and func._schema.name.startswith("aten::_nested"):

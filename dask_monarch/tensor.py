@@ -875,6 +875,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
+    if not handles and "dtype" not in kwargs and plan.kind == "tensor" and "dtype" in info.names:
+        ref_kwargs = _default_dtype_made_explicit(ref_kwargs, plan)
     how = client_values.kind(info, kwargs, handles, plan)
     session = mesh._session
     if (
@@ -935,6 +937,15 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if capture is not None and capture.tracing:  # what a read of them would depend on
             capture.derive(outputs, () if how == client_values.VALUE_FREE else handles)
     return _returned(plan.kind, outputs)
+
+
+def _default_dtype_made_explicit(ref_kwargs: dict, plan: Plan) -> dict:
+    """A factory's ``dtype=`` when the client's default dtype is not torch's (after
+    ``torch.set_default_dtype(torch.float64)``): the ranks keep torch's, and would make
+    ``torch.ones(3)`` in float32 where the client planned float64."""
+    if torch.get_default_dtype() is torch.float32:
+        return ref_kwargs
+    return {**ref_kwargs, "dtype": plan.outputs[0].meta.dtype}
 
 
 # -- lazy views ------------------------------------------------------------------------------

@@ -391,6 +391,24 @@ def test_a_sparse_result_is_refused_on_the_client_saying_how_to_avoid_it(mesh2):
     assert torch.equal(grad, local.weight.grad)
 
 
+def test_factories_follow_the_clients_default_dtype_and_plans_follow_its_changes(mesh2):
+    """torch.set_default_dtype(torch.float64) in the client: the ranks keep torch's default,
+    so a factory's dtype goes explicitly; plans cached before a change are made again."""
+    default = torch.get_default_dtype()
+    try:
+        with mesh2.activate():
+            torch.set_default_dtype(torch.float64)
+            made = [torch.ones(3), torch.randn(2), torch.full((2,), 0.5), torch.linspace(0, 1, 3)]
+            assert {t.dtype for t in made} == {torch.float64}
+            assert [dm.inspect(t).dtype for t in made] == [torch.float64] * 4
+            torch.set_default_dtype(torch.float32)
+            again = torch.ones(3)  # planned float64 a moment ago: the cache is stale now
+            assert again.dtype == torch.float32
+            assert dm.inspect(again).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
     with mesh2.activate():
         x = torch.ones(2)
