@@ -406,9 +406,10 @@ def device_mesh(
     # imported here: the workers import this module (for _coordinate) and need none of these
     from . import tensor
     from .controller.session import Session
+    from .data_loading import install as load_data_locally
     from .packed import install as route_packed_sequences
     from .propagation import Propagator, warm_up
-    from .tensor import Tensor, install_cuda_check, install_tensor_constructors
+    from .tensor import Tensor, install_cuda_check, install_tensor_constructors, no_mesh
     from .torch_collectives import install as answer_torch_collectives
     from .torch_compile import skip_in_dynamo
 
@@ -455,6 +456,7 @@ def device_mesh(
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'
     skip_in_dynamo()  # torch.compile'd code called on mesh tensors runs their ops eagerly
+    load_data_locally(no_mesh.activate)  # a DataLoader's seeds, shuffles and batches: local
     route_packed_sequences(tensor)  # PackedSequence.batch_sizes: a client tensor torch's C++ reads
 
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))
