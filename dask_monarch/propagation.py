@@ -65,6 +65,11 @@ class Uncacheable(Exception):
     """An argument the cache cannot key on: propagate every time."""
 
 
+# Ops whose fake (meta) kernel refuses inputs their CPU kernel takes: ``_grouped_mm``'s accepts
+# only bfloat16 (a CUDA rule; transformers' MoE layers call it in float32 on the CPU). Their
+# plans are learned from the ranks instead, once per input metadata (tensor.dispatch).
+FAKE_STRICTER = frozenset({torch.ops.aten._grouped_mm.default})
+
 # An op whose outputs' shapes depend on the values of its inputs (nonzero, unique, x[mask]), or
 # that needs an input's value to run at all: fake tensors cannot say what it returns.
 DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -334,6 +339,21 @@ class Propagator:
         if _default_dtype() is not self._dtype:
             return None
         return self._cache.get((id(info), _key(args, handles), ()))
+
+    def learn(
+        self, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor], outputs: list
+    ) -> None:
+        """Keep the plan of an op the ranks ran (``outputs``: the handles it made, with the
+        metadata the ranks reported), for the next call with inputs of the same metadata."""
+        key = (id(info), _key(args, handles), _key_kwargs(kwargs, handles))
+        kind = "tensor" if len(outputs) == 1 else "tuple"
+        self._cache[key] = Plan(
+            kind,
+            tuple(
+                Output(out._mkey, info.returns_alias[i], info.returns_write[i])
+                for i, out in enumerate(outputs)
+            ),
+        )
 
     def _renew(self) -> None:
         """``torch.set_default_dtype`` changed what factories and promotions of Python numbers

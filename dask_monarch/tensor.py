@@ -39,6 +39,7 @@ from .borrows import StorageInfo, first_use
 from .handles import Handle, exited, last_misuse, misuse
 from .propagation import (
     DATA_DEPENDENT,
+    FAKE_STRICTER,
     OpInfo,
     Plan,
     TensorMeta,
@@ -873,6 +874,10 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         plan = _plan_from_known(func, info, args, kwargs, handles)
         if plan is None:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
+    except RuntimeError:
+        if func not in FAKE_STRICTER:
+            raise
+        return _learned(func, info, args, kwargs, handles, ref_args, ref_kwargs)
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
     if not handles and "dtype" not in kwargs and plan.kind == "tensor" and "dtype" in info.names:
@@ -1235,6 +1240,26 @@ def _plan_from_known(
 _DESCRIBE = m.FunctionPath("dask_monarch.propagation.describe")
 
 
+def _learned(
+    func: OpOverload,
+    info: OpInfo,
+    args: tuple,
+    kwargs: dict,
+    handles: list[Tensor],
+    ref_args: tuple,
+    ref_kwargs: dict,
+) -> Any:
+    """An op whose fake kernel refused inputs the ranks' kernel takes (FAKE_STRICTER): the
+    ranks run it and report its outputs' metadata, which the client keeps as the plan of the
+    next call with inputs of the same metadata. A real error is the ranks' own."""
+    need = "its outputs' metadata from the ranks (once per input metadata: fake tensors "
+    need += "refuse this op on the CPU), for its call on the value"
+    returned = _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs, need)
+    outputs = list(returned) if isinstance(returned, tuple) else [returned]
+    handles[0]._mesh._propagator.learn(info, args, kwargs, handles, outputs)
+    return returned
+
+
 def _data_dependent(
     func: OpOverload,
     info: OpInfo,
@@ -1243,6 +1268,7 @@ def _data_dependent(
     handles: list[Tensor],
     ref_args: tuple,
     ref_kwargs: dict,
+    need: str = "its output's shape, which depends on the value",
 ) -> Any:
     """An op whose output shapes depend on its inputs' values (``nonzero``, ``unique``,
     ``x[mask]``): it runs on the ranks, and the outputs' metadata is an implicit fetch from
@@ -1258,7 +1284,6 @@ def _data_dependent(
     session = mesh._session
     what = str(func)
     site = implicit_fetch.call_site()
-    need = "its output's shape, which depends on the value"
     implicit_fetch.announce(session, what, site, handles[0]._describe(), need)
     targets: list = [
         argument(info, args, kwargs, info.returns_alias[i]) if info.returns_write[i] else None
