@@ -31,7 +31,8 @@ _RULES = "torch._dynamo.trace_rules"  # where Dynamo keeps the directories it do
 
 
 def skip_in_dynamo() -> None:
-    """Put dask_monarch's files on Dynamo's skip list, now or when Dynamo is imported."""
+    """Put dask_monarch's files on Dynamo's skip list, now or when Dynamo is imported (once
+    per process: every mesh made calls this)."""
     rules = sys.modules.get(_RULES)
     if rules is not None:
         _skip(rules)
@@ -39,9 +40,15 @@ def skip_in_dynamo() -> None:
         sys.meta_path.insert(0, _WhenImported())
 
 
+_skipped: list[ModuleType] = []  # the trace rules module given our files, once
+
+
 def _skip(rules: ModuleType) -> None:
+    if rules in _skipped:
+        return
     try:
         rules.add(__package__)
+        _skipped.append(rules)
     except Exception as e:  # another torch, whose internals moved: compiled code may then fail
         logger.warning("could not keep torch.compile out of dask_monarch's code: %r", e)
 

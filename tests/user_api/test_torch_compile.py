@@ -73,6 +73,8 @@ def test_dynamo_imported_after_dask_monarch_skips_its_files():
         "import torch._dynamo.trace_rules as rules\n"
         "assert rules.check_file(t.__file__).skipped, rules.check_file(t.__file__)\n"
         "assert not any(type(f).__name__ == '_WhenImported' for f in sys.meta_path)\n"
+        "skip_in_dynamo()  # every mesh made calls it: added once\n"
+        "assert sum(d.rstrip('/').endswith('dask_monarch') for d in rules.SKIP_DIRS) == 1\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
