@@ -272,18 +272,29 @@ def _lanes_and_threads(token, dask_worker=None):
 
     from dask_monarch.protocol.names import PLUGIN_NAME, executor_prefix
 
-    state = dask_worker.plugins[PLUGIN_NAME].ranks[token]
+    plugin = dask_worker.plugins[PLUGIN_NAME]
+    state = plugin.ranks[token]
     threads = sorted(
         t.name for t in threading.enumerate() if t.name.startswith(executor_prefix(token))
     )
-    return sorted(map(str, state.lanes)), threads, dask_worker.state.nthreads
+    # every lane's thread is in the budget, and no released lane's is any more (an earlier
+    # test's controller gives its lanes' threads back once their work returned)
+    settled = plugin.extra_threads == sum(len(s.all_lanes()) for s in plugin.ranks.values())
+    nthreads = dask_worker.state.nthreads if settled else None
+    return sorted(map(str, state.lanes)), threads, nthreads
 
 
 @pytest.mark.timeout(120)
 def test_drop_stream_runs_after_the_streams_work_then_ends_its_lane(ctrl, client2, tmp_path):
     create_streams(ctrl, BOTH, S0, S1)
     ctrl.sync()
-    before = client2.run(_lanes_and_threads, ctrl.token)
+
+    def settled(lanes_now: list[str]) -> dict | None:
+        now = client2.run(_lanes_and_threads, ctrl.token)
+        ok = all(lanes == lanes_now and n is not None for lanes, _, n in now.values())
+        return now if ok else None
+
+    before = wait_until(lambda: settled(["0", "1"]), 30, "the workers' thread budgets settled")
     ctrl.send(
         BOTH,
         call(0, Ref(1), "helpers.remote_fns.sleep_then", 0.5, str(tmp_path / "ran"), stream=S1),
@@ -295,11 +306,7 @@ def test_drop_stream_runs_after_the_streams_work_then_ends_its_lane(ctrl, client
     assert torch.equal(got[(1, 0)], torch.ones(1)) and torch.equal(got[(1, 1)], torch.ones(1))
     assert len((tmp_path / "ran").read_text().split()) == 2
 
-    def only_lane_0() -> dict | None:
-        after = client2.run(_lanes_and_threads, ctrl.token)
-        return after if all(lanes == ["0"] for lanes, _, _ in after.values()) else None
-
-    after = wait_until(only_lane_0, 30, "lane 1 dropped on both ranks")
+    after = wait_until(lambda: settled(["0"]), 30, "lane 1 dropped on both ranks")
     for address, (lanes, threads, nthreads) in after.items():
         assert lanes == ["0"]
         assert not any(t.startswith(f"monarch-{ctrl.token}-1_") for t in threads)
