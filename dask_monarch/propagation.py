@@ -314,7 +314,7 @@ class Propagator:
         self._tensor_type = tensor_type  # the mesh tensor class, which this module sits below
         self._cache: dict[tuple, Plan] = {}
         self._dtype = _default_dtype()  # what the cached plans assumed (factories, promotions)
-        self._mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self._modes = threading.local()  # a fake mode per thread: torch's is not thread-safe
 
     def plan(
         self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor]
@@ -378,7 +378,10 @@ class Propagator:
 
     def _run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         mesh_tensor = self._tensor_type
-        with self._mode:
+        mode = getattr(self._modes, "mode", None)
+        if mode is None:
+            mode = self._modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
             bases: dict[int, torch.Tensor] = {}
 
             def fake(x: Any) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -241,14 +242,17 @@ def bind_outputs(
 
 # -- propagation -----------------------------------------------------------------------------
 
-_fake_mode = None
+_fake_modes = threading.local()
 
 
 def _fake_mode_() -> FakeTensorMode:
-    global _fake_mode
-    if _fake_mode is None:
-        _fake_mode = FakeTensorMode()
-    return _fake_mode
+    """This thread's fake mode: one mode used by two threads at once fails torch's own check
+    of its kernel state (``AssertionError: False, True``: two meshes saving checkpoints
+    from two threads)."""
+    mode = getattr(_fake_modes, "mode", None)
+    if mode is None:
+        mode = _fake_modes.mode = FakeTensorMode()
+    return mode
 
 
 def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
