@@ -877,7 +877,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     except RuntimeError:
         if func not in FAKE_STRICTER:
             raise
-        return _learned(func, info, args, kwargs, handles, ref_args, ref_kwargs)
+        return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs, learn=True)
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
     if not handles and "dtype" not in kwargs and plan.kind == "tensor" and "dtype" in info.names:
@@ -1240,26 +1240,6 @@ def _plan_from_known(
 _DESCRIBE = m.FunctionPath("dask_monarch.propagation.describe")
 
 
-def _learned(
-    func: OpOverload,
-    info: OpInfo,
-    args: tuple,
-    kwargs: dict,
-    handles: list[Tensor],
-    ref_args: tuple,
-    ref_kwargs: dict,
-) -> Any:
-    """An op whose fake kernel refused inputs the ranks' kernel takes (FAKE_STRICTER): the
-    ranks run it and report its outputs' metadata, which the client keeps as the plan of the
-    next call with inputs of the same metadata. A real error is the ranks' own."""
-    need = "its outputs' metadata from the ranks (once per input metadata: fake tensors "
-    need += "refuse this op on the CPU), for its call on the value"
-    returned = _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs, need)
-    outputs = list(returned) if isinstance(returned, tuple) else [returned]
-    handles[0]._mesh._propagator.learn(info, args, kwargs, handles, outputs)
-    return returned
-
-
 def _data_dependent(
     func: OpOverload,
     info: OpInfo,
@@ -1268,11 +1248,15 @@ def _data_dependent(
     handles: list[Tensor],
     ref_args: tuple,
     ref_kwargs: dict,
-    need: str = "its output's shape, which depends on the value",
+    learn: bool = False,
 ) -> Any:
     """An op whose output shapes depend on its inputs' values (``nonzero``, ``unique``,
     ``x[mask]``): it runs on the ranks, and the outputs' metadata is an implicit fetch from
-    every rank, which must agree (a mesh tensor has one shape on every rank)."""
+    every rank, which must agree (a mesh tensor has one shape on every rank).
+
+    ``learn``: an op whose fake kernel refused inputs the ranks' kernel takes
+    (FAKE_STRICTER); the metadata the ranks report is kept as the plan of the next call
+    with inputs of the same metadata. A real error is the ranks' own."""
     mesh, stream = placement(handles, func, "borrow it first")
     returns = func._schema.returns
     if any(str(r.type) != "Tensor" for r in returns):
@@ -1284,6 +1268,7 @@ def _data_dependent(
     session = mesh._session
     what = str(func)
     site = implicit_fetch.call_site()
+    need = _LEARNED_NEED if learn else "its output's shape, which depends on the value"
     implicit_fetch.announce(session, what, site, handles[0]._describe(), need)
     targets: list = [
         argument(info, args, kwargs, info.returns_alias[i]) if info.returns_write[i] else None
@@ -1327,7 +1312,15 @@ def _data_dependent(
             base = argument(info, args, kwargs, alias) if alias is not None else None
             storage = base._storage if isinstance(base, Tensor) else None
             outputs.append(Tensor(meta, session, mesh, stream, target, storage))
+    if learn:
+        mesh._propagator.learn(info, args, kwargs, handles, outputs)
     return _returned("tensor" if len(returns) == 1 else "tuple", outputs)
+
+
+_LEARNED_NEED = (
+    "its outputs' metadata from the ranks (once per input metadata: fake tensors refuse this "
+    "op on the CPU), for its call on the value"
+)
 
 
 def send_unplanned(
@@ -1351,18 +1344,8 @@ def send_unplanned(
         mutates = mutated_refs(_written(info, args, kwargs))
         results = [session.new_ref() if t is None else None for t in targets]
         seq = session.issue(handles, [r.id for r in results if r is not None] + mutates)
-        session.send(
-            mesh._ranks,
-            m.CallFunction(
-                seq,
-                results,
-                [m.Ref(r) for r in mutates],
-                info.function,
-                m.ArgsKwargs.from_python(ref_args, ref_kwargs),
-                stream_ref,
-                [],
-            ),
-        )
+        message = _call(seq, results, mutates, info.function, ref_args, ref_kwargs, stream_ref)
+        session.send(mesh._ranks, message)
     return results
 
 
