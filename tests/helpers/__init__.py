@@ -17,4 +17,5 @@ imports: every worker that resolves such a path imports it.
 - ``gpus``: the GPUs the tests see, a skip for tests that need more, raw CUDA messages.
 - ``debug_fns``: remote functions that stop in the debugger (their line numbers are asserted).
 - ``long_job``: a training job the kill tests run with ``dask-monarch run`` (by path).
+- ``threads``: ``race``, a test's functions run in threads at once to bring out a race.
 """

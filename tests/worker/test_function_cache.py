@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import cloudpickle
 import pytest
+from helpers.threads import race
 
 from dask_monarch.messages import Cloudpickle
 from dask_monarch.worker import calls
@@ -22,25 +20,11 @@ def test_lanes_resolving_pickled_functions_at_once_share_the_cache_safely():
     (one lane's eviction used to pop the key the other had just popped: a KeyError holding
     the function's pickle, reported as the user's call failing)."""
     functions = [Cloudpickle(cloudpickle.dumps(_constant(i))) for i in range(2000)]
-    errors: list[BaseException] = []
 
     def lane(offset: int) -> None:
-        try:
-            for _ in range(20):
-                for f in functions[offset::2]:
-                    calls.resolve_function(f)
-        except BaseException as e:  # noqa: B036 - reported by the test
-            errors.append(e)
+        for _ in range(20):
+            for f in functions[offset::2]:
+                calls.resolve_function(f)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often: the race shows in a fraction of a second
-    try:
-        threads = [threading.Thread(target=lane, args=(offset,)) for offset in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+    assert race(lambda: lane(0), lambda: lane(1)) == []
     assert calls.resolve_function(functions[7])() == 7
