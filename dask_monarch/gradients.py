@@ -252,14 +252,14 @@ def _views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     spec = [Spec((*view, dtype, device, flat)) for view in layout]
 
     def call(seq: int, results: list, mutates: list[int], stream_ref: m.StreamRef) -> Any:
-        args = m.ArgsKwargs.from_python((flat, layout))
+        args = m.ArgsKwargs.from_python((flat, tuple(layout)))  # a constant: no walk on a rank
         return m.CallFunction(seq, results, [], _BUCKET_VIEWS, args, stream_ref, [])
 
     return bind_outputs(spec, flat._mesh, flat._stream, [flat], call)
 
 
 @rank_function
-def bucket_views(flat: torch.Tensor, layout: list[tuple]) -> list[torch.Tensor]:
+def bucket_views(flat: torch.Tensor, layout: tuple[tuple, ...]) -> list[torch.Tensor]:
     """On a rank: the views ``(shape, stride, offset)`` of a bucket's flat tensor."""
     return [flat.as_strided(shape, stride, offset) for shape, stride, offset in layout]
 

@@ -203,13 +203,28 @@ def resolve_view(view: RefView, value_of: Callable[[int], Any]) -> Any:
 # Types torch's pytree treats as leaves that messages carry in their arguments: the protocol's
 # immutable leaves but torch.Size (a tuple to the pytree).
 _LEAVES = frozenset(IMMUTABLE_LEAVES) - {torch.Size}
+_CONSTANT_LEAVES = _LEAVES - {Ref, RefView}
+
+
+def constant(value: Any) -> bool:
+    """Whether ``value`` names no ref and nothing in it can change: an immutable leaf, or a
+    tuple of such values at any depth (``bucket_views``' layout of 28 ``(shape, stride,
+    offset)``). One copy serves every call and replay as is, with no walk to resolve it."""
+    t = type(value)
+    if t is tuple:
+        for v in value:
+            if not constant(v):
+                return False
+        return True
+    return t in _CONSTANT_LEAVES
 
 
 def _shallow_args(
     args: tuple, kwargs: dict, value_of: Callable[[int], Any]
 ) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` resolved without the pytree walk, or None if a container holds
-    more than leaves: each argument is a leaf, or a list or tuple of leaves.
+    more than leaves: each argument is a leaf, a :func:`constant` tuple, or a list or tuple
+    of leaves and constant tuples.
 
     The same result as the walk, in the same order (so the same first error):
     containers are rebuilt (a function may change its list), Refs replaced.
@@ -222,6 +237,9 @@ def _shallow_args(
         elif t is RefView:
             a = resolve_view(a, value_of)
         elif t is list or t is tuple:
+            if t is tuple and constant(a):
+                out.append(a)
+                continue
             items = []
             for x in a:
                 tx = type(x)
@@ -229,7 +247,7 @@ def _shallow_args(
                     x = value_of(int(x))
                 elif tx is RefView:
                     x = resolve_view(x, value_of)
-                elif tx not in _LEAVES:
+                elif tx not in _LEAVES and not (tx is tuple and constant(x)):
                     return None
                 items.append(x)
             a = items if t is list else tuple(items)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..protocol import messages as m
 from ..protocol.rules import Opaque, named_refs
-from .calls import TEST_PANIC, bind_results, load_arguments, resolve_function
+from .calls import TEST_PANIC, bind_results, constant, load_arguments, resolve_function
 from .errors import FatalError, SeqError
 from .failures import call_failed
 
@@ -174,7 +174,8 @@ def compile_command(state: RankState, cmd: Any) -> Any:
     argument is a constant of the recording, handed to every replay as is
     (refs put in a copy): only to ATen operators, which never change their
     list arguments (``view(x, [2, 32])``, ``sum(x, [0])``, ``randn([64, 16])``
-    are a quarter of a training step's commands). Arguments that travel
+    are a quarter of a training step's commands), or where nothing in it can
+    change (:func:`_shared_safely`). Arguments that travel
     pickled (a tensor of the caller's, captured as a constant) are loaded
     once, here, for an ATen operator that neither changes nor returns its
     arguments (:func:`_keeps_arguments`); anything else loads them afresh on
@@ -200,7 +201,7 @@ def compile_command(state: RankState, cmd: Any) -> Any:
             return cmd
     else:
         args, kwargs = cmd.args_kwargs._args, cmd.args_kwargs._kwargs
-        if not (cmd.args_kwargs.flat or aten):
+        if not (cmd.args_kwargs.flat or aten or _shared_safely(args, kwargs)):
             return cmd
     if named_refs(kwargs, set()) or _views_in(kwargs.values()):
         return cmd
@@ -235,6 +236,21 @@ def compile_command(state: RankState, cmd: Any) -> Any:
             _binding(cmd),
         )
     )
+
+
+def _shared_safely(args: tuple, kwargs: dict) -> bool:
+    """Whether a function that is not an ATen operator may get these arguments' containers
+    on every replay: each is a :func:`constant` tuple, or a list or tuple of refs and
+    constants (built afresh per replay). A mutable container would be one object shared by
+    every replay, which a user's function could change."""
+    for a in args:
+        if constant(a) or type(a) is m.Ref:
+            continue
+        if type(a) not in (list, tuple) or m.Ref not in map(type, a):
+            return False  # a list naming no ref would be handed over as is
+        if not all(type(x) is m.Ref or constant(x) for x in a):
+            return False
+    return all(constant(v) for v in kwargs.values())
 
 
 def _views_in(values: Any) -> bool:
