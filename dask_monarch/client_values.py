@@ -53,7 +53,7 @@ def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
 
 
 def _base(info: OpInfo) -> str:
-    return info.function.path.split(".")[3].rstrip("_")
+    return info.function.path.split(".")[3].rstrip("_").removeprefix("_foreach_")
 
 
 def _integral(handles: list, plan: Plan) -> bool:
@@ -103,6 +103,10 @@ def mirror(func: OpOverload, args: tuple, kwargs: dict, outputs: list, how: int)
         result = run(func, args, kwargs, stand_ins=how == VALUE_FREE)
     except Exception:  # the ranks will say what is wrong; the client just does not know
         result = None
+        for a in (*args, *kwargs.values()):  # an in-place op may have run partway
+            for h in a if type(a) is list or type(a) is tuple else (a,):
+                if getattr(h, "_known", None) is not None:
+                    h._storage.forget_known()
     values = result if isinstance(result, (list, tuple)) else [result]
     for handle, value in zip(outputs, values):
         if handle is None:

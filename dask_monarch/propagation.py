@@ -29,6 +29,7 @@ from .protocol import messages as m
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
+    from .borrows import StorageInfo
     from .tensor import Tensor
 
 _SCALARS = frozenset(
@@ -131,6 +132,10 @@ class OpInfo:
     value_free: bool = False  # its results depend on no input's value (zeros_like, fill_)
     answers: bool = False  # it returns Python values only (item, equal, allclose)
     view: bool = False  # its one output is a view of its first argument, and it writes nothing
+    # its outputs' metadata depends on a float argument's type, never on its value: a
+    # pointwise op or a ``_foreach_`` one (a learning rate, a bias correction that changes
+    # every step keys one plan, not one per value)
+    float_free: bool = False
 
 
 # id(op) -> (op, its OpInfo). Keyed by id: an OpOverload hashes in Python (a call per lookup,
@@ -182,7 +187,7 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         makes_tensors,
         seeded,
         _with_generator(func, names) if seeded else None,
-        namespace == "aten" and base in _EXACT,
+        namespace == "aten" and base.removeprefix("_foreach_") in _EXACT,
         namespace == "aten" and (base, func._overloadname) in _VALUE_FREE,
         bool(schema.returns) and not makes_tensors,
         namespace == "aten"
@@ -190,13 +195,16 @@ def _make_op_info(func: OpOverload) -> OpInfo:
         and not writes
         and not seeded
         and str(schema.returns[0].type) == "Tensor",
+        namespace == "aten" and (torch.Tag.pointwise in func.tags or base.startswith("_foreach_")),
     )
 
 
 # Ops whose results are bit-identical wherever they run (copies, views, indexing, comparisons,
 # correctly rounded IEEE arithmetic, min and max): the client may compute them itself from
 # values it knows (client_values). Reductions and transcendental functions are not here: their
-# results depend on the device's summation order and math library.
+# results depend on the device's summation order and math library. Their ``_foreach_`` forms
+# (the same op on each tensor of a list) are exact too: an optimizer's ``_foreach_add_`` of
+# its step counts, which it then reads with ``.item()``.
 _EXACT = frozenset(
     """
     alias view _unsafe_view reshape _reshape_alias as_strided expand expand_as permute t
@@ -321,7 +329,7 @@ class Propagator:
     ) -> Plan:
         """The outputs of ``func(*args, **kwargs)``; ``handles`` are the mesh tensors in it."""
         try:  # by id of the op's OpInfo: one per op, kept for ever (see _op_infos)
-            key = (id(info), _key(args, handles), _key_kwargs(kwargs, handles))
+            key = (id(info), _key(info, args, handles), _key_kwargs(info, kwargs, handles))
         except Uncacheable:
             return self._propagate(func, info, args, kwargs)
         if _default_dtype() is not self._dtype:
@@ -338,14 +346,14 @@ class Propagator:
         propagation: the fast path of Python operators, which then takes the general one)."""
         if _default_dtype() is not self._dtype:
             return None
-        return self._cache.get((id(info), _key(args, handles), ()))
+        return self._cache.get((id(info), _key(info, args, handles), ()))
 
     def learn(
         self, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor], outputs: list
     ) -> None:
         """Keep the plan of an op the ranks ran (``outputs``: the handles it made, with the
         metadata the ranks reported), for the next call with inputs of the same metadata."""
-        key = (id(info), _key(args, handles), _key_kwargs(kwargs, handles))
+        key = (id(info), _key(info, args, handles), _key_kwargs(info, kwargs, handles))
         kind = "tensor" if len(outputs) == 1 else "tuple"
         self._cache[key] = Plan(
             kind,
@@ -473,22 +481,51 @@ def _output(t: torch.Tensor, info: OpInfo, index: int) -> Output:
 # -- cache keys ------------------------------------------------------------------------------
 
 
-def _key(args: tuple, handles: list[Tensor]) -> tuple:
-    return tuple([_key_of(a, handles) for a in args])
+def _key(info: OpInfo, args: tuple, handles: list[Tensor]) -> tuple:
+    where = _storages(handles)
+    floats = _FLOAT_TYPE if info.float_free else None
+    return tuple([_key_of(a, where, floats) for a in args])
 
 
-def _key_kwargs(kwargs: dict, handles: list[Tensor]) -> tuple:
-    return tuple((k, _key_of(v, handles)) for k, v in kwargs.items()) if kwargs else ()
+def _key_kwargs(info: OpInfo, kwargs: dict, handles: list[Tensor]) -> tuple:
+    if not kwargs:
+        return ()
+    where = _storages(handles)
+    floats = _FLOAT_TYPE if info.float_free else None
+    return tuple((k, _key_of(v, where, floats)) for k, v in kwargs.items())
 
 
-def _key_of(x: Any, handles: list[Tensor]) -> tuple:
+_FLOAT_TYPE = (float,)  # the key of any float argument of an OpInfo.float_free op
+
+
+_SCANNED = 8  # up to this many tensors in a call, a tensor's storage is looked for by a scan
+
+
+def _storages(handles: list[Tensor]) -> list[Tensor] | dict[StorageInfo, int]:
+    """Where :func:`_key_of` finds the first of ``handles`` sharing a tensor's storage: the
+    handles themselves when they are few (a scan is cheapest), else each storage's first
+    index. A fused optimizer step names 5 tensors per parameter: a scan per tensor made its
+    key quadratic in the parameters (0.53 s of client time per step at 800)."""
+    if len(handles) <= _SCANNED:
+        return handles
+    first: dict[StorageInfo, int] = {}
+    for i, h in enumerate(handles):
+        first.setdefault(h._storage, i)
+    return first
+
+
+def _key_of(
+    x: Any, where: list[Tensor] | dict[StorageInfo, int], floats: tuple | None = None
+) -> tuple:
     t = type(x)
     if t in _SCALARS:
-        return (t, x)
+        return floats if t is float and floats is not None else (t, x)
     mkey = getattr(x, "_mkey", None)
     if mkey is not None:
         storage = x._storage
-        for i, h in enumerate(handles):  # which earlier argument shares its storage
+        if type(where) is dict:
+            return (mkey, where.get(storage, -1))
+        for i, h in enumerate(where):  # which argument is the first to share its storage
             if h._storage is storage:
                 return (mkey, i)
         return (mkey, -1)
@@ -497,6 +534,6 @@ def _key_of(x: Any, handles: list[Tensor]) -> tuple:
     if t is list or t is tuple or t is torch.Size:
         for v in x:
             if type(v) is not int:
-                return (t, tuple([_key_of(v, handles) for v in x]))
+                return (t, tuple([_key_of(v, where, floats) for v in x]))
         return (t, tuple(x))  # a shape or dims, the usual list: its ints are their own keys
     raise Uncacheable(t)

@@ -418,6 +418,46 @@ def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
         torch.save(x, "/dev/null")
 
 
+# -- torch's optimizers ----------------------------------------------------------------------
+
+FOREACH = ["Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "ASGD", "RMSprop", "SGD"]
+
+
+def _optimizer_steps(mesh, name: str, steps: int = 4) -> tuple[list, list[int]]:
+    """Weights after ``steps`` steps of ``torch.optim.<name>(foreach=True)`` on an MLP, and
+    how many plans the mesh's propagation cache held after each step (None: locally)."""
+    local = _mlp()
+    plans = []
+    with mesh.activate() if mesh else dm.no_mesh.activate():
+        model = _mlp()
+        model.load_state_dict(local.state_dict())
+        momentum = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
+        optimizer = getattr(torch.optim, name)(
+            model.parameters(), lr=0.05, foreach=True, **momentum
+        )
+        x = torch.tensor([[0.1 * i + j for j in range(4)] for i in range(5)])
+        for _ in range(steps):
+            optimizer.zero_grad()
+            ((model(x) - 1) ** 2).mean().backward()
+            optimizer.step()
+            plans.append(len(mesh._propagator._cache) if mesh else None)
+        weights = [p.detach() for p in model.parameters()]
+        return [dm.inspect(w) if mesh else w for w in weights], plans
+
+
+@pytest.mark.parametrize("name", FOREACH)
+def test_foreach_optimizers_step_without_a_round_trip_and_equal_local(mesh2, no_fetch, name):
+    """Adam's family reads each parameter's step count with ``.item()`` after a
+    ``_foreach_add_`` of the counts: the client mirrors list ops as it does single ones, so
+    no step fetches (before: one implicit fetch per parameter per step, 0.6 s per step at 50
+    parameters). The bias corrections and step sizes are new floats every step: the ops
+    they go to are planned once, not once per value (the cache stops growing)."""
+    weights, plans = _optimizer_steps(mesh2, name)
+    local, _ = _optimizer_steps(None, name)
+    assert all(torch.equal(a, b) for a, b in zip(weights, local))
+    assert plans[1] == plans[-1]
+
+
 # -- dm.compile ----------------------------------------------------------------------------
 
 
