@@ -409,7 +409,13 @@ def device_mesh(
     from .data_loading import install as load_data_locally
     from .packed import install as route_packed_sequences
     from .propagation import Propagator, warm_up
-    from .tensor import Tensor, install_cuda_check, install_tensor_constructors, no_mesh
+    from .tensor import (
+        Tensor,
+        install_cuda_check,
+        install_tensor_constructors,
+        no_mesh,
+        use_foreach_kernels,
+    )
     from .torch_collectives import install as answer_torch_collectives
     from .torch_compile import skip_in_dynamo
 
@@ -452,6 +458,7 @@ def device_mesh(
     answer_torch_collectives(Tensor)  # torch.distributed.all_reduce(t) points to t.reduce
     install_cuda_check()  # device="cuda" on CPU ranks names them, also on a CPU-only client
     install_tensor_constructors()  # torch.tensor([loss, ...]) of mesh tensors: on the ranks
+    use_foreach_kernels()  # clip_grad_norm_, optimizers: one message for all tensors, as torch
     from .random import install_torch_rng
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'

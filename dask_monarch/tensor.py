@@ -406,6 +406,22 @@ def install_cuda_check() -> None:
     torch.cuda._lazy_init = _lazy_cuda_init
 
 
+def use_foreach_kernels() -> None:
+    """Let torch take its multi-tensor (``_foreach_``) paths for mesh tensors wherever it
+    takes them for plain tensors on the same device, as DTensor does: torch lists the
+    tensor types it trusts with them, and steps a type it does not know tensor by tensor.
+    ``clip_grad_norm_`` then sends one message per op for all gradients, not one per
+    gradient (each naming every alias of a ``ddp_hooks`` bucket: quadratic in the
+    parameters); an optimizer on a GPU mesh steps all parameters at once by default, as on
+    plain CUDA tensors (on CPU torch keeps the per-parameter default for both)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for trusted in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if Tensor not in trusted:
+            trusted.append(Tensor)
+
+
 def _mesh_leaves(data: Any, leaves: list) -> tuple[int, ...] | None:
     """The shape of nested lists ``data`` (their leaves appended to ``leaves``)."""
     if not isinstance(data, (list, tuple)):
@@ -1406,10 +1422,14 @@ def mutated_refs(handles: list[Tensor], keep_known: bool = False) -> list[int]:
     if not handles:
         return []
     refs: dict[int, None] = {}
+    storages: set[int] = set()  # each once: a foreach op on a bucket's views names it per view
     for h in handles:
         check_mutable(h)
-        h._settle_views()  # the op redefines them too: they need refs of their own
         storage = h._storage
+        if id(storage) in storages:
+            continue
+        storages.add(id(storage))
+        h._settle_views()  # the op redefines them too: they need refs of their own
         if not keep_known:
             storage.forget_known()
         for ref in storage.refs():
