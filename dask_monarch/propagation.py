@@ -27,6 +27,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .protocol import messages as m
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch._ops import OpOverload
 
     from .borrows import StorageInfo
@@ -389,17 +391,20 @@ class Propagator:
         mode = getattr(self._modes, "mode", None)
         if mode is None:
             mode = self._modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        bases: dict[int, torch.Tensor] = {}
+        from_meta = mode.fake_tensor_converter.from_meta_and_device
+
+        def fake(x: Any) -> Any:
+            if isinstance(x, mesh_tensor):
+                return _fake_like(x, bases, mode, from_meta)
+            if isinstance(x, (list, tuple)) and any(isinstance(v, mesh_tensor) for v in x):
+                return type(x)(fake(v) for v in x)
+            return x
+
+        fake_args = [fake(a) for a in args]  # outside the mode: their meta tensors are real
+        fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
         with mode:
-            bases: dict[int, torch.Tensor] = {}
-
-            def fake(x: Any) -> Any:
-                if isinstance(x, mesh_tensor):
-                    return _fake_like(x, bases)
-                if isinstance(x, (list, tuple)) and any(isinstance(v, mesh_tensor) for v in x):
-                    return type(x)(fake(v) for v in x)
-                return x
-
-            return func(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+            return func(*fake_args, **fake_kwargs)
 
 
 def _nested_text(func: OpOverload) -> str:
@@ -431,17 +436,25 @@ def extent(meta: TensorMeta) -> int:
     return offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
 
 
-def _fake_like(t: Tensor, bases: dict[int, torch.Tensor]) -> torch.Tensor:
-    """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
+def _fake_like(
+    t: Tensor, bases: dict[int, torch.Tensor], mode: FakeTensorMode, from_meta: Callable
+) -> torch.Tensor:
+    """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage.
+
+    Made as a view of a meta tensor, then wrapped (a fake tensor shares its meta tensor's
+    storage): ~30 us, where the same two ops under the fake mode took ~250, two thirds of
+    a first propagation (an op over a list of 100 tensors: 55 ms).
+    """
     shape, stride, offset, dtype, device, bits = t._mkey
     key = id(t._storage)
     base = bases.get(key)
     if base is None or base.dtype != dtype or base.numel() < extent(t._mkey):
         size = max(extent(h._mkey) for h in t._storage.handles)
-        base = bases[key] = torch.empty(size, dtype=dtype, device=device)
-    view = base.as_strided(shape, stride, offset)
+        base = bases[key] = torch.empty(size, dtype=dtype, device="meta")
+    view = from_meta(mode, base.as_strided(shape, stride, offset), device)
     if bits:
-        set_bits(view, bits)
+        with mode:
+            set_bits(view, bits)
     return view
 
 
