@@ -54,8 +54,10 @@ _save = remote(_RANKS + "save", propagate=lambda *a, **k: torch.empty((), dtype=
 
 
 def _fill(tensors: list[torch.Tensor], *args: Any) -> None:
+    """The load's propagation: every target is changed by it (its version bumped: 0.6 us,
+    where a ``zero_`` on a fake tensor took 240, 0.8 s of a 3 200-tensor load)."""
     for t in tensors:
-        t.zero_()  # marks every target as changed by the load
+        torch.autograd.graph.increment_version(t)
 
 
 _load = remote(_RANKS + "load", propagate=_fill)

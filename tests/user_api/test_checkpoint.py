@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -299,3 +300,17 @@ def test_checkpoint_keep_removes_the_oldest_complete_ones(mesh2, client2, tmp_pa
         client2.run(_keep, None)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["checkpoint-000003", "checkpoint-000004", "latest"]
+
+
+def test_a_load_into_values_the_client_knows_reads_the_loaded_ones(mesh2, tmp_path):
+    """``torch.zeros(3)`` and a step count made on the client are mirrored there
+    (client_values); a load changes them on the ranks, so the client forgets its copies
+    and Python reads what was loaded (the load's propagation marks every target changed)."""
+    with mesh2.activate():
+        dm.checkpoint.save({"v": torch.full((3,), 5.0), "step": torch.tensor(7.0)}, tmp_path)
+        back = {"v": torch.zeros(3), "step": torch.tensor(0.0)}
+        dm.checkpoint.load(back, tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dm.ImplicitFetchWarning)
+            assert back["v"].tolist() == [5.0, 5.0, 5.0]
+            assert back["step"].item() == 7.0
