@@ -264,10 +264,12 @@ def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[A
     def fake(x: Any) -> Any:
         if isinstance(x, Tensor):
             f = fakes.get(id(x))
-            if f is None:  # from a meta tensor: 32 us, where empty_strided under the mode
-                shape, stride, offset, dtype, device, bits = x._mkey  # takes 140 (a
+            if f is None:
+                # wrapped from a meta tensor: 32 us, where empty_strided under the mode
+                # takes 140 (a checkpoint fakes thousands)
+                shape, stride, offset, dtype, device, bits = x._mkey
                 meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-                f = fakes[id(x)] = from_meta(mode, meta, device)  # checkpoint's thousands)
+                f = fakes[id(x)] = from_meta(mode, meta, device)
                 if bits:
                     with mode:
                         set_bits(f, bits)
