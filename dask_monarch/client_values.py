@@ -2,8 +2,9 @@
 
 ``torch.tensor(0.0)`` under ``mesh.activate()`` (an optimizer's step count), a
 small factory such as ``torch.zeros(3)``, and what bit-exact ops (copies,
-views, indexing, comparisons, ``+ - * /``, min and max, integer arithmetic:
-``OpInfo.exact``) make of them hold values the client can compute itself,
+views, indexing, comparisons, ``+ - * /``, min and max, integer arithmetic,
+and their ``_foreach_`` forms over lists: ``OpInfo.exact``) make of them hold
+values the client can compute itself,
 identical to the ranks'. The client keeps a local CPU copy of each
 (``Tensor._known``), computed alongside the message that makes it on the
 ranks, so ``step.item()`` or ``bool((mask == causal).all())`` needs no round
