@@ -38,10 +38,10 @@ def test_a_float_is_keyed_by_its_value_unless_the_op_is_pointwise_or_foreach():
     # type itself still count (pow(t, -1) of integers raises, 2 and 2.0 promote differently)
     for op in (aten.mul.Tensor, aten.addcdiv_.default, aten._foreach_add_.ScalarList):
         info = op_info(op)
-        assert _key(info, (0.1, [0.5, 0.25]), []) == _key(info, (0.2, [1.5, 0.75]), [])
-        assert _key(info, (2,), []) != _key(info, (-1,), []) != _key(info, (2.0,), [])
+        assert _key(info, (0.1, [0.5, 0.25]), {}, []) == _key(info, (0.2, [1.5, 0.75]), {}, [])
+        assert _key(info, (2,), {}, []) != _key(info, (-1,), {}, []) != _key(info, (2.0,), {}, [])
     arange = op_info(aten.arange.start_step)
-    assert _key(arange, (0.0, 1.5, 0.5), []) != _key(arange, (0.0, 2.0, 0.5), [])
+    assert _key(arange, (0.0, 1.5, 0.5), {}, []) != _key(arange, (0.0, 2.0, 0.5), {}, [])
 
 
 class _Handle:
@@ -60,6 +60,6 @@ def test_many_tensors_name_the_first_sharing_their_storage_as_a_few_do():
         alias = _Handle(storages[1])  # a view of the second tensor, named last
         handles.append(alias)
         stranger = _Handle(StorageInfo())  # in a nested list: not among the handles
-        key = _key(op_info(aten.add.Tensor), (handles[0], alias, [[stranger]]), handles)
+        _, key, _ = _key(op_info(aten.add.Tensor), (handles[0], alias, [[stranger]]), {}, handles)
         assert key[:2] == (("meta", 0), ("meta", 1))
         assert key[2] == (list, ((list, (("meta", -1),)),))
