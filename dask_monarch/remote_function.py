@@ -37,7 +37,7 @@ from .borrows import first_use
 from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .opaque_ref import OpaqueRef, place, split_handles
-from .propagation import TensorMeta, set_bits
+from .propagation import TensorMeta, fake_from_meta
 from .protocol import messages as m
 from .protocol.messages.values import resolvable
 from .protocol.names import describe_output, described_tensor, rank_function
@@ -258,21 +258,15 @@ def _fake_mode_() -> FakeTensorMode:
 def propagate_locally(propagate: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
     """Run ``propagate`` on fake copies of the arguments: output metadata and mutated inputs."""
     mode = _fake_mode_()
-    from_meta = mode.fake_tensor_converter.from_meta_and_device
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(x: Any) -> Any:
         if isinstance(x, Tensor):
             f = fakes.get(id(x))
             if f is None:
-                # wrapped from a meta tensor: 32 us, where empty_strided under the mode
-                # takes 140 (a checkpoint fakes thousands)
                 shape, stride, offset, dtype, device, bits = x._mkey
                 meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-                f = fakes[id(x)] = from_meta(mode, meta, device)
-                if bits:
-                    with mode:
-                        set_bits(f, bits)
+                f = fakes[id(x)] = fake_from_meta(mode, meta, device, bits)
             return f
         return x
 
