@@ -16,6 +16,7 @@ Pure bookkeeping, no I/O: the mesh client calls it under its lock.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,9 +35,10 @@ class Invocation:
     ) -> None:
         self.seq = seq
         self.defs = defs
-        # a tuple, not a list: the client's garbage collector stops walking a tuple of ints
-        # (a list it walks every time), and thousands of invocations may wait for a Status
-        self.users: tuple[int, ...] = ()
+        # no users yet, then an array of seqs: thousands of invocations may wait for a Status,
+        # and the garbage collector walks a list's every element but none of an array's; an
+        # append is O(1) where a tuple's is a copy (a definer used 10 000 times: 50 us per use)
+        self.users: tuple[()] | array = ()
         self.failure = failure
         self.origin = origin  # where the client issued it, for the error message
 
@@ -67,7 +69,10 @@ class History:
                 if failure is None:
                     failure = inv.failure
             elif producer >= self.completed:
-                inv.users += (seq,)
+                if inv.users:
+                    inv.users.append(seq)
+                else:
+                    inv.users = array("q", (seq,))
         defs = tuple(defs)
         invocations[seq] = Invocation(seq, defs, failure, origin)
         for ref in defs:
