@@ -50,6 +50,7 @@ from .propagation import (
     set_bits,
 )
 from .protocol import messages as m
+from .protocol.tensor_bytes import contiguous_bytes, from_bytes
 from .stream import Stream, get_active_stream
 
 if TYPE_CHECKING:
@@ -1103,8 +1104,16 @@ def from_client(
             "used with mesh tensors: its gradient could not come back from the ranks; make it "
             "a mesh tensor first (dask_monarch.put(t).requires_grad_())"
         )
-    if not private or not value.is_contiguous() or value.storage_offset():
-        value = value.detach().clone(memory_format=torch.contiguous_format)
+    value = value.detach()
+    if not value.is_contiguous() or value.storage_offset():
+        value, private = value.clone(memory_format=torch.contiguous_format), True
+    if value.device.type == "cpu" and not (value.is_conj() or value.is_neg() or value.is_quantized):
+        # a copy of its bytes (later changes to value are not sent): 3x faster than pickling
+        # the tensor here and unpickling it on the ranks
+        args = m.ArgsKwargs.from_python((value.dtype, value.shape, contiguous_bytes(value)))
+        function = _FROM_BYTES
+    else:
+        function, args = _CLONE, m.ArgsKwargs.from_python((value if private else value.clone(),))
     known = value.clone() if value.numel() <= client_values.MAX_ELEMENTS else None
     session = mesh._session
     with session.lock:
@@ -1112,16 +1121,12 @@ def from_client(
         ref = session.new_ref()
         handle = Tensor(meta_of(value), session, mesh, stream, ref, known=known)
         seq = session.issue([], [ref.id], [handle])
-        session.send(
-            mesh._ranks,
-            m.CallFunction(
-                seq, [ref], [], _CLONE, m.ArgsKwargs.from_python((value,)), stream_ref, []
-            ),
-        )
+        session.send(mesh._ranks, m.CallFunction(seq, [ref], [], function, args, stream_ref, []))
     return handle
 
 
 _CLONE = m.FunctionPath("torch.ops.aten.clone.default")
+_FROM_BYTES = m.FunctionPath(f"{from_bytes.__module__}.from_bytes")
 
 
 def local_limit() -> int:

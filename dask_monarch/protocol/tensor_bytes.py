@@ -14,6 +14,7 @@ workers that accept no pickled code allows them (worker/restricted.py).
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from typing import Any
 
@@ -82,6 +83,27 @@ def raw_tensor(
             torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         )
         return flat.view(kind).as_strided(shape, stride, offset)
+
+
+def contiguous_bytes(value: torch.Tensor) -> bytes:
+    """A copy of the bytes of CPU tensor ``value``, contiguous at offset 0, in its order."""
+    n = value.numel() * value.element_size()
+    return bytes(_bytes_of(value.untyped_storage()).raw()[:n]) if n else b""
+
+
+def from_bytes(dtype: torch.dtype, shape: torch.Size, data: bytes) -> torch.Tensor:
+    """A new CPU tensor of ``dtype`` and ``shape`` holding ``data`` (:func:`contiguous_bytes`):
+    how a local tensor is placed on a mesh's ranks, one copy and no unpickling of it
+    (``dask_monarch.tensor.from_client``)."""
+    if type(dtype) is not torch.dtype or type(data) is not bytes:
+        raise TypeError(f"from_bytes takes a torch.dtype and bytes, not {dtype!r} and {type(data)}")
+    with _local():
+        out = torch.empty(shape, dtype=dtype)
+    if out.numel() * out.element_size() != len(data):
+        raise ValueError(f"{len(data)} bytes cannot fill a {dtype} tensor of shape {list(shape)}")
+    if data:
+        ctypes.memmove(out.data_ptr(), data, len(data))
+    return out
 
 
 _RAW_DTYPES = frozenset(

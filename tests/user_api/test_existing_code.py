@@ -133,6 +133,41 @@ def test_a_small_local_tensor_is_placed_and_a_large_one_refused_naming_the_call(
         dm.put(big)
 
 
+def test_placed_local_values_are_the_values_of_the_moment_in_every_dtype(mesh2):
+    """``dm.put`` and ``torch.tensor(data)`` send a local value's bytes: every dtype, views
+    at an offset, non-contiguous views and conjugate views arrive as they were when placed
+    (later changes to the local tensor are not sent), as owned tensors the ranks may resize."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    values = [
+        torch.randn(3, 5),
+        torch.tensor([True, False, True]),
+        torch.arange(-5, 5, dtype=torch.int8),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.randn(4, dtype=torch.complex64),
+        torch.tensor([]),
+        torch.tensor(7, dtype=torch.int64),
+        base[1:3],  # a view at an offset
+        base.t(),  # not contiguous
+        torch.randn(3, dtype=torch.complex64).conj(),  # a conjugate view
+        torch.zeros(0, 3, dtype=torch.int32),
+    ]
+    expected = [v.clone().resolve_conj() for v in values]
+    two = torch.ones(2)
+    with mesh2.activate():
+        placed = [dm.put(v) for v in values]
+        literal = torch.tensor([[1.5, 2.5], [3.5, 4.5]])
+        for v in values:
+            if not v.is_conj():
+                v.zero_()  # after placing: not what the ranks hold
+        grown = dm.put(two).resize_(6)  # an owned storage, as clone makes
+    for p, e in zip(placed, expected):
+        assert (p.dtype, p.shape) == (e.dtype, e.shape)
+        got = dm.inspect(p.resolve_conj() if p.is_conj() else p)
+        assert torch.equal(got, e), (got, e)
+    assert dm.inspect(literal).tolist() == [[1.5, 2.5], [3.5, 4.5]]
+    assert dm.inspect(grown).shape == (6,)
+
+
 def test_values_the_client_knows_are_read_without_a_round_trip(mesh2, no_fetch):
     with mesh2.activate():
         step = torch.tensor(0.0)  # an optimizer's step count
