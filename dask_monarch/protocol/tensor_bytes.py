@@ -9,7 +9,9 @@ uses :data:`REDUCERS`: a CPU storage travels as its raw bytes
 dtype torch cannot pickle at all (no typed storage class) as its storage's
 bytes with its layout (:func:`raw_tensor`). Both builders check the dtype
 they are given and build nothing but a tensor: the restricted loader of
-workers that accept no pickled code allows them (worker/restricted.py).
+workers that accept no pickled code allows them (worker/restricted.py). A
+local tensor placed on a mesh needs no pickling at all: a call of
+:func:`from_bytes` with its dtype, shape and bytes (:func:`contiguous_bytes`).
 """
 
 from __future__ import annotations
