@@ -35,7 +35,7 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _SCALE = frozenset({"add", "sub", "rsub"})  # exact only without a scale (alpha) that may be fused
 
 
-def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
+def kind(info: OpInfo, args: tuple, kwargs: dict, handles: list, plan: Plan) -> int:
     """Whether (and how) the client can know the values ``info``'s op makes: 0 when not."""
     if not info.value_free:  # the common answer first: an input whose value is unknown
         for h in handles:
@@ -43,7 +43,7 @@ def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
                 return 0
     if info.seeded or not (info.exact or info.value_free or _integral(handles, plan)):
         return 0
-    if info.exact and kwargs.get("alpha", 1) != 1 and _base(info) in _SCALE:
+    if info.exact and (kwargs or len(args) > 2) and not _exact_here(info, args, kwargs):
         return 0
     if sum(math.prod(o.meta.shape) for o in plan.outputs if o is not None) > MAX_ELEMENTS:
         return 0
@@ -51,6 +51,21 @@ def kind(info: OpInfo, kwargs: dict, handles: list, plan: Plan) -> int:
         if h._known is None:
             return VALUE_FREE if info.value_free else 0
     return ALL_KNOWN
+
+
+def _exact_here(info: OpInfo, args: tuple, kwargs: dict) -> bool:
+    """Whether an exact op is exact with these arguments: no scale that a device may fuse
+    (``add(x, y, alpha=2)``), and an ``index_put`` that writes through masks and does not
+    sum (``x[mask] = v``; integer indices may repeat, and which write wins then differs by
+    device)."""
+    base = _base(info)
+    if base in _SCALE:
+        return kwargs.get("alpha", 1) == 1
+    if base == "index_put":
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        masks = all(i is None or i.dtype == torch.bool for i in args[1])
+        return not accumulate and masks
+    return True
 
 
 def _base(info: OpInfo) -> str:

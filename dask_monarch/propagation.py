@@ -218,6 +218,7 @@ _EXACT = frozenset(
     fmax eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and
     bitwise_or bitwise_xor bitwise_not isnan isinf isfinite isposinf isneginf signbit any all
     max min amax amin argmax argmin aminmax nonzero argwhere masked_select isin count_nonzero
+    index_put constant_pad_nd
     """.split()
 )
 # (op, overload) pairs whose results do not depend on any input's value, only on its metadata

@@ -229,16 +229,17 @@ class Tensor(torch.Tensor, Handle):
         )
 
     def __format__(self, spec: str) -> str:
-        """``f"{loss:.3f}"`` formats the number (an implicit fetch unless the client knows it);
-        ``f"{t}"`` shows the handle."""
-        if not spec:
-            return repr(self)
-        if self.dim() != 0:
+        """As torch formats: a 0-d tensor as its number, ``f"{loss:.3f}"`` and ``f"{loss}"``
+        alike (an implicit fetch unless the client knows it: models name modules by index,
+        ``self[f"expert_{idx[0]}"]``); any other as ``str``, the handle here."""
+        if self.dim() == 0:
+            return format(self.item(), spec)
+        if spec:
             raise TypeError(
                 f"unsupported format string {spec!r} for {self._describe()}: only a 0-d tensor "
                 "formats as a number (format dask_monarch.inspect(t) for a rank's values)"
             )
-        return format(self.item(), spec)
+        return repr(self)
 
     def _repr_html_(self) -> str:
         """A notebook's view: what the handle is, not its value (that lives on the ranks)."""
@@ -595,7 +596,7 @@ def _operation(func: OpOverload, args: tuple[Any, Any]) -> Any:
         or info.writes
         or info.seeded
         or session.capture is not None
-        or client_values.kind(info, {}, handles, plan)
+        or client_values.kind(info, args, {}, handles, plan)
     ):
         return dispatch(func, args, {})
     if plan.cuda:
@@ -899,7 +900,7 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         _check_gpus(mesh, info.function.path)
     if not handles and "dtype" not in kwargs and plan.kind == "tensor" and "dtype" in info.names:
         ref_kwargs = _default_dtype_made_explicit(ref_kwargs, plan)
-    how = client_values.kind(info, kwargs, handles, plan)
+    how = client_values.kind(info, args, kwargs, handles, plan)
     session = mesh._session
     if (
         info.view

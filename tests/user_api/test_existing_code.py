@@ -182,6 +182,31 @@ def test_values_the_client_knows_are_read_without_a_round_trip(mesh2, no_fetch):
     assert dm.inspect(step, gpu=1).item() == 3.0  # the ranks hold what the client computed
 
 
+def test_masked_writes_and_constant_pads_of_known_values_stay_known(mesh2, no_fetch):
+    """Longformer builds its attention mask with ``ext[mask == 2] = finfo.max`` and reads
+    ``.any().item()`` of it each step; transformers pads with ``F.pad``: both are copies, so
+    the client follows them. Writes through integer indices (which may repeat: the winner
+    differs by device) or that sum (``accumulate=True``) are left to the ranks."""
+    with mesh2.activate():
+        mask = torch.tensor([[1, 2, 1], [2, 2, 0]])
+        ext = torch.zeros(2, 3)
+        ext[mask == 2] = torch.finfo(torch.float32).max
+        assert bool((ext > 0).any().item()) and (ext > 0).sum().item() == 3
+        padded = torch.nn.functional.pad(torch.arange(3.0), (1, 2), value=0.5)
+        assert padded.tolist() == [0.5, 0.0, 1.0, 2.0, 0.5, 0.5]
+        summed = torch.zeros(3)
+        summed.index_put_((torch.tensor([1, 1]),), torch.tensor([1.0, 2.0]), accumulate=True)
+        picked = torch.zeros(3)
+        picked[torch.tensor([0, 2])] = 2.0
+        for unknown in (summed, picked):
+            with pytest.raises(RuntimeError, match="implicit-fetch is 'error'"):
+                unknown.tolist()
+    assert dm.inspect(summed).tolist() == [0.0, 3.0, 0.0]
+    assert dm.inspect(picked).tolist() == [2.0, 0.0, 2.0]
+    big = torch.finfo(torch.float32).max
+    assert dm.inspect(ext, gpu=1).tolist() == [[0.0, big, 0.0], [big, big, 0.0]]
+
+
 def test_a_value_the_ranks_change_is_no_longer_known(mesh2, no_fetch):
     with mesh2.activate():
         count = torch.tensor([1.0, 2.0])
@@ -216,6 +241,23 @@ def test_python_asking_for_a_value_fetches_it_with_one_warning_per_line(mesh2, f
         with dask.config.set({"dask_monarch.implicit-fetch": "error"}):
             with pytest.raises(RuntimeError, match=re.escape(__file__)):
                 float(x[1])
+
+
+def test_a_scalar_formats_as_its_number_as_in_torch(mesh2, fresh_sites):
+    """switch_transformers and NLLB-MoE pick an expert with ``self[f"expert_{idx[0]}"]``:
+    a 0-d tensor formats as its number with or without a spec (fetched unless the client
+    knows it); any other tensor as its handle, and a spec for it is refused as torch does."""
+    experts = nn.ModuleDict({f"expert_{i}": nn.Linear(2, 2) for i in range(3)})
+    with mesh2.activate():
+        known = torch.tensor([2, 0])
+        with dask.config.set({"dask_monarch.implicit-fetch": "error"}):
+            assert f"expert_{known[0]}" == "expert_2" and experts[f"expert_{known[0]}"]
+        x = _unknown(torch.tensor([1.25, 3.0]))
+        with dask.config.set({"dask_monarch.implicit-fetch": "allow"}):
+            assert f"{x[0]}|{x[1]:.2f}" == "1.25|3.00"
+        assert f"{x}" == repr(x)
+        with pytest.raises(TypeError, match="only a 0-d tensor"):
+            f"{x:.2f}"
 
 
 def test_ranks_that_disagree_on_a_value_raise_naming_ranks_and_values(mesh2, fresh_sites):
