@@ -1290,8 +1290,11 @@ def _data_dependent(
     session = mesh._session
     what = str(func)
     site = implicit_fetch.call_site()
-    need = _LEARNED_NEED if learn else "its output's shape, which depends on the value"
-    implicit_fetch.announce(session, what, site, handles[0]._describe(), need)
+    detail, value = handles[0]._describe(), "value"
+    if len(handles) > 1:  # which of them decides is the op's business (ctc_loss: the lengths)
+        detail, value = f"its {len(handles)} mesh tensor inputs ({detail}, ...)", "values"
+    need = (_LEARNED_NEED if learn else "its output's shape, which depends on the {}").format(value)
+    implicit_fetch.announce(session, what, site, detail, need)
     targets: list = [
         argument(info, args, kwargs, info.returns_alias[i]) if info.returns_write[i] else None
         for i in range(len(returns))
@@ -1341,7 +1344,7 @@ def _data_dependent(
 
 _LEARNED_NEED = (
     "its outputs' metadata from the ranks (once per input metadata: fake tensors refuse this "
-    "op on the CPU), for its call on the value"
+    "op on the CPU), for its call on the {}"
 )
 
 
