@@ -1,11 +1,13 @@
 """Where the client's time goes, per op and per training step (issue 38, item 1).
 
-    python benchmarks/client_profile.py [--what op|gpt2|gpt2-compiled] [--n 20000]
-                                        [--sort tottime] [--spy]
+    python benchmarks/client_profile.py [--what op|reuse|literal|gpt2|gpt2-compiled]
+                                        [--n 20000] [--sort tottime] [--spy]
 
 ``op``: ``acc = ones + acc`` on 100x100 mesh tensors (``benchmarks/peers.py``'s
 shape), ``--n`` times: the wall time and the user thread's CPU per op, then
-the same loop under cProfile. ``gpt2``: the eager data-parallel step of
+the same loop under cProfile. ``reuse``: ``y = w + w``, one tensor read by every
+op; ``literal``: ``torch.tensor([0.5, 2.0])``, a local value placed on the mesh.
+``gpt2``: the eager data-parallel step of
 ``benchmarks/training.py --gpt2`` (the test suite's tiny transformers GPT-2,
 AdamW, ``ddp_hooks``) on 2 ranks, ``--n`` steps (30 is plenty): per step and
 per message, then under cProfile; ``gpt2-compiled``: the same step under
@@ -47,6 +49,36 @@ def op_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
             dm.inspect(acc.sum())
 
         return run, n
+
+
+def reuse_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
+    """``y = w + w``: one tensor read by every op until the ranks report progress (each op
+    is a user of the op that made ``w``, in the client's history)."""
+    with mesh.activate():
+        w = torch.ones(100, 100)
+
+        def run(count: int) -> None:
+            for _ in range(count):
+                y = w + w
+            dm.inspect(y.sum())
+
+        return run, n
+
+
+def literal_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
+    """``torch.tensor([0.5, 2.0])`` under the mesh: a local value placed on the ranks (what
+    transformers' caches and masks make every step)."""
+
+    def run(count: int) -> None:
+        with mesh.activate():
+            for _ in range(count):
+                t = torch.tensor([0.5, 2.0])
+            dm.inspect(t.sum())
+
+    return run, n
+
+
+LOOPS = {"op": op_loop, "reuse": reuse_loop, "literal": literal_loop}
 
 
 def gpt2_loop(mesh: dm.DeviceMesh, n: int, compiled: bool = False) -> tuple:
@@ -127,7 +159,7 @@ def _cpu(workers: list) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--what", choices=("op", "gpt2", "gpt2-compiled"), default="op")
+    parser.add_argument("--what", choices=(*LOOPS, "gpt2", "gpt2-compiled"), default="op")
     parser.add_argument("--n", type=int, default=None, help="ops (20 000) or steps (30)")
     parser.add_argument("--sort", default="tottime", help="pstats order (tottime, cumulative)")
     parser.add_argument("--spy", action="store_true", help="py-spy the ranks (see above)")
@@ -135,8 +167,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
         mesh = dm.device_mesh(client, dp=2)
-        if args.what == "op":
-            run, n = op_loop(mesh, args.n or 20000)
+        if args.what in LOOPS:
+            run, n = LOOPS[args.what](mesh, args.n or 20000)
         else:
             run, n = gpt2_loop(mesh, args.n or 30, compiled=args.what == "gpt2-compiled")
         run(max(1, n // 10))  # warm: lanes, propagation caches, the optimizer's state
@@ -154,7 +186,7 @@ def main() -> None:
             spy.wait()
         spent = [(after - start) / n * 1e6 for start, after in zip(before, _cpu(workers))]
         messages = (controller.messages_sent - sent) / n
-        unit = "op" if args.what == "op" else "step"
+        unit = "op" if args.what in LOOPS else "step"
         print(
             f"per {unit}: {wall / n * 1e6:.1f} us wall, {cpu / n * 1e6:.1f} us of the user "
             f"thread's CPU; {messages:.0f} messages per {unit}, "
