@@ -414,6 +414,7 @@ def device_mesh(
         install_cuda_check,
         install_tensor_constructors,
         no_mesh,
+        refuse_mesh_data_in_local_tensors,
         use_foreach_kernels,
     )
     from .torch_collectives import install as answer_torch_collectives
@@ -459,6 +460,7 @@ def device_mesh(
     install_cuda_check()  # device="cuda" on CPU ranks names them, also on a CPU-only client
     install_tensor_constructors()  # torch.tensor([loss, ...]) of mesh tensors: on the ranks
     use_foreach_kernels()  # clip_grad_norm_, optimizers: one message for all tensors, as torch
+    refuse_mesh_data_in_local_tensors()  # local.data = mesh tensor: an error, not a crash later
     from .random import install_torch_rng
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'

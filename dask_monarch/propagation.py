@@ -71,6 +71,23 @@ class Uncacheable(Exception):
 # plans are learned from the ranks instead, once per input metadata (tensor.dispatch).
 FAKE_STRICTER = frozenset({torch.ops.aten._grouped_mm.default})
 
+
+def _one_dim_unreduced(args: tuple, kwargs: dict) -> bool:
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    return args[0].dim() == 1 and reduction == 0
+
+
+# Ops whose fake kernel says other metadata than their CPU kernel for some inputs (torch's bugs;
+# a predicate of the arguments says which): their plans are learned from the ranks as
+# FAKE_STRICTER's are. multilabel_margin_loss's decomposition keeps a dim of size 1 for a 1-D
+# input unreduced, where the CPU kernel returns a 0-d loss (nn.MultiLabelMarginLoss, ModuleInfo).
+FAKE_DIFFERS = {torch.ops.aten.multilabel_margin_loss_forward.default: _one_dim_unreduced}
+
+
+class FakeDiffers(Exception):
+    """The fake kernel's answer for these arguments is known to be wrong: ask the ranks."""
+
+
 # An op whose outputs' shapes depend on the values of its inputs (nonzero, unique, x[mask]), or
 # that needs an input's value to run at all: fake tensors cannot say what it returns.
 DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -373,6 +390,9 @@ class Propagator:
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         if info.makes_tensors and func._schema.name.startswith("aten::_nested"):
             raise NotImplementedError(_nested_text(func))
+        differs = FAKE_DIFFERS.get(func)
+        if differs is not None and differs(args, kwargs):
+            raise FakeDiffers(func)
         return plan_of(self.run_fake(func, args, kwargs), info)
 
     def run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -40,6 +40,7 @@ from .handles import Handle, exited, last_misuse, misuse
 from .propagation import (
     DATA_DEPENDENT,
     FAKE_STRICTER,
+    FakeDiffers,
     OpInfo,
     Plan,
     TensorMeta,
@@ -424,6 +425,32 @@ def use_foreach_kernels() -> None:
             trusted.append(Tensor)
 
 
+def refuse_mesh_data_in_local_tensors() -> None:
+    """``local.data = mesh_tensor`` raises LOCAL_TENSOR (once per process: the first mesh of a
+    client installs it). torch's setter would take the mesh tensor's metadata and leave
+    ``local`` with no storage, and the next local op on it crashed the process (a lazy
+    module's first call on mesh inputs does this: ``param.data = torch.empty(shape)``)."""
+    if "data" not in torch.Tensor.__dict__:
+        torch.Tensor.data = property(_TORCH_DATA.__get__, _set_local_data)  # type: ignore[assignment]
+
+
+def _set_local_data(t: torch.Tensor, new: Any) -> None:
+    if isinstance(new, Tensor):
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # it has no shape yet
+            raise misuse(
+                f"LOCAL_TENSOR: a lazy module's parameter (nn.LazyLinear, ...) was sized by "
+                f"{new._describe()}: a local parameter cannot hold a value that lives on the "
+                "ranks; give the module its input sizes (nn.Linear(in_features, ...)) and "
+                "build it under mesh.activate()"
+            )
+        raise misuse(
+            f"LOCAL_TENSOR: t.data = {new._describe()}, with t a local tensor of shape "
+            f"{list(t.shape)}: a local tensor cannot hold a value that lives on the ranks; "
+            "make t on the mesh (build it under mesh.activate(), or dask_monarch.put)"
+        )
+    _TORCH_DATA.__set__(t, new)
+
+
 def _mesh_leaves(data: Any, leaves: list) -> tuple[int, ...] | None:
     """The shape of nested lists ``data`` (their leaves appended to ``leaves``)."""
     if not isinstance(data, (list, tuple)):
@@ -523,8 +550,9 @@ def _legacy_tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def install_tensor_constructors() -> None:
     """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`,
-    and ``torch.Tensor(data)`` through :func:`_legacy_tensor_new` (once per process: the
-    first mesh of a client does it)."""
+    ``torch.Tensor(data)`` through :func:`_legacy_tensor_new`, and ``torch.ctc_loss``, which
+    makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors` (once per
+    process: the first mesh of a client does it)."""
     for name in ("tensor", "as_tensor"):
         current = getattr(torch, name)
         if not hasattr(current, "__dask_monarch_original__"):
@@ -533,6 +561,33 @@ def install_tensor_constructors() -> None:
             setattr(torch, name, wrapper)
     if "__new__" not in torch.Tensor.__dict__:  # torch's is TensorBase's: subclasses keep theirs
         torch.Tensor.__new__ = staticmethod(_legacy_tensor_new)  # type: ignore[method-assign]
+    if not hasattr(torch.ctc_loss, "__dask_monarch_original__"):
+        wrapper = _ctc_loss_of_length_tensors(torch.ctc_loss)
+        as_torch_builtin(wrapper, torch.ctc_loss)
+        torch.ctc_loss = wrapper
+
+
+def _ctc_loss_of_length_tensors(original: Callable) -> Callable:
+    """``torch.ctc_loss`` (``F.ctc_loss``, ``nn.CTCLoss``) of mesh tensors, lengths given as
+    lists: torch's C++ makes a tensor of them with ``at::empty`` and writes into it (for the
+    default reduction, 'mean'), which an active mesh makes a mesh tensor with no memory ("its
+    data is not allocated yet"). The lengths are passed as tensors instead: torch's overload
+    for those, the same loss. Anything else is torch's own call."""
+
+    def ctc_loss(
+        log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, *args: Any, **kw: Any
+    ) -> Any:
+        if isinstance(log_probs, Tensor) and not (
+            isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor)
+        ):
+            input_lengths = torch.tensor(input_lengths, dtype=torch.long)
+            target_lengths = torch.tensor(target_lengths, dtype=torch.long)
+        return original(log_probs, targets, input_lengths, target_lengths, *args, **kw)
+
+    ctc_loss.__dask_monarch_original__ = original  # type: ignore[attr-defined]
+    ctc_loss.__name__ = original.__name__
+    ctc_loss.__doc__ = original.__doc__
+    return ctc_loss
 
 
 def _operator(name: str) -> Callable[[Tensor, Any], Any]:
@@ -892,8 +947,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         plan = _plan_from_known(func, info, args, kwargs, handles)
         if plan is None:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
-    except RuntimeError:
-        if func not in FAKE_STRICTER:
+    except (RuntimeError, FakeDiffers) as e:
+        if func not in FAKE_STRICTER and type(e) is not FakeDiffers:
             raise
         return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs, learn=True)
     if plan.cuda:
@@ -1277,8 +1332,9 @@ def _data_dependent(
     every rank, which must agree (a mesh tensor has one shape on every rank).
 
     ``learn``: an op whose fake kernel refused inputs the ranks' kernel takes
-    (FAKE_STRICTER); the metadata the ranks report is kept as the plan of the next call
-    with inputs of the same metadata. A real error is the ranks' own."""
+    (FAKE_STRICTER) or is known to say other metadata (FAKE_DIFFERS); the metadata the ranks
+    report is kept as the plan of the next call with inputs of the same metadata. A real
+    error is the ranks' own."""
     mesh, stream = placement(handles, func, "borrow it first")
     returns = func._schema.returns
     if any(str(r.type) != "Tensor" for r in returns):
@@ -1344,7 +1400,7 @@ def _data_dependent(
 
 _LEARNED_NEED = (
     "its outputs' metadata from the ranks (once per input metadata: fake tensors refuse this "
-    "op on the CPU), for its call on the {}"
+    "op on the CPU or are known to say other metadata), for its call on the {}"
 )
 
 

@@ -168,6 +168,58 @@ def test_placed_local_values_are_the_values_of_the_moment_in_every_dtype(mesh2):
     assert dm.inspect(grown).shape == (6,)
 
 
+def test_a_local_tensor_given_a_mesh_value_as_data_is_refused(mesh2):
+    """torch's ``.data`` setter would give the local tensor the mesh tensor's metadata and no
+    storage: its next local op crashed the process. A lazy module's first call on mesh inputs
+    does this (``param.data = torch.empty(shape)``)."""
+    local = nn.Parameter(torch.zeros(3, 2))
+    lazy = nn.LazyLinear(4)
+    with mesh2.activate():
+        with pytest.raises(TypeError, match=r"LOCAL_TENSOR: t.data = .* local tensor of shape"):
+            local.data = torch.ones(3, 2)
+        with pytest.raises(TypeError, match="lazy module.*nn.Linear\\(in_features"):
+            lazy(torch.ones(2, 3))
+    assert local.tolist() == [[0.0, 0.0]] * 3  # untouched, and usable
+    local.data = torch.ones(3, 2)  # local values as before
+    assert local.sum().item() == 6.0
+
+
+def test_an_op_whose_fake_kernel_says_another_shape_is_planned_by_the_ranks(mesh2):
+    """torch's fake kernel of multilabel_margin_loss keeps a dim of size 1 for a 1-D input
+    unreduced, where the CPU kernel returns a 0-d loss (found by nn.MultiLabelMarginLoss's
+    ModuleInfo samples): the client's handle said shape [1], silently. Its plan is learned
+    from the ranks once per input metadata; 2-D inputs keep the fake's (right) plan."""
+    x, target = torch.randn(10), torch.tensor([3, 0, -1, 1, 0, 0, 0, 0, 0, 0])
+    loss = nn.MultiLabelMarginLoss(reduction="none")
+    with mesh2.activate(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.ImplicitFetchWarning)
+        first = loss(dm.put(x), dm.put(target))
+        fetched = mesh2._session.implicit_fetches
+        again = loss(dm.put(x), dm.put(target))
+        rows = loss(dm.put(x.expand(2, 10)), dm.put(target.expand(2, 10)))
+        assert mesh2._session.implicit_fetches == fetched  # learned once; 2-D: the fake's
+    for got, want in ((first, loss(x, target)), (again, loss(x, target))):
+        assert got.shape == want.shape == () and dm.inspect(got).shape == ()
+        assert torch.allclose(dm.inspect(got), want)
+    assert rows.shape == (2,) and dm.inspect(rows).shape == (2,)
+
+
+def test_ctc_loss_with_lengths_as_lists_equals_local(mesh2):
+    """nn.CTCLoss's default reduction makes a tensor of the target lengths in torch's C++
+    (``at::empty``, then a write into its memory): under a mesh that was a mesh tensor, with
+    no memory ("data is not allocated yet"). Found by nn.CTCLoss's ModuleInfo samples."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(12, 2, 6).log_softmax(2)
+    targets = torch.randint(1, 6, (2, 5))
+    lengths = ((12, 10), (5, 3))
+    for reduction in ("mean", "sum"):
+        want = nn.CTCLoss(reduction=reduction)(log_probs, targets, *lengths)
+        with mesh2.activate(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", dm.ImplicitFetchWarning)  # log_alpha's shape
+            got = nn.CTCLoss(reduction=reduction)(dm.put(log_probs), dm.put(targets), *lengths)
+        assert torch.allclose(dm.inspect(got, gpu=1), want)
+
+
 def test_values_the_client_knows_are_read_without_a_round_trip(mesh2, no_fetch):
     with mesh2.activate():
         step = torch.tensor(0.0)  # an optimizer's step count
