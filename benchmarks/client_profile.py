@@ -6,7 +6,8 @@
 ``op``: ``acc = ones + acc`` on 100x100 mesh tensors (``benchmarks/peers.py``'s
 shape), ``--n`` times: the wall time and the user thread's CPU per op, then
 the same loop under cProfile. ``reuse``: ``y = w + w``, one tensor read by every
-op; ``literal``: ``torch.tensor([0.5, 2.0])``, a local value placed on the mesh.
+op while the ranks are behind; ``literal``: ``torch.tensor([0.5, 2.0])``, a local
+value placed on the mesh.
 ``gpt2``: the eager data-parallel step of
 ``benchmarks/training.py --gpt2`` (the test suite's tiny transformers GPT-2,
 AdamW, ``ddp_hooks``) on 2 ranks, ``--n`` steps (30 is plenty): per step and
@@ -52,17 +53,18 @@ def op_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
 
 
 def reuse_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
-    """``y = w + w``: one tensor read by every op until the ranks report progress (each op
-    is a user of the op that made ``w``, in the client's history)."""
-    with mesh.activate():
-        w = torch.ones(100, 100)
+    """``y = w + w`` on 256x256 tensors, ``w`` made at the start of the loop: one tensor read
+    by every op while the ranks are behind (as they are behind a GPU's client), each op a
+    user of the op that made ``w`` in the client's history until the ranks report."""
 
-        def run(count: int) -> None:
+    def run(count: int) -> None:
+        with mesh.activate():
+            w = torch.ones(256, 256)
             for _ in range(count):
                 y = w + w
             dm.inspect(y.sum())
 
-        return run, n
+    return run, n
 
 
 def literal_loop(mesh: dm.DeviceMesh, n: int) -> tuple:
