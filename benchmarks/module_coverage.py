@@ -57,7 +57,7 @@ import traceback
 import warnings
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,42 +125,13 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise TimeoutError(f"sample took longer than {SAMPLE_TIMEOUT} s")
 
 
-class ModuleSweep:
-    """Runs ModuleInfo samples on one mesh (made anew when it breaks) and keeps the outcomes.
+class ModuleSweep(op_sweep.Sweep):
+    """Runs ModuleInfo samples on one mesh (made anew when it breaks) and keeps the outcomes:
+    op_sweep.Sweep's mesh and bookkeeping, with a module's phases.
 
     An outcome's ``op`` is ``name[train]`` or ``name[eval]``; a failure before the forward
     (placing the inputs, constructing the module) is noted in the ``forward`` phase.
     """
-
-    def __init__(
-        self,
-        client: Any,
-        samples: int = 3,
-        timeout: float = op_sweep.FETCH_TIMEOUT,
-        log: Callable[[str], None] | None = None,
-        placement: str = "put",
-    ) -> None:
-        if placement not in op_sweep.PLACEMENTS:
-            raise ValueError(f"placement is one of {op_sweep.PLACEMENTS}, got {placement!r}")
-        self.client = client
-        self.placement = placement
-        self.samples = samples
-        self.timeout = timeout
-        self.log = log or (lambda _: None)
-        self.outcomes: list[Outcome] = []
-        self.new_meshes = 0
-        self.unsupported: list[str] = []
-        self.mesh = dm.device_mesh(client, gpu=2)
-
-    def close(self) -> None:
-        with contextlib.suppress(dm.RemoteException, dm.DeviceException):
-            self.mesh.exit()
-
-    def renew_mesh(self) -> None:
-        """The mesh broke (or a fetch hung): go on with a new one."""
-        self.close()
-        self.new_meshes += 1
-        self.mesh = dm.device_mesh(self.client, gpu=2)
 
     def run(self, infos: Iterable[ModuleInfo]) -> list[Outcome]:
         for mi in infos:
