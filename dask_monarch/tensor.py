@@ -508,9 +508,6 @@ def _with_mesh_values(original: Callable) -> Callable:
             out.requires_grad_()
         return out
 
-    constructor.__dask_monarch_original__ = original  # type: ignore[attr-defined]
-    constructor.__name__ = original.__name__
-    constructor.__doc__ = original.__doc__
     return constructor
 
 
@@ -553,18 +550,26 @@ def install_tensor_constructors() -> None:
     ``torch.Tensor(data)`` through :func:`_legacy_tensor_new`, and ``torch.ctc_loss``, which
     makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors` (once per
     process: the first mesh of a client does it)."""
-    for name in ("tensor", "as_tensor"):
-        current = getattr(torch, name)
-        if not hasattr(current, "__dask_monarch_original__"):
-            wrapper = _with_mesh_values(current)
-            as_torch_builtin(wrapper, current)
-            setattr(torch, name, wrapper)
+    _replace_in_torch("tensor", _with_mesh_values)
+    _replace_in_torch("as_tensor", _with_mesh_values)
+    _replace_in_torch("ctc_loss", _ctc_loss_of_length_tensors)
     if "__new__" not in torch.Tensor.__dict__:  # torch's is TensorBase's: subclasses keep theirs
         torch.Tensor.__new__ = staticmethod(_legacy_tensor_new)  # type: ignore[method-assign]
-    if not hasattr(torch.ctc_loss, "__dask_monarch_original__"):
-        wrapper = _ctc_loss_of_length_tensors(torch.ctc_loss)
-        as_torch_builtin(wrapper, torch.ctc_loss)
-        torch.ctc_loss = wrapper
+
+
+def _replace_in_torch(name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """``torch.<name>`` replaced by ``wrap(torch.<name>)``, once: the wrapper keeps the
+    original's name and doc, and as ``__dask_monarch_original__`` the original itself, and
+    TorchScript compiles a call of it as the original's op (:func:`as_torch_builtin`)."""
+    original = getattr(torch, name)
+    if hasattr(original, "__dask_monarch_original__"):
+        return
+    wrapper = wrap(original)
+    wrapper.__dask_monarch_original__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = original.__name__
+    wrapper.__doc__ = original.__doc__
+    as_torch_builtin(wrapper, original)
+    setattr(torch, name, wrapper)
 
 
 def _ctc_loss_of_length_tensors(original: Callable) -> Callable:
@@ -584,9 +589,6 @@ def _ctc_loss_of_length_tensors(original: Callable) -> Callable:
             target_lengths = torch.tensor(target_lengths, dtype=torch.long)
         return original(log_probs, targets, input_lengths, target_lengths, *args, **kw)
 
-    ctc_loss.__dask_monarch_original__ = original  # type: ignore[attr-defined]
-    ctc_loss.__name__ = original.__name__
-    ctc_loss.__doc__ = original.__doc__
     return ctc_loss
 
 
