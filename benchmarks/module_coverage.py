@@ -45,14 +45,11 @@ sample with its exception and the end of its traceback). Exits 1 on any mismatch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
-import re
 import signal
 import sys
-import time
 import traceback
 import warnings
 import zlib
@@ -62,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distributed import Client
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.testing._internal.common_modules import ModuleInfo, module_db
 from torch.utils._pytree import tree_flatten, tree_map
@@ -96,17 +92,7 @@ SAMPLE_TIMEOUT = 120
 
 def select_modules(pattern: str | None = None, names: Iterable[str] | None = None) -> list:
     """ModuleInfos whose name matches ``pattern`` (a regex, searched) or is in ``names``."""
-    infos = list(module_db)
-    if names is not None:
-        wanted = set(names)
-        infos = [mi for mi in infos if mi.name in wanted]
-        missing = wanted - {mi.name for mi in infos}
-        if missing:
-            raise KeyError(f"not in module_db: {sorted(missing)}")
-    if pattern:
-        regex = re.compile(pattern)
-        infos = [mi for mi in infos if regex.search(mi.name)]
-    return infos
+    return op_sweep.select(module_db, "module_db", lambda mi: mi.name, pattern, names)
 
 
 def _float_grad_leaves(out: Any) -> list[torch.Tensor]:
@@ -435,42 +421,18 @@ def report(summary: Summary, verbose: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modules", help="regex searched in each ModuleInfo's name")
-    parser.add_argument("--limit", type=int, help="only the first N modules (after --modules)")
-    parser.add_argument("--samples", type=int, default=3, help="samples per module and mode")
-    parser.add_argument("--scheduler", help="address of an existing cluster's scheduler")
-    parser.add_argument("--json", type=Path, help="write every outcome and the summary here")
-    parser.add_argument("--timeout", type=float, default=op_sweep.FETCH_TIMEOUT)
-    parser.add_argument("--verbose", action="store_true", help="every failing sample")
-    parser.add_argument("--progress", action="store_true", help="a line per module as it ends")
-    parser.add_argument(
-        "--placement",
-        choices=op_sweep.PLACEMENTS,
-        default="put",
-        help="put: inputs and state placed with dm.put (the client keeps small values); "
-        "ranks: sent through a remote function (every value comes from the ranks)",
+    op_sweep.add_arguments(
+        parser,
+        "module",
+        select_help="regex searched in each ModuleInfo's name",
+        samples_help="samples per module and mode",
+        placed="inputs and state",
     )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     infos = select_modules(args.modules)[: args.limit]
-    with contextlib.ExitStack() as stack:
-        if args.scheduler:
-            client = stack.enter_context(Client(args.scheduler))
-        else:
-            cluster = stack.enter_context(dm.LocalMeshCluster(n_ranks=2, device="cpu"))
-            client = stack.enter_context(Client(cluster))
-        client.wait_for_workers(2)
-        start = time.perf_counter()
-        log = (lambda line: print(line, flush=True)) if args.progress else None
-        sweep = ModuleSweep(
-            client, samples=args.samples, timeout=args.timeout, log=log, placement=args.placement
-        )
-        try:
-            outcomes = sweep.run(infos)
-        finally:
-            sweep.close()
-        elapsed = time.perf_counter() - start
+    sweep, outcomes, elapsed = op_sweep.run_sweep(ModuleSweep, infos, args)
 
     summary = summarise(outcomes)
     print(report(summary, verbose=args.verbose))

@@ -22,61 +22,32 @@ Needs ``expecttest`` (the ``test`` extra), which torch's OpInfo module imports.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-from distributed import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "user_api"))
 
 import op_sweep  # noqa: E402
 
-import dask_monarch as dm  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", help="regex searched in each OpInfo's full name")
-    parser.add_argument("--limit", type=int, help="only the first N ops (after --ops)")
-    parser.add_argument("--samples", type=int, default=3, help="samples per op and phase")
-    parser.add_argument("--scheduler", help="address of an existing cluster's scheduler")
-    parser.add_argument("--json", type=Path, help="write every outcome and the summary here")
-    parser.add_argument("--timeout", type=float, default=op_sweep.FETCH_TIMEOUT)
-    parser.add_argument("--verbose", action="store_true", help="every failing sample")
-    parser.add_argument("--progress", action="store_true", help="a line per op as it ends")
-    parser.add_argument(
-        "--placement",
-        choices=op_sweep.PLACEMENTS,
-        default="put",
-        help="put: samples placed with dm.put (the client keeps small values); ranks: sent "
-        "through a remote function (every value comes from the ranks)",
+    op_sweep.add_arguments(
+        parser,
+        "op",
+        select_help="regex searched in each OpInfo's full name",
+        samples_help="samples per op and phase",
+        placed="samples",
     )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     ops = op_sweep.select_ops(args.ops)[: args.limit]
-    with contextlib.ExitStack() as stack:
-        if args.scheduler:
-            client = stack.enter_context(Client(args.scheduler))
-        else:
-            cluster = stack.enter_context(dm.LocalMeshCluster(n_ranks=2, device="cpu"))
-            client = stack.enter_context(Client(cluster))
-        client.wait_for_workers(2)
-        start = time.perf_counter()
-        log = (lambda line: print(line, flush=True)) if args.progress else None
-        sweep = op_sweep.Sweep(
-            client, samples=args.samples, timeout=args.timeout, log=log, placement=args.placement
-        )
-        try:
-            outcomes = sweep.run(ops)
-        finally:
-            sweep.close()
-        elapsed = time.perf_counter() - start
+    sweep, outcomes, elapsed = op_sweep.run_sweep(op_sweep.Sweep, ops, args)
 
     summary = op_sweep.summarise(outcomes)
     print(op_sweep.report(summary, verbose=args.verbose))

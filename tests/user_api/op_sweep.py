@@ -40,13 +40,16 @@ import contextlib
 import dataclasses
 import math
 import re
+import time
 import warnings
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
+from distributed import Client
 from torch.testing._internal.common_device_type import toleranceOverride
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import OpInfo, SampleInput
@@ -541,19 +544,75 @@ def _describe(exc: BaseException) -> str:
 # -- selecting and summarising -------------------------------------------------------------------
 
 
+def add_arguments(parser: Any, unit: str, select_help: str, samples_help: str, placed: str) -> None:
+    """The options benchmarks/op_coverage.py and module_coverage.py share: ``unit`` is what
+    one selects ("op", "module"; ``--ops``, ``--modules``), ``placed`` what a placement puts
+    on the mesh."""
+    parser.add_argument(f"--{unit}s", help=select_help)
+    parser.add_argument("--limit", type=int, help=f"only the first N {unit}s (after --{unit}s)")
+    parser.add_argument("--samples", type=int, default=3, help=samples_help)
+    parser.add_argument("--scheduler", help="address of an existing cluster's scheduler")
+    parser.add_argument("--json", type=Path, help="write every outcome and the summary here")
+    parser.add_argument("--timeout", type=float, default=FETCH_TIMEOUT)
+    parser.add_argument("--verbose", action="store_true", help="every failing sample")
+    parser.add_argument("--progress", action="store_true", help=f"a line per {unit} as it ends")
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="put",
+        help=f"put: {placed} placed with dm.put (the client keeps small values); ranks: sent "
+        "through a remote function (every value comes from the ranks)",
+    )
+
+
+def run_sweep(sweep_class: type, items: list, args: Any) -> tuple[Any, list[Outcome], float]:
+    """``items`` swept by a ``sweep_class`` (:class:`Sweep` or a subclass) as ``args`` (of
+    :func:`add_arguments`) say, on the cluster at ``--scheduler`` or a local one of 2 CPU
+    ranks: the sweep, its outcomes and the seconds they took."""
+    with contextlib.ExitStack() as stack:
+        if args.scheduler:
+            client = stack.enter_context(Client(args.scheduler))
+        else:
+            cluster = stack.enter_context(dm.LocalMeshCluster(n_ranks=2, device="cpu"))
+            client = stack.enter_context(Client(cluster))
+        client.wait_for_workers(2)
+        start = time.perf_counter()
+        log = (lambda line: print(line, flush=True)) if args.progress else None
+        sweep = sweep_class(
+            client, samples=args.samples, timeout=args.timeout, log=log, placement=args.placement
+        )
+        try:
+            outcomes = sweep.run(items)
+        finally:
+            sweep.close()
+        return sweep, outcomes, time.perf_counter() - start
+
+
 def select_ops(pattern: str | None = None, names: Iterable[str] | None = None) -> list[OpInfo]:
     """OpInfos whose full name matches ``pattern`` (a regex, searched) or is in ``names``."""
-    ops = list(op_db)
+    return select(op_db, "op_db", lambda op: op.full_name, pattern, names)
+
+
+def select(
+    db: Iterable[Any],
+    db_name: str,
+    name_of: Callable[[Any], str],
+    pattern: str | None = None,
+    names: Iterable[str] | None = None,
+) -> list:
+    """The entries of a test database (op_db, module_db) whose name matches ``pattern`` (a
+    regex, searched) or is in ``names`` (each must be there)."""
+    items = list(db)
     if names is not None:
         wanted = set(names)
-        ops = [op for op in ops if op.full_name in wanted]
-        missing = wanted - {op.full_name for op in ops}
+        items = [item for item in items if name_of(item) in wanted]
+        missing = wanted - {name_of(item) for item in items}
         if missing:
-            raise KeyError(f"not in op_db: {sorted(missing)}")
+            raise KeyError(f"not in {db_name}: {sorted(missing)}")
     if pattern:
         regex = re.compile(pattern)
-        ops = [op for op in ops if regex.search(op.full_name)]
-    return ops
+        items = [item for item in items if regex.search(name_of(item))]
+    return items
 
 
 @dataclasses.dataclass
