@@ -544,6 +544,22 @@ def _describe(exc: BaseException) -> str:
 # -- selecting and summarising -------------------------------------------------------------------
 
 
+def failures(
+    outcomes: Iterable[Outcome], status: str, key: Callable[[Outcome], str] = lambda o: o.op
+) -> dict[str, list[Outcome]]:
+    """The outcomes of ``status``, by ``key`` (an op, a module without its mode)."""
+    failing: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if o.status == status:
+            failing.setdefault(key(o), []).append(o)
+    return failing
+
+
+def lines(outcomes: Iterable[Outcome]) -> str:
+    """Outcomes one per line, for an assertion's message."""
+    return "\n".join(f"  {o.op} [{o.phase} sample {o.sample}]: {o.detail}" for o in outcomes)
+
+
 def add_arguments(parser: Any, unit: str, select_help: str, samples_help: str, placed: str) -> None:
     """The options benchmarks/op_coverage.py and module_coverage.py share: ``unit`` is what
     one selects ("op", "module"; ``--ops``, ``--modules``), ``placed`` what a placement puts

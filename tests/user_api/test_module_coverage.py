@@ -92,18 +92,6 @@ def sweep(client2, request):
     return sweep
 
 
-def _failures(sweep, status):
-    failing = {}
-    for o in sweep.outcomes:
-        if o.status == status:
-            failing.setdefault(_module(o), []).append(o)
-    return failing
-
-
-def _lines(outcomes):
-    return "\n".join(f"  {o.op} [{o.phase} sample {o.sample}]: {o.detail}" for o in outcomes)
-
-
 def test_every_module_of_the_subset_runs_on_the_mesh(sweep):
     """Each module ran at least one sample (local torch can make and run it), and no mesh
     broke; the eval mode ran where it differs."""
@@ -115,31 +103,31 @@ def test_every_module_of_the_subset_runs_on_the_mesh(sweep):
 
 
 def test_no_module_gives_a_wrong_answer_without_an_error(sweep):
-    mismatches = _failures(sweep, op_sweep.MISMATCH)
+    mismatches = op_sweep.failures(sweep.outcomes, op_sweep.MISMATCH, _module)
     new = [o for m, items in mismatches.items() if m not in KNOWN_MISMATCHES for o in items]
-    assert not new, f"wrong values or metadata, with no error raised:\n{_lines(new)}"
+    assert not new, f"wrong values or metadata, with no error raised:\n{op_sweep.lines(new)}"
     fixed = sorted(set(KNOWN_MISMATCHES) - set(mismatches))
     assert not fixed, f"{fixed} now agree with local torch: remove them from KNOWN_MISMATCHES"
 
 
 def test_every_mesh_error_is_the_listed_one(sweep):
-    errors = _failures(sweep, op_sweep.MESH_ERROR)
+    errors = op_sweep.failures(sweep.outcomes, op_sweep.MESH_ERROR, _module)
     unexpected = [
         o
         for m, items in errors.items()
         for o in items
         if m not in EXPECTED_ERRORS or EXPECTED_ERRORS[m] not in o.category + o.detail
     ]
-    assert not unexpected, f"errors not in EXPECTED_ERRORS:\n{_lines(unexpected)}"
+    assert not unexpected, f"errors not in EXPECTED_ERRORS:\n{op_sweep.lines(unexpected)}"
     passing = sorted(set(EXPECTED_ERRORS) - set(errors))
     assert not passing, f"{passing} now pass: remove them from EXPECTED_ERRORS"
 
 
 def test_only_lazy_modules_are_refused_and_for_the_known_reason(sweep):
-    refused = _failures(sweep, module_coverage.REFUSED)
+    refused = op_sweep.failures(sweep.outcomes, module_coverage.REFUSED, _module)
     assert set(refused) == LAZY, "a lazy module that now runs: remove it from LAZY"
     other = [o for items in refused.values() for o in items if LAZY_ERROR not in o.detail]
-    assert not other, f"lazy modules refused otherwise than known:\n{_lines(other)}"
+    assert not other, f"lazy modules refused otherwise than known:\n{op_sweep.lines(other)}"
 
 
 def test_the_summary_counts_what_ran(sweep):
@@ -150,7 +138,7 @@ def test_the_summary_counts_what_ran(sweep):
     assert summary.modules_tried["all"] == len(tried)
     assert summary.modules_passing["all"] == len(tried) - len(failing)
     assert sum(len(v) for v in summary.refused.values()) == sum(
-        len(v) for v in _failures(sweep, module_coverage.REFUSED).values()
+        len(v) for v in op_sweep.failures(sweep.outcomes, module_coverage.REFUSED, _module).values()
     )
     text = module_coverage.report(summary)
     assert f"modules fully passing {len(tried) - len(failing)} / {len(tried)}" in text

@@ -82,18 +82,6 @@ def sweep(client2, request):
     return sweep
 
 
-def _failures(sweep, status):
-    failing = {}
-    for o in sweep.outcomes:
-        if o.status == status:
-            failing.setdefault(o.op, []).append(o)
-    return failing
-
-
-def _lines(outcomes):
-    return "\n".join(f"  {o.op} [{o.phase} sample {o.sample}]: {o.detail}" for o in outcomes)
-
-
 def test_every_op_of_the_subset_runs_on_the_mesh(sweep):
     """Each op ran at least one sample (local torch can make and run it), and no mesh broke."""
     tried = {o.op for o in sweep.outcomes if o.status != op_sweep.LOCAL_ERROR}
@@ -103,22 +91,22 @@ def test_every_op_of_the_subset_runs_on_the_mesh(sweep):
 
 
 def test_no_op_gives_a_wrong_answer_without_an_error(sweep):
-    mismatches = _failures(sweep, op_sweep.MISMATCH)
+    mismatches = op_sweep.failures(sweep.outcomes, op_sweep.MISMATCH)
     new = [o for op, items in mismatches.items() if op not in KNOWN_MISMATCHES for o in items]
-    assert not new, f"wrong values or metadata, with no error raised:\n{_lines(new)}"
+    assert not new, f"wrong values or metadata, with no error raised:\n{op_sweep.lines(new)}"
     fixed = sorted(set(KNOWN_MISMATCHES) - set(mismatches))
     assert not fixed, f"{fixed} now agree with local torch: remove them from KNOWN_MISMATCHES"
 
 
 def test_every_mesh_error_is_the_listed_one(sweep):
-    errors = _failures(sweep, op_sweep.MESH_ERROR)
+    errors = op_sweep.failures(sweep.outcomes, op_sweep.MESH_ERROR)
     unexpected = [
         o
         for op, items in errors.items()
         for o in items
         if op not in EXPECTED_ERRORS or EXPECTED_ERRORS[op] not in o.category + o.detail
     ]
-    assert not unexpected, f"errors not in EXPECTED_ERRORS:\n{_lines(unexpected)}"
+    assert not unexpected, f"errors not in EXPECTED_ERRORS:\n{op_sweep.lines(unexpected)}"
     passing = sorted(set(EXPECTED_ERRORS) - set(errors))
     assert not passing, f"{passing} now pass: remove them from EXPECTED_ERRORS"
 
@@ -126,10 +114,12 @@ def test_every_mesh_error_is_the_listed_one(sweep):
 def test_the_summary_counts_what_ran(sweep):
     """The figures benchmarks/op_coverage.py prints add up."""
     summary = op_sweep.summarise(sweep.outcomes)
-    failing = set(_failures(sweep, op_sweep.MESH_ERROR)) | set(_failures(sweep, op_sweep.MISMATCH))
+    failing = set(op_sweep.failures(sweep.outcomes, op_sweep.MESH_ERROR))
+    failing |= set(op_sweep.failures(sweep.outcomes, op_sweep.MISMATCH))
     assert summary.ops_tried["all"] == len(OPS)
     assert summary.ops_passing["all"] == len(OPS) - len(failing)
-    assert len(summary.mismatches) == sum(len(v) for v in _failures(sweep, "mismatch").values())
+    mismatches = op_sweep.failures(sweep.outcomes, "mismatch")
+    assert len(summary.mismatches) == sum(len(v) for v in mismatches.values())
     text = op_sweep.report(summary)
     assert f"ops fully passing {len(OPS) - len(failing)} / {len(OPS)}" in text
 
