@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -86,6 +87,29 @@ FAKE_DIFFERS = {torch.ops.aten.multilabel_margin_loss_forward.default: _one_dim_
 
 class FakeDiffers(Exception):
     """The fake kernel's answer for these arguments is known to be wrong: ask the ranks."""
+
+
+def _ctc_loss_outputs(args: tuple, value: Callable[[Any], torch.Tensor | None]) -> Plan | None:
+    """``_ctc_loss``'s outputs: the loss per sample, and ``log_alpha`` [batch, time,
+    2 * max(target_lengths) + 1], as torch's CPU and CUDA kernels make them; None unless the
+    client knows the target lengths (it does when they came as a list, or as a tensor it made)."""
+    log_probs, lengths = args[0], value(args[3])
+    if lengths is None:
+        return None
+    time, batch = log_probs.shape[:2]
+    width = 2 * int(lengths.max()) + 1 if lengths.numel() else 1
+    loss = TensorMeta((batch,), (1,), 0, log_probs.dtype, log_probs.device)
+    alpha = loss._replace(shape=(batch, time, width), stride=(time * width, width, 1))
+    return Plan("tuple", (Output(loss, None, False), Output(alpha, None, False)))
+
+
+# Ops whose outputs' shapes depend on the values of inputs that the client usually knows (a
+# data-dependent op for fake tensors): op -> planner(args, value), ``value(t)`` the client's copy
+# of ``t``'s value or None; the planner returns None when it does not know enough, and the
+# shapes are fetched from the ranks. nn.CTCLoss sizes ``log_alpha`` by the longest target.
+PLANNED_BY_VALUES: dict[Any, Callable[..., Plan | None]] = {
+    torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs
+}
 
 
 # An op whose outputs' shapes depend on the values of its inputs (nonzero, unique, x[mask]), or
