@@ -40,6 +40,7 @@ from .handles import Handle, exited, last_misuse, misuse
 from .propagation import (
     DATA_DEPENDENT,
     FAKE_STRICTER,
+    PLANNED_BY_VALUES,
     FakeDiffers,
     OpInfo,
     Plan,
@@ -577,11 +578,17 @@ def _ctc_loss_of_length_tensors(original: Callable) -> Callable:
     lists: torch's C++ makes a tensor of them with ``at::empty`` and writes into it (for the
     default reduction, 'mean'), which an active mesh makes a mesh tensor with no memory ("its
     data is not allocated yet"). The lengths are passed as tensors instead: torch's overload
-    for those, the same loss. Anything else is torch's own call."""
+    for those, the same loss. With local inputs only it is local torch's call, as any op of
+    local tensors is under a mesh (that ``at::empty`` did the same there). Anything else is
+    torch's own call."""
 
     def ctc_loss(
         log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, *args: Any, **kw: Any
     ) -> Any:
+        tensors = (log_probs, targets, input_lengths, target_lengths)
+        if not any(isinstance(t, Tensor) for t in tensors) and active_mesh() is not None:
+            with activate_mesh(None):  # local inputs: local torch, its at::empty a local one
+                return original(*tensors, *args, **kw)
         if isinstance(log_probs, Tensor) and not (
             isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor)
         ):
@@ -938,6 +945,9 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         ref_args = tuple([_scan(a, handles) for a in args])
         ref_kwargs = {k: _scan(v, handles) for k, v in kwargs.items()} if kwargs else {}
     except _LocalTensor:
+        here = _known_scalars_as_values(func, info, args, kwargs)
+        if here is not None:
+            return func(*here[0], **here[1])
         return dispatch(func, *_place_locals(func, args, kwargs))
     mesh, stream = placement(handles, func, "borrow it first")
     try:
@@ -1199,6 +1209,74 @@ def local_limit() -> int:
     return limit
 
 
+class _OnTheMesh(Exception):
+    """A mesh input that decides where an op runs (see _known_scalars_as_values)."""
+
+
+# Indexing ops: their indices (argument 1) do not decide where they run, the tensor indexed does.
+_INDEXING = {
+    id(op)
+    for op in (
+        _aten.index.Tensor,
+        _aten.index_put.default,
+        _aten.index_put_.default,
+        _aten._index_put_impl_.default,
+    )
+}
+
+
+def _known_scalars_as_values(
+    func: OpOverload, info: OpInfo, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    """An op of local tensors whose mesh inputs are only scalars the client knows, expanded or
+    not (or the indices of a local tensor indexed), none written or requiring grad: ``args`` and
+    ``kwargs`` with those inputs as the client's copies of their values, for the op to run
+    locally; None when a mesh input decides, and the op runs on the mesh.
+
+    As torch lets a 0-d CPU tensor join a CUDA op as a number would, a scalar does not decide
+    where an op runs. torch's C++ makes such scalars inside composite ops of local tensors
+    (``cosine_similarity``'s eps, ``quantile``'s q, ``cov``'s correction, ``logdet``) and
+    such indices for ``local[[1, 5]]``: an active mesh made them mesh tensors (``quantile``
+    expands its q), so the local op went to the ranks, or was refused (a write into a local
+    tensor, a large one). Not in a backward pass: a gradient's scalar (``sum``'s, expanded)
+    with a local input makes a mesh parameter's gradient."""
+    if _graph_task() >= 0:  # a backward pass: what it makes goes to the mesh's gradients
+        return None
+    written = {info.names[i] for i in info.writes} | set(info.writes)
+    indexing = id(func) in _INDEXING
+
+    def value(v: Any, key: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return type(v)(value(x, key) for x in v)
+        if not isinstance(v, Tensor):
+            return v
+        if (
+            v._known is None
+            or v._session.capture is not None  # a trace records what the ranks run
+            or v.requires_grad
+            or key in written
+            or not (indexing and key == 1 or _one_value(v))
+        ):
+            raise _OnTheMesh
+        return v._known
+
+    try:
+        return (
+            tuple(value(a, i) for i, a in enumerate(args)),
+            {k: value(v, k) for k, v in kwargs.items()},
+        )
+    except _OnTheMesh:
+        return None
+
+
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
+def _one_value(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is one element of memory: a scalar, expanded or not."""
+    return all(n == 1 or s == 0 for n, s in zip(t.shape, t.stride()))
+
+
 def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each small local tensor placed on the mesh of the op's mesh
     tensors (a scalar, an index list: as DTensor's implicit replication); a large one, or one
@@ -1309,11 +1387,23 @@ def _note_read(handles: list[Tensor]) -> None:
 def _plan_from_known(
     func: OpOverload, info: OpInfo, args: tuple, kwargs: dict, handles: list[Tensor]
 ) -> Plan | None:
-    """The outputs of an op whose shapes depend on data, when the client knows every input's
-    value: it runs the op itself (and mirrors it). None otherwise."""
+    """The outputs of an op whose shapes depend on data, when the client knows the values they
+    depend on: those of the inputs a PLANNED_BY_VALUES op names, or every input's, and then it
+    runs the op itself (and mirrors it). None otherwise."""
+    by_values = PLANNED_BY_VALUES.get(func)
+    if by_values is not None:
+        return by_values(args, _known_value)
     if info.seeded or not all(h._known is not None for h in handles):
         return None
     return plan_of(client_values.run(func, args, kwargs), info)
+
+
+def _known_value(value: Any) -> torch.Tensor | None:
+    """The client's copy of a tensor argument's value: a local tensor's own, a mesh tensor's
+    when the client knows it (client_values), else None."""
+    if isinstance(value, Tensor):
+        return value._known
+    return value if isinstance(value, torch.Tensor) else None
 
 
 _DESCRIBE = m.FunctionPath("dask_monarch.propagation.describe")

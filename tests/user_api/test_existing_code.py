@@ -204,20 +204,68 @@ def test_an_op_whose_fake_kernel_says_another_shape_is_planned_by_the_ranks(mesh
     assert rows.shape == (2,) and dm.inspect(rows).shape == (2,)
 
 
-def test_ctc_loss_with_lengths_as_lists_equals_local(mesh2):
+def test_ctc_loss_equals_local_without_a_round_trip(mesh2, no_fetch):
     """nn.CTCLoss's default reduction makes a tensor of the target lengths in torch's C++
     (``at::empty``, then a write into its memory): under a mesh that was a mesh tensor, with
-    no memory ("data is not allocated yet"). Found by nn.CTCLoss's ModuleInfo samples."""
+    no memory ("data is not allocated yet"), for mesh inputs (found by nn.CTCLoss's
+    ModuleInfo samples) and for local ones (op_db's samples of local tensors under a mesh).
+    ``log_alpha``'s shape follows from the longest target, which the client knows: it was
+    fetched from the ranks on every call."""
     torch.manual_seed(0)
     log_probs = torch.randn(12, 2, 6).log_softmax(2)
-    targets = torch.randint(1, 6, (2, 5))
+    padded = torch.randint(1, 6, (2, 5))
     lengths = ((12, 10), (5, 3))
-    for reduction in ("mean", "sum"):
-        want = nn.CTCLoss(reduction=reduction)(log_probs, targets, *lengths)
-        with mesh2.activate(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", dm.ImplicitFetchWarning)  # log_alpha's shape
-            got = nn.CTCLoss(reduction=reduction)(dm.put(log_probs), dm.put(targets), *lengths)
-        assert torch.allclose(dm.inspect(got, gpu=1), want)
+    joined = torch.cat([padded[0, :5], padded[1, :3]])  # targets one after the other
+    for reduction in ("mean", "sum", "none"):
+        for targets in (padded, joined):
+            leaf = log_probs.clone().requires_grad_()
+            want = nn.CTCLoss(reduction=reduction)(leaf, targets, *lengths)
+            want.sum().backward()
+            with mesh2.activate():
+                assert torch.equal(nn.CTCLoss(reduction=reduction)(leaf, targets, *lengths), want)
+                mesh_leaf = dm.put(log_probs).requires_grad_()
+                got = nn.CTCLoss(reduction=reduction)(mesh_leaf, dm.put(targets), *lengths)
+                got.sum().backward()
+            assert torch.allclose(dm.inspect(got, gpu=1), want)
+            assert torch.allclose(dm.inspect(mesh_leaf.grad, gpu=1), leaf.grad)
+
+
+def test_local_ops_under_a_mesh_stay_local_where_torch_makes_scalars_or_indices(mesh2):
+    """torch's C++ makes scalars inside composite ops of local tensors (cosine_similarity's
+    eps, quantile's q, cov's correction, logdet's) and the indices of ``local[[1, 5]]``: an
+    active mesh made them mesh tensors, so the local op went to the ranks, or was refused
+    (a write into a local tensor, a large one). Found by op_db's samples of local tensors
+    run under a mesh. A one-element value the client knows joins a local op as a number
+    would, as torch lets a 0-d CPU tensor join a CUDA op."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    square = a[:3] @ a[:3].T + torch.eye(3)
+    big = torch.randn(20000, 4)  # 320 000 bytes: more than a local tensor placed by itself
+    cases = {
+        "cosine_similarity": lambda: nn.functional.cosine_similarity(a, b),
+        "quantile": lambda: torch.quantile(a, 0.25, dim=0),
+        "cov": lambda: torch.cov(a),
+        "logdet": lambda: torch.logdet(square),
+        "index rows": lambda: big[[1, 7, 3]],
+        "index columns": lambda: a[:, [0, 2]],
+        "index_put": lambda: a.clone().index_put_((torch.tensor([0, 2]),), torch.tensor(0.5)),
+    }
+    want = {name: case() for name, case in cases.items()}
+    with mesh2.activate(), dask.config.set({"dask_monarch.implicit-fetch": "error"}):
+        got = {name: case() for name, case in cases.items()}
+        written = a.clone()
+        written[[0, 2]] = 0.5
+        scale = torch.tensor(2.0)  # a mesh tensor the client knows: a number to local ops
+        scaled = a * scale
+        on_mesh = torch.ones(3)  # a mesh input of more than one element decides
+        assert isinstance(a * on_mesh, dm.Tensor)
+        weight = torch.tensor(2.0, requires_grad=True)  # its gradient belongs on the mesh
+        assert isinstance(a * weight, dm.Tensor)
+    for name in cases:
+        assert type(got[name]) is torch.Tensor, name
+        assert torch.equal(got[name], want[name]), name
+    assert type(written) is torch.Tensor and written[[0, 2]].eq(0.5).all()
+    assert type(scaled) is torch.Tensor and torch.equal(scaled, a * 2)
 
 
 def test_values_the_client_knows_are_read_without_a_round_trip(mesh2, no_fetch):
