@@ -65,7 +65,8 @@ from .exceptions import CompileWarning
 from .implicit_fetch import same_value, where
 from .protocol import messages as m
 from .protocol.rules import refs_mutated, refs_used
-from .tensor import Tensor, active_mesh, check_usable, mutated_refs
+from .stream import get_active_stream
+from .tensor import Tensor, active_mesh, check_usable, from_client, local_limit, mutated_refs
 
 if TYPE_CHECKING:
     from torch.utils._pytree import TreeSpec
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 CHUNK = 1000  # commands per DefineRecording message
 TENSOR_SLOT = object()  # where an output tensor goes in a trace's output leaves
 RETRACES = 3  # traces in a row, none replayed, after which a signature runs eagerly
+SIGNATURES = 8  # traces kept per function (torch.compile's limit): new signatures run eagerly
 
 Guard = tuple[str, Callable[[list[Tensor]], bool]]  # (what it watches, still the same?)
 
@@ -173,6 +175,7 @@ class Compiled:
         self._dry_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._retraces: dict[Any, int] = {}  # traces in a row with none replayed
         self._eager: set[Any] = set()  # signatures that gave up on their recording
+        self._full = False  # SIGNATURES traces kept: new signatures run eagerly (warned)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +184,9 @@ class Compiled:
         mesh = tensors[0][1]._mesh if tensors else active_mesh()
         if mesh is None:
             raise RuntimeError("a compiled function needs mesh tensor arguments or an active mesh")
+        if len(tensors) < len(leaves) and _place_local_arguments(leaves, mesh):
+            args, kwargs = tree_unflatten(leaves, spec)
+            tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         for _, t in tensors:
             check_usable(t)
             if t.requires_grad:
@@ -196,6 +202,9 @@ class Compiled:
         actuals = [t for _, t in tensors]
         traces = self._traces_for(mesh._session)
         trace = traces.get(key)
+        if trace is None and len(traces) >= SIGNATURES:
+            self._too_many_signatures(len(traces))
+            return self.fn(*args, **kwargs)
         why = "it was never called with such arguments" if trace is None else trace.stale(actuals)
         if why is None and not trace.provisional and (trace.verified or not self.verify):
             self._retraces[key] = 0
@@ -249,6 +258,22 @@ class Compiled:
                 CompileWarning,
                 stacklevel=3,
             )
+
+    def _too_many_signatures(self, count: int) -> None:
+        """Warn, once, that calls with new argument signatures run eagerly: each would be a
+        trace and a recording on the ranks, kept while the function lives."""
+        if self._full:
+            return
+        self._full = True
+        name = getattr(self.fn, "__qualname__", repr(self.fn))
+        warnings.warn(
+            f"dask_monarch.compile: {name} was traced for {count} argument signatures; calls "
+            "with a new one run eagerly from now on, as right and as fast as without compile. "
+            "Every non-tensor argument is part of a signature: a Python number that changes "
+            "every call (a step index, a decaying factor) is best passed as a tensor",
+            CompileWarning,
+            stacklevel=3,
+        )
 
     def _trace(
         self, mesh: DeviceMesh, leaves: list[Any], spec: TreeSpec, tensors: list[tuple[int, Tensor]]
@@ -392,6 +417,25 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], TreeSpec, str]:
 
 _SCALARS = frozenset({int, float, bool, complex, str, type(None)})
 _FLAT_SPECS: dict[int, tuple[TreeSpec, str]] = {}  # number of arguments -> their spec
+
+
+def _place_local_arguments(leaves: list[Any], mesh: DeviceMesh) -> bool:
+    """Place each small local tensor among ``leaves`` on ``mesh`` (in place), as its first op
+    with a mesh tensor would: it is then an input of the recording, keyed by its metadata (a
+    batch from a DataLoader, a new tensor every call). A local tensor is keyed by identity, so
+    each new one was a new trace that never replayed, each kept with its recording. True if
+    one was placed; larger ones, or ones that require grad, are left to the function's ops."""
+    limit, placed = local_limit(), False
+    for i, x in enumerate(leaves):
+        if (
+            isinstance(x, torch.Tensor)
+            and not isinstance(x, Tensor)
+            and x.layout == torch.strided
+            and not x.requires_grad
+            and x.numel() * x.element_size() <= limit
+        ):
+            leaves[i], placed = from_client(x, mesh, get_active_stream()), True
+    return placed
 
 
 def _signature(leaves: list[Any], spec_text: str) -> Any:

@@ -83,6 +83,51 @@ def test_compile_traces_once_and_replays_with_one_message(mesh):
     assert got[0].tolist() == [5.0] * 3 and got[1].item() == -3.0 and got[2].tolist() == [17.0] * 3
 
 
+def test_a_compiled_step_given_local_batches_replays_them(mesh):
+    """A DataLoader's batches are new local tensors every call. A local tensor argument was
+    keyed by identity: every call a new trace, none replayed, each kept with its recording
+    (found by a probe of training-loop features). Now each is placed on the mesh and is an
+    input of the recording, keyed by its metadata."""
+    calls = []
+
+    @dm.compile
+    def step(w, x):
+        calls.append(1)
+        return w * x.sum() + x.mean()
+
+    batches = [torch.arange(6.0).reshape(2, 3) * (i + 1) for i in range(5)]
+    with mesh.activate():
+        w = torch.ones(3)
+        got = [step(w, x) for x in batches]
+        with sent_messages(mesh) as log:
+            step(w, batches[0])
+        assert len(calls) == 1  # traced once, replayed for every batch
+        assert [type(msg) for _, msg in log] == [m.CallFunction, m.CallRecording]  # placed
+        assert len(step._traces) == 1
+        values = dm.inspect(got)
+    assert all(torch.equal(v, x.sum() + x.mean() * torch.ones(3)) for v, x in zip(values, batches))
+
+
+def test_a_compiled_function_keeps_at_most_so_many_signatures(mesh):
+    """A Python number that changes every call (a step index) is a new signature each
+    time: past SIGNATURES traces, new signatures run eagerly, with one CompileWarning."""
+    from dask_monarch.compiled import SIGNATURES
+
+    @dm.compile
+    def scaled(x, factor):
+        return x * factor
+
+    with mesh.activate(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.ones(2)
+        outs = [scaled(x, float(i)) for i in range(SIGNATURES + 3)]
+        assert len(scaled._traces) == SIGNATURES
+        values = dm.inspect(outs)
+    warned = [w for w in caught if issubclass(w.category, dm.CompileWarning)]
+    assert len(warned) == 1 and "passed as a tensor" in str(warned[0].message)
+    assert [v.tolist() for v in values] == [[float(i)] * 2 for i in range(SIGNATURES + 3)]
+
+
 def test_compiled_function_mutating_a_captured_tensor(mesh):
     with mesh.activate():
         counter = torch.zeros(1)
