@@ -119,7 +119,8 @@ def fetch_value(
         stream_ref = session.stream_ref(get_active_stream())
         if args_kwargs is None:
             args_kwargs = m.ArgsKwargs.from_python((value,))
-        handles = [h for h in tree_leaves(value) if isinstance(h, Tensor)]
+        leaves = tree_leaves(value)
+        handles = [h for h in leaves if isinstance(h, Tensor)]
         for h in handles:
             check_usable(h)
         first_use(session, handles)
@@ -129,7 +130,7 @@ def fetch_value(
             uses += [h._ref.id for h in inputs]
         future = session.fetch((rank,), stream_ref, function, args_kwargs, uses)
         if function is None and handles:
-            future.check = _Declared(handles, rank, future.seq)
+            future.check = _Declared(leaves, rank, future.seq)
     session.controller.flush()
     return future
 
@@ -138,19 +139,31 @@ class _Declared:
     """A fetched value's tensors must have the shapes and dtypes the client believes its
     handles have: a remote function whose propagation lied is caught here, not later."""
 
-    def __init__(self, handles: list[Tensor], rank: int, seq: int) -> None:
-        self.declared = [(tuple(h.shape), h.dtype) for h in handles]
+    def __init__(self, leaves: list[Any], rank: int, seq: int) -> None:
+        # by position among the value's leaves: local tensors may be among them
+        self.declared = {
+            i: (tuple(h.shape), h.dtype) for i, h in enumerate(leaves) if isinstance(h, Tensor)
+        }
+        self.leaves = len(leaves)
         self.rank, self.seq = rank, seq
 
     def __call__(self, value: Any) -> None:
-        got = [(tuple(t.shape), t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-        for (shape, dtype), (real_shape, real_dtype) in zip(self.declared, got):
-            if shape != real_shape or dtype != real_dtype:
-                raise RemoteException(
-                    f"the value on rank {self.rank} has shape {real_shape} dtype {real_dtype}, "
-                    f"but the client believes shape {shape} dtype {dtype}: the function that "
-                    "made it returned something else than its propagation said (fix its "
-                    "propagate or its result)",
-                    rank=self.rank,
-                    seq=self.seq,
-                )
+        got = tree_leaves(value)
+        if len(got) != self.leaves:  # an OpaqueRef's object came back as a container
+            return
+        for i, (shape, dtype) in self.declared.items():
+            real = got[i]
+            if isinstance(real, torch.Tensor) and (tuple(real.shape), real.dtype) == (shape, dtype):
+                continue
+            if isinstance(real, torch.Tensor):
+                real = f"shape {tuple(real.shape)} dtype {real.dtype}"
+            else:
+                real = f"a {type(real).__name__}"
+            raise RemoteException(
+                f"the value on rank {self.rank} is {real}, "
+                f"but the client believes shape {shape} dtype {dtype}: the function that "
+                "made it returned something else than its propagation said (fix its "
+                "propagate or its result)",
+                rank=self.rank,
+                seq=self.seq,
+            )

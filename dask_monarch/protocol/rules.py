@@ -250,7 +250,7 @@ def named_refs(value: Any, out: set[int]) -> set[int]:
     elif isinstance(value, (tuple, list)):
         for v in value:
             named_refs(v, out)
-    elif t is dict:
+    elif isinstance(value, dict):  # OrderedDict, defaultdict too (in pickled arguments)
         for v in value.values():
             named_refs(v, out)
     return out

@@ -10,7 +10,7 @@ import importlib
 import io
 import logging
 import pickle
-from collections import ChainMap
+from collections import ChainMap, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import itemgetter
@@ -301,6 +301,11 @@ def _convert_refs(obj: Any, simple: list[bool]) -> Any:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return cls(*(_convert_refs(x, simple) for x in obj))
     simple[0] = False
+    if cls is OrderedDict or cls is defaultdict:  # a state_dict(); torch's pytree walks both
+        copied = cls() if cls is OrderedDict else cls(obj.default_factory)
+        for k, v in obj.items():
+            copied[k] = _convert_refs(v, simple)
+        return copied
     return obj
 
 
