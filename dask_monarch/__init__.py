@@ -25,8 +25,9 @@ knows) and ``implicit_fetch`` (values Python asks for); ``stream`` and
 ``recovery`` (``elastic``: restarts from a notebook); ``torch_collectives``
 (``torch.distributed`` calls on mesh tensors, refused with the mesh's way);
 ``torch_compile`` (``torch.compile``d code called on mesh tensors); ``packed``
-(``nn.utils.rnn``'s packed sequences of mesh tensors); ``data_loading``
-(``torch.utils.data`` inside a mesh's block: local torch).
+(``nn.utils.rnn``'s packed sequences of mesh tensors); ``local_torch``
+(``torch.utils.data``, unpickled tensors and copies of local ones inside a mesh's
+block: local torch).
 Beside them: ``config`` (settings), ``exceptions``, ``dask_internals`` (the
 private parts of distributed used, checked once), and the public paths
 ``messages``, ``ndslice``, ``logs``, ``dashboard`` and ``preload`` of modules

@@ -406,7 +406,7 @@ def device_mesh(
     # imported here: the workers import this module (for _coordinate) and need none of these
     from . import tensor
     from .controller.session import Session
-    from .data_loading import install as load_data_locally
+    from .local_torch import install as run_as_local_torch
     from .packed import install as route_packed_sequences
     from .propagation import Propagator, warm_up
     from .tensor import (
@@ -414,6 +414,7 @@ def device_mesh(
         install_cuda_check,
         install_tensor_constructors,
         no_mesh,
+        place_loaded_optimizer_state,
         refuse_mesh_data_in_local_tensors,
         use_foreach_kernels,
     )
@@ -461,11 +462,12 @@ def device_mesh(
     install_tensor_constructors()  # torch.tensor([loss, ...]) of mesh tensors: on the ranks
     use_foreach_kernels()  # clip_grad_norm_, optimizers: one message for all tensors, as torch
     refuse_mesh_data_in_local_tensors()  # local.data = mesh tensor: an error, not a crash later
+    place_loaded_optimizer_state()  # optimizer.load_state_dict(local state): on the params' mesh
     from .random import install_torch_rng
 
     install_torch_rng()  # torch.manual_seed, get/set_rng_state under mesh.activate(): the ranks'
     skip_in_dynamo()  # torch.compile'd code called on mesh tensors runs their ops eagerly
-    load_data_locally(no_mesh.activate)  # a DataLoader's seeds, shuffles and batches: local
+    run_as_local_torch(no_mesh.activate)  # DataLoaders, unpickled tensors, copies of local ones
     route_packed_sequences(tensor)  # PackedSequence.batch_sizes: a client tensor torch's C++ reads
 
     return DeviceMesh(session, list(dims), Slice.row_major(sizes), Propagator(Tensor))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -424,6 +425,30 @@ def use_foreach_kernels() -> None:
     for trusted in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
         if Tensor not in trusted:
             trusted.append(Tensor)
+
+
+def place_loaded_optimizer_state() -> None:
+    """``optimizer.load_state_dict(state)`` of local tensors (a checkpoint ``torch.load``ed)
+    for parameters on a mesh places each state tensor on its parameter's mesh (once per
+    process: the first mesh of a client installs it). torch moves them to ``param.device``,
+    which a mesh tensor's already is ("cpu"): they stayed local, and the next step was
+    refused for writing a mesh value into a local tensor."""
+    from torch.optim.optimizer import Optimizer
+
+    name = "_process_value_according_to_param_policy"
+    function = Optimizer.__dict__[name].__func__
+    if getattr(function, "__dask_monarch_original__", None) is not None:
+        return
+
+    @functools.wraps(function)
+    def process(param: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        value = function(param, value, *args, **kwargs)
+        if isinstance(param, Tensor) and type(value) is torch.Tensor:
+            return from_client(value, param._mesh, param._stream)
+        return value
+
+    process.__dask_monarch_original__ = function  # type: ignore[attr-defined]
+    setattr(Optimizer, name, staticmethod(process))
 
 
 def refuse_mesh_data_in_local_tensors() -> None:
@@ -1280,7 +1305,9 @@ def _one_value(t: torch.Tensor) -> bool:
 def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each small local tensor placed on the mesh of the op's mesh
     tensors (a scalar, an index list: as DTensor's implicit replication); a large one, or one
-    the op would write into, is refused naming the call."""
+    the op would write into, is refused naming the call. The source of ``mesh_t.copy_(local)``
+    is placed whatever its size, as ``cuda_t.copy_(cpu_t)`` copies (``load_state_dict`` of a
+    checkpoint loaded locally)."""
     mesh = None
     for a in (*args, *kwargs.values()):
         for v in a if isinstance(a, (list, tuple)) else (a,):
@@ -1292,6 +1319,7 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
     info = op_info(func)
     written = {info.names[i] for i in info.writes} | set(info.writes)
     limit = local_limit()
+    copy = func is _aten.copy_.default  # mesh.copy_(local): a transfer asked for, any size
 
     def place(v: Any, key: Any) -> Any:
         if isinstance(v, (list, tuple)):
@@ -1306,7 +1334,7 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
                 f"{list(v.shape)} a value computed on the ranks; fetch it instead "
                 "(local.copy_(dask_monarch.inspect(t)))"
             )
-        if nbytes > limit:
+        if nbytes > limit and not (copy and key == 1):
             site = implicit_fetch.where(implicit_fetch.call_site())
             raise misuse(
                 f"LOCAL_TENSOR: a local tensor of shape {list(v.shape)} ({nbytes} bytes) was "

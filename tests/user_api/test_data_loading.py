@@ -1,4 +1,4 @@
-"""``torch.utils.data`` inside a mesh's block (dask_monarch/data_loading.py).
+"""``torch.utils.data`` inside a mesh's block (dask_monarch/local_torch.py).
 
 A DataLoader draws its seeds with local torch (``torch.empty(()).random_().item()``):
 under ``mesh.activate()`` that was a mesh tensor drawn by each rank's own generator, and

@@ -8,7 +8,9 @@ code would do, from an optimizer's first step on.
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import pickle
 import re
 import warnings
@@ -478,6 +480,71 @@ def test_assigning_data_rebinds_the_handle_as_nn_module_to_and_half_do(mesh2):
 
 
 # -- copies --------------------------------------------------------------------------------
+
+
+def _resumable(lr: float | torch.Tensor, fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 1))  # 77 KiB of weight
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+
+
+@pytest.mark.parametrize("lr", [0.01, "tensor"], ids=["float lr", "tensor lr"])
+@pytest.mark.parametrize("fused", [False, True], ids=["for-loop", "fused"])
+def test_resuming_from_a_checkpoint_loaded_with_torch_load_equals_local(mesh2, lr, fused):
+    """``torch.load`` under a mesh rebuilt each tensor on an empty mesh tensor (torch refused:
+    "set the storage of a tensor on device 'meta'"); ``Optimizer.load_state_dict`` deep-copies
+    its param groups (a tensor lr: the same); the moments it loaded stayed local, and the
+    next step was refused; a weight over ``local-tensors.max-bytes`` was refused by
+    ``copy_``. Found by a probe of torch's optimizer database."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+
+    def step(model, optimizer):
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    learning_rate = torch.tensor(0.01) if lr == "tensor" else lr
+    model, optimizer = _resumable(learning_rate, fused)
+    step(model, optimizer)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, saved)
+    want = [step(model, optimizer) for _ in range(2)]
+    with mesh2.activate():
+        checkpoint = torch.load(io.BytesIO(saved.getvalue()))
+        assert type(checkpoint["model"]["0.weight"]) is torch.Tensor  # local, as in one process
+        learning_rate = torch.tensor(0.01) if lr == "tensor" else lr
+        resumed, resumed_optimizer = _resumable(learning_rate, fused)
+        resumed.load_state_dict(checkpoint["model"])
+        resumed_optimizer.load_state_dict(checkpoint["optim"])
+        got = [step(resumed, resumed_optimizer) for _ in range(2)]
+        weights = dm.inspect(resumed.state_dict())
+    assert torch.equal(torch.stack(dm.inspect(got)), torch.stack(want))
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_fetching_state_dicts_and_trees_of_local_and_mesh_values(mesh2):
+    """``dm.inspect(model.state_dict())``: an OrderedDict, whose mesh tensors were pickled
+    (refused) instead of fetched; a local tensor ahead of a mesh tensor in the fetched tree
+    was compared with the mesh tensor's metadata (a false RemoteException). Found by a probe
+    of torch's optimizer database (LBFGS keeps a local lr in its state)."""
+    local = torch.tensor(0.5)
+    with mesh2.activate():
+        model = nn.Linear(3, 2)
+        t = torch.arange(3.0)
+        got = dm.inspect(
+            {
+                "state": model.state_dict(),
+                "ordered": collections.OrderedDict(a=t),
+                "default": collections.defaultdict(list, a=[t]),
+                "mixed": [local, t],
+            }
+        )
+    assert type(got["state"]) is collections.OrderedDict and got["state"]["weight"].shape == (2, 3)
+    assert type(got["ordered"]) is collections.OrderedDict and got["ordered"]["a"].equal(t)
+    assert type(got["default"]) is collections.defaultdict and got["default"]["b"] == []
+    assert got["mixed"][0].item() == 0.5 and got["mixed"][1].equal(t)
 
 
 def test_deepcopy_clones_tensors_and_modules_on_the_ranks(mesh2):

@@ -1,0 +1,64 @@
+"""What runs as local torch under an active mesh: the data pipeline, and tensors rebuilt from
+local storage.
+
+Under ``mesh.activate()`` a factory makes a mesh tensor. That is right for a model's
+code, and wrong for torch's own plumbing that makes local tensors from local data:
+
+* **A DataLoader** draws its seeds and shuffles with local torch
+  (``torch.empty((), dtype=torch.int64).random_().item()``), runs the dataset's
+  ``__getitem__`` and collates with ``torch.stack``. Under a mesh those factories became
+  mesh tensors drawn by each rank's own generator, and the first ``.item()`` raised "the
+  ranks disagree". Iterating one now runs as inside ``dask_monarch.no_mesh.activate()``:
+  its batches are local tensors, as in one process, which an op places on the mesh (up to
+  ``local-tensors.max-bytes``) or ``dm.put`` does; its worker processes and pin-memory
+  thread start outside the mesh; the client's generator, which ``torch.manual_seed`` seeds
+  under a mesh too, shuffles.
+* **Unpickling a tensor** (``torch.load`` of a checkpoint, ``pickle.loads``) and
+  **``copy.deepcopy`` of a local tensor** (``Optimizer.load_state_dict`` deep-copies its
+  param groups, a tensor learning rate among them) point an empty tensor at a storage
+  they hold (``torch.empty(0).set_(storage, ...)``). The empty one was a mesh tensor, and
+  torch refused ("Attempted to set the storage of a tensor on device 'meta'"). They are
+  local tensors now, as in one process: ``model.load_state_dict`` copies them onto the
+  mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch._utils
+from torch.utils.data import dataloader
+
+# what runs as local torch: making a DataLoader's iterator (seeds, sampler, workers) and
+# each batch; rebuilding an unpickled tensor; deep-copying a local one (a mesh tensor's own
+# __deepcopy__ clones it on the ranks)
+_LOCAL_FUNCTIONS = (
+    (dataloader.DataLoader, "__iter__"),
+    (dataloader._BaseDataLoaderIter, "__next__"),
+    (torch._utils, "_rebuild_tensor"),
+    (torch._utils, "_rebuild_tensor_v3"),
+    (torch.Tensor, "__deepcopy__"),
+)
+
+
+def install(local: Callable[[], AbstractContextManager]) -> None:
+    """Run each of ``_LOCAL_FUNCTIONS`` inside ``local()`` (``no_mesh.activate``), once per
+    process; passed in so this module imports none of the user API's modules."""
+    for owner, name in _LOCAL_FUNCTIONS:
+        function = owner.__dict__[name]
+        if not getattr(function, "__dask_monarch_local__", False):
+            setattr(owner, name, _locally(function, local))
+
+
+def _locally(function: Callable, local: Callable[[], AbstractContextManager]) -> Callable:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with local():
+            return function(*args, **kwargs)
+
+    wrapper.__dask_monarch_local__ = True  # type: ignore[attr-defined]
+    return wrapper
