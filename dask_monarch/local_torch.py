@@ -20,6 +20,10 @@ code, and wrong for torch's own plumbing that makes local tensors from local dat
   torch refused ("Attempted to set the storage of a tensor on device 'meta'"). They are
   local tensors now, as in one process: ``model.load_state_dict`` copies them onto the
   mesh.
+* **A lazy module's placeholders** (``nn.LazyLinear``'s ``UninitializedParameter``) are
+  made of an empty tensor, which torch cannot make a parameter subclass of when it is a mesh
+  tensor: building one under a mesh failed with torch's own error. They are local and
+  empty, and the module's first call on mesh inputs says to give it its sizes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ _LOCAL_FUNCTIONS = (
     (torch._utils, "_rebuild_tensor"),
     (torch._utils, "_rebuild_tensor_v3"),
     (torch.Tensor, "__deepcopy__"),
+    # a lazy module's placeholders: local and empty (its first call on mesh inputs says
+    # what to do instead: give the module its sizes)
+    (torch.nn.parameter.UninitializedParameter, "__new__"),
+    (torch.nn.parameter.UninitializedBuffer, "__new__"),
 )
 
 
@@ -50,8 +58,11 @@ def install(local: Callable[[], AbstractContextManager]) -> None:
     process; passed in so this module imports none of the user API's modules."""
     for owner, name in _LOCAL_FUNCTIONS:
         function = owner.__dict__[name]
+        static = isinstance(function, staticmethod)  # __new__
+        function = function.__func__ if static else function
         if not getattr(function, "__dask_monarch_local__", False):
-            setattr(owner, name, _locally(function, local))
+            wrapper = _locally(function, local)
+            setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 def _locally(function: Callable, local: Callable[[], AbstractContextManager]) -> Callable:

@@ -181,6 +181,9 @@ def test_a_local_tensor_given_a_mesh_value_as_data_is_refused(mesh2):
             local.data = torch.ones(3, 2)
         with pytest.raises(TypeError, match="lazy module.*nn.Linear\\(in_features"):
             lazy(torch.ones(2, 3))
+        built_here = nn.LazyConv1d(4, 3)  # failed in torch's own code: a mesh placeholder
+        with pytest.raises(TypeError, match="lazy module.*nn.Linear\\(in_features"):
+            built_here(torch.ones(2, 3, 5))
     assert local.tolist() == [[0.0, 0.0]] * 3  # untouched, and usable
     local.data = torch.ones(3, 2)  # local values as before
     assert local.sum().item() == 6.0
