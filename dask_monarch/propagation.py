@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -329,6 +329,7 @@ class Plan:
     outputs: tuple[Output | None, ...]
     cuda: bool = False  # an output is a CUDA tensor: a mesh with CPU ranks refuses the op
     fresh: bool = False  # one tensor, a new value: no view, no argument returned
+    promote: torch.dtype | None = None  # the client's default dtype decided it (_promoting)
 
     def __post_init__(self) -> None:
         cuda = any(o is not None and o.meta[4].type == "cuda" for o in self.outputs)
@@ -355,6 +356,24 @@ def warm_up() -> None:
         with _disable_current_modes(), FakeTensorMode():  # an active mesh must not see it
             torch.empty(1) + 1
         _warm = True
+
+
+def _promoting(func: OpOverload, args: tuple, kwargs: dict, plan: Plan) -> torch.dtype | None:
+    """The client's default dtype when it, not an input, decides a pointwise op's result: its
+    tensor inputs integers or booleans, its result floating (``int_tensor / 2``,
+    ``int_tensor * 1.5``, ``torch.sqrt(int_tensor)``) while ``torch.set_default_dtype`` says
+    other than float32. The ranks keep torch's default (one worker serves several meshes, and
+    the default is the process's), so the call sends those inputs cast to it: what torch's
+    pointwise kernels compute in, the same values (tensor.dispatch)."""
+    default = _default_dtype()
+    if default is torch.float32 or plan.kind != "tensor" or not plan.fresh:
+        return None
+    if plan.outputs[0].meta.dtype is not default or torch.Tag.pointwise not in func.tags:
+        return None
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors):
+        return None
+    return default
 
 
 class Propagator:
@@ -417,7 +436,9 @@ class Propagator:
         differs = FAKE_DIFFERS.get(func)
         if differs is not None and differs(args, kwargs):
             raise FakeDiffers(func)
-        return plan_of(self.run_fake(func, args, kwargs), info)
+        plan = plan_of(self.run_fake(func, args, kwargs), info)
+        promote = _promoting(func, args, kwargs, plan)
+        return plan if promote is None else replace(plan, promote=promote)
 
     def run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         """What ``func`` returns run on fake tensors with the mesh tensors' metadata (raises

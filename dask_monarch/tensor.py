@@ -682,6 +682,7 @@ def _operation(func: OpOverload, args: tuple[Any, Any]) -> Any:
     if (
         plan is None
         or not plan.fresh
+        or plan.promote is not None
         or info.writes
         or info.seeded
         or session.capture is not None
@@ -992,6 +993,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         _check_gpus(mesh, info.function.path)
     if not handles and "dtype" not in kwargs and plan.kind == "tensor" and "dtype" in info.names:
         ref_kwargs = _default_dtype_made_explicit(ref_kwargs, plan)
+    if plan.promote is not None:
+        ref_args, ref_kwargs = _promoted(info, plan.promote, args, kwargs, ref_args, ref_kwargs)
     how = client_values.kind(info, args, kwargs, handles, plan)
     session = mesh._session
     if (
@@ -1061,6 +1064,31 @@ def _default_dtype_made_explicit(ref_kwargs: dict, plan: Plan) -> dict:
     if torch.get_default_dtype() is torch.float32:
         return ref_kwargs
     return {**ref_kwargs, "dtype": plan.outputs[0].meta.dtype}
+
+
+def _promoted(
+    info: OpInfo, dtype: torch.dtype, args: tuple, kwargs: dict, ref_args: tuple, ref_kwargs: dict
+) -> tuple[tuple, dict]:
+    """The arguments of a pointwise op whose result the client's default dtype decides
+    (``Plan.promote``): its integer and boolean tensor inputs cast to it where the ranks read
+    them (a RefView of ``_to_copy``), except a ``where``'s condition."""
+
+    def cast(value: Any, ref: Any, name: str) -> Any:
+        if isinstance(value, Tensor) and name != "condition":
+            return _tuple_new(m.RefView, (ref, _TO_COPY, (), {"dtype": dtype}))
+        return ref
+
+    names = info.names
+    return (
+        tuple(
+            cast(a, r, names[i] if i < len(names) else "")
+            for i, (a, r) in enumerate(zip(args, ref_args))
+        ),
+        {k: cast(kwargs[k], r, k) for k, r in ref_kwargs.items()},
+    )
+
+
+_TO_COPY = m.FunctionPath("torch.ops.aten._to_copy.default")
 
 
 # -- lazy views ------------------------------------------------------------------------------

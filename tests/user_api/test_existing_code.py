@@ -656,6 +656,40 @@ def test_factories_follow_the_clients_default_dtype_and_plans_follow_its_changes
         torch.set_default_dtype(default)
 
 
+def test_promotions_by_the_clients_default_dtype_equal_local(mesh2):
+    """``int_tensor / 2`` makes the default dtype: float64 in a client that set it, float32 on
+    the ranks (which keep torch's), so the ranks computed in float32 what the client planned
+    as float64; a float64 op later made it float64 again, with float32's rounding. The ranks
+    now read the integer inputs cast to the client's default, as torch computes them."""
+    default = torch.get_default_dtype()
+    cases = {
+        "div": lambda i, b: i / 3,
+        "mul": lambda i, b: i * 1.1,
+        "sqrt": lambda i, b: torch.sqrt(i),
+        "bool": lambda i, b: b * 0.3,
+        "where": lambda i, b: torch.where(b, i, 0.7),
+        "clamp": lambda i, b: i.clamp(min=1.5),
+    }
+    try:
+        torch.set_default_dtype(torch.float64)
+        i, b = torch.arange(7), torch.arange(7) % 3 == 0
+        want = {name: case(i, b) for name, case in cases.items()}
+        with mesh2.activate():
+            known = {
+                name: case(torch.arange(7), torch.arange(7) % 3 == 0)
+                for name, case in cases.items()
+            }
+            drawn = torch.randint(0, 9, (7,))  # a value only the ranks know
+            unknown = torch.sqrt(drawn) + 0.0
+            got, values = dm.inspect(known), dm.inspect((unknown, drawn))
+    finally:
+        torch.set_default_dtype(default)
+    for name in cases:
+        assert got[name].dtype == torch.float64 and torch.equal(got[name], want[name]), name
+    assert unknown.dtype == torch.float64
+    assert torch.equal(values[0], torch.sqrt(values[1].double()))
+
+
 def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
     with mesh2.activate():
         x = torch.ones(2)

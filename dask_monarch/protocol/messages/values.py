@@ -140,7 +140,8 @@ class RefView(tuple):
     **kwargs)``, computed on the lane that reads it when the call runs (``base``:
     a Ref or another RefView). A controller sends a metadata-only op (``view``,
     ``t``, ``detach``, ``transpose``...) this way instead of a ``CallFunction``
-    that defines a ref: a training step is half views (docs/protocol.md §1.3, §2.2).
+    that defines a ref: a training step is half views (docs/protocol.md §1.3, §2.2);
+    and an integer input of a pointwise op as a cast to the client's default dtype.
     A plain tuple underneath, so batches pickle it in C.
     """
 
