@@ -10,7 +10,7 @@ import importlib
 import io
 import logging
 import pickle
-from collections import ChainMap, OrderedDict, defaultdict
+from collections import ChainMap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import itemgetter
@@ -19,6 +19,7 @@ from typing import Any, Union
 import cloudpickle
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import source, tensor_bytes
 from ..ndslice import Slice
@@ -302,12 +303,12 @@ def _convert_refs(obj: Any, simple: list[bool]) -> Any:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return cls(*(_convert_refs(x, simple) for x in obj))
     simple[0] = False
-    if cls is OrderedDict or cls is defaultdict:  # a state_dict(); torch's pytree walks both
-        copied = cls() if cls is OrderedDict else cls(obj.default_factory)
-        for k, v in obj.items():
-            copied[k] = _convert_refs(v, simple)
-        return copied
-    return obj
+    # any other container torch's pytree knows (a state_dict()'s OrderedDict, defaultdict,
+    # torch.topk's structseq, transformers' ModelOutput): its children, one level down
+    children, spec = tree_flatten(obj, is_leaf=lambda x: x is not obj)
+    if spec.is_leaf():
+        return obj
+    return tree_unflatten([_convert_refs(c, simple) for c in children], spec)
 
 
 # --------------------------------------------------------------------------- tensors and enums
