@@ -45,7 +45,10 @@ _LOCAL_FUNCTIONS = (
     (dataloader._BaseDataLoaderIter, "__next__"),
     (torch._utils, "_rebuild_tensor"),
     (torch._utils, "_rebuild_tensor_v3"),
+    (torch._utils, "_rebuild_parameter"),
+    (torch._utils, "_rebuild_parameter_with_state"),
     (torch.Tensor, "__deepcopy__"),
+    (torch.nn.Parameter, "__deepcopy__"),
     # a lazy module's placeholders: local and empty (its first call on mesh inputs says
     # what to do instead: give the module its sizes)
     (torch.nn.parameter.UninitializedParameter, "__new__"),

@@ -89,7 +89,11 @@ class FakeDiffers(Exception):
     """The fake kernel's answer for these arguments is known to be wrong: ask the ranks."""
 
 
-def _ctc_loss_outputs(args: tuple, value: Callable[[Any], torch.Tensor | None]) -> Plan | None:
+Value = Callable[[Any], "torch.Tensor | None"]  # the client's copy of a tensor's value, or None
+RunFake = Callable[[Any, tuple, dict], Any]  # Propagator.run_fake
+
+
+def _ctc_loss_outputs(args: tuple, value: Value, run_fake: RunFake) -> Plan | None:
     """``_ctc_loss``'s outputs: the loss per sample, and ``log_alpha`` [batch, time,
     2 * max(target_lengths) + 1], as torch's CPU and CUDA kernels make them; None unless the
     client knows the target lengths (it does when they came as a list, or as a tensor it made)."""
@@ -103,12 +107,46 @@ def _ctc_loss_outputs(args: tuple, value: Callable[[Any], torch.Tensor | None]) 
     return Plan("tuple", (Output(loss, None, False), Output(alpha, None, False)))
 
 
+def _index_outputs(args: tuple, value: Value, run_fake: RunFake) -> Plan | None:
+    """``x[mask]`` (``aten.index``): each boolean index the client knows stands for the
+    integer indices of its true elements, which the fake kernel plans with; None unless it
+    knows one (an integer index needs no value). ``prune.global_unstructured`` and masks
+    made with ``torch.ones`` index this way."""
+    indices, masks = [], False
+    for index in args[1]:
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            known = value(index)
+            if known is None:
+                return None
+            indices += known.nonzero().unbind(1)  # a k-dim mask: k integer indices
+            masks = True
+        else:
+            indices.append(index)
+    if not masks:
+        return None
+    index = torch.ops.aten.index.Tensor
+    return plan_of(run_fake(index, (args[0], indices), {}), op_info(index))
+
+
+def _masked_select_outputs(args: tuple, value: Value, run_fake: RunFake) -> Plan | None:
+    """``masked_select``: as many elements as the mask, broadcast, holds true ones."""
+    source, mask = args[0], value(args[1])
+    if mask is None:
+        return None
+    count = int(mask.expand(torch.broadcast_shapes(source.shape, mask.shape)).sum())
+    meta = TensorMeta((count,), (1,), 0, source.dtype, source.device)
+    return Plan("tensor", (Output(meta, None, False),))
+
+
 # Ops whose outputs' shapes depend on the values of inputs that the client usually knows (a
-# data-dependent op for fake tensors): op -> planner(args, value), ``value(t)`` the client's copy
-# of ``t``'s value or None; the planner returns None when it does not know enough, and the
-# shapes are fetched from the ranks. nn.CTCLoss sizes ``log_alpha`` by the longest target.
-PLANNED_BY_VALUES: dict[Any, Callable[..., Plan | None]] = {
-    torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs
+# data-dependent op for fake tensors): op -> planner(args, value, run_fake), ``value(t)`` the
+# client's copy of ``t``'s value or None; the planner returns None when it does not know
+# enough, and the shapes are fetched from the ranks. nn.CTCLoss sizes ``log_alpha`` by the
+# longest target; a mask picks as many elements as it holds true ones.
+PLANNED_BY_VALUES: dict[Any, Callable[[tuple, Value, RunFake], Plan | None]] = {
+    torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
+    torch.ops.aten.index.Tensor: _index_outputs,
+    torch.ops.aten.masked_select.default: _masked_select_outputs,
 }
 
 
@@ -433,6 +471,8 @@ class Propagator:
     def _propagate(self, func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Plan:
         if info.makes_tensors and func._schema.name.startswith("aten::_nested"):
             raise NotImplementedError(_nested_text(func))
+        if kwargs.get("dtype") in _QUANTIZED or _quantizes(func._schema.name):
+            raise NotImplementedError(_quantized_text(func))
         differs = FAKE_DIFFERS.get(func)
         if differs is not None and differs(args, kwargs):
             raise FakeDiffers(func)
@@ -460,7 +500,9 @@ class Propagator:
         def fake(x: Any) -> Any:
             if isinstance(x, mesh_tensor):
                 return _fake_like(x, bases, mode)
-            if isinstance(x, (list, tuple)) and any(isinstance(v, mesh_tensor) for v in x):
+            if type(x) is torch.Tensor:  # a value of the client's (PLANNED_BY_VALUES)
+                return mode.from_tensor(x)
+            if isinstance(x, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in x):
                 return type(x)(fake(v) for v in x)
             return x
 
@@ -479,6 +521,26 @@ def _nested_text(func: OpOverload) -> str:
         "(its fast path packs the unpadded rows): build it with enable_nested_tensor=False "
         "(or set encoder.use_nested_tensor = False); its padded positions then hold "
         "computed values rather than zeros, as in training mode"
+    )
+
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def _quantizes(name: str) -> bool:
+    """Whether an op makes or takes quantized tensors (``quantize_per_tensor``, ``dequantize``,
+    ``quantized_max_pool2d``); the fake quantization of QAT is float to float, and runs."""
+    return "quantize" in name and "fake_quant" not in name
+
+
+def _quantized_text(func: OpOverload) -> str:
+    """Why an op of quantized tensors is refused (torch's own error is its dispatcher's list
+    of backends, as fake tensors have no quantized kernels)."""
+    return (
+        f"{func} makes or takes a quantized tensor (torch.ao.quantization), which a mesh "
+        "tensor cannot be: quantize and run the model locally (under "
+        "dask_monarch.no_mesh.activate(), on dask_monarch.inspect of its input), or keep it "
+        "in float and use torch.autocast on the mesh"
     )
 
 

@@ -573,14 +573,28 @@ def _legacy_tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def install_tensor_constructors() -> None:
     """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`,
-    ``torch.Tensor(data)`` through :func:`_legacy_tensor_new`, and ``torch.ctc_loss``, which
-    makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors` (once per
-    process: the first mesh of a client does it)."""
+    ``torch.Tensor(data)`` through :func:`_legacy_tensor_new`, ``torch.ctc_loss``, which
+    makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors`, and
+    ``nn.Parameter(data)`` through :func:`_parameter_on_the_mesh` (once per process: the
+    first mesh of a client does it)."""
     _replace_in_torch("tensor", _with_mesh_values)
     _replace_in_torch("as_tensor", _with_mesh_values)
     _replace_in_torch("ctc_loss", _ctc_loss_of_length_tensors)
+    parameter_new = torch.nn.Parameter.__dict__["__new__"].__func__
+    if not hasattr(parameter_new, "__dask_monarch_original__"):
+        torch.nn.Parameter.__new__ = staticmethod(_parameter_on_the_mesh(parameter_new))
     if "__new__" not in torch.Tensor.__dict__:  # torch's is TensorBase's: subclasses keep theirs
         torch.Tensor.__new__ = staticmethod(_legacy_tensor_new)  # type: ignore[method-assign]
+
+
+def _device_constructors() -> set:
+    """torch's set of the functions ``with torch.device(d):`` gives ``device=d`` (cached the
+    first time it is asked for: a wrapper installed before then would stand in it for the
+    original that ``torch.device``'s mode sees, and ``torch.tensor([])`` under
+    ``torch.device("meta")`` made a CPU tensor; transformers builds models so)."""
+    from torch.utils._device import _device_constructors as constructors
+
+    return constructors()
 
 
 def _replace_in_torch(name: str, wrap: Callable[[Callable], Callable]) -> None:
@@ -595,7 +609,26 @@ def _replace_in_torch(name: str, wrap: Callable[[Callable], Callable]) -> None:
     wrapper.__name__ = original.__name__
     wrapper.__doc__ = original.__doc__
     as_torch_builtin(wrapper, original)
+    constructors = _device_constructors()  # made now if not before: it lists the original
+    if original in constructors:
+        constructors.add(wrapper)
     setattr(torch, name, wrapper)
+
+
+def _parameter_on_the_mesh(original: Callable) -> Callable:
+    """``nn.Parameter(local)`` under an active mesh: a parameter on the mesh holding the local
+    value, as ``torch.tensor(data)`` there is a mesh tensor. transformers' ``from_pretrained``
+    makes each parameter so from what it read (its model built on the meta device): under
+    ``mesh.activate()`` the model was local, and its first backward refused it."""
+
+    @functools.wraps(original)
+    def __new__(cls: type, data: torch.Tensor | None = None, requires_grad: bool = True) -> Any:
+        if type(data) is torch.Tensor and data.device.type == "cpu" and active_mesh() is not None:
+            data = from_client(data.detach(), active_mesh(), get_active_stream())
+        return original(cls, data, requires_grad)
+
+    __new__.__dask_monarch_original__ = original  # type: ignore[attr-defined]
+    return __new__
 
 
 def _ctc_loss_of_length_tensors(original: Callable) -> Callable:
@@ -949,6 +982,13 @@ def _scan(value: Any, handles: list[Tensor]) -> Any:
         raise _LOCAL_INPUT
     if t is torch.device and value.type == "cuda":
         return _RANKS_GPU
+    if t is torch.ScriptObject:
+        raise TypeError(
+            f"a {value._type().qualified_name()} (a torch.classes object, such as a quantized "
+            "module's packed weights) was given to an op on mesh tensors: it is a local "
+            "object, which the ranks do not have; run the module locally "
+            "(dask_monarch.inspect its input, under dask_monarch.no_mesh.activate())"
+        )
     return value
 
 
@@ -986,8 +1026,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if plan is None:
             return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs)
     except (RuntimeError, FakeDiffers) as e:
-        if func not in FAKE_STRICTER and type(e) is not FakeDiffers:
-            raise
+        if func not in FAKE_STRICTER and type(e) is not FakeDiffers and func.namespace == "aten":
+            raise  # a user's op (torch.library) with no fake kernel is planned by the ranks
         return _data_dependent(func, info, args, kwargs, handles, ref_args, ref_kwargs, learn=True)
     if plan.cuda:
         _check_gpus(mesh, info.function.path)
@@ -1291,12 +1331,18 @@ def _known_scalars_as_values(
     (``cosine_similarity``'s eps, ``quantile``'s q, ``cov``'s correction, ``logdet``) and
     such indices for ``local[[1, 5]]``: an active mesh made them mesh tensors (``quantile``
     expands its q), so the local op went to the ranks, or was refused (a write into a local
-    tensor, a large one). Not in a backward pass: a gradient's scalar (``sum``'s, expanded)
-    with a local input makes a mesh parameter's gradient."""
+    tensor, a large one). An op that writes into a local tensor, which the mesh would refuse,
+    takes any value the client knows. Not in a backward pass: a gradient's scalar (``sum``'s,
+    expanded) with a local input makes a mesh parameter's gradient."""
     if _graph_task() >= 0:  # a backward pass: what it makes goes to the mesh's gradients
         return None
     written = {info.names[i] for i in info.writes} | set(info.writes)
     indexing = id(func) in _INDEXING
+    # an op writing into a local tensor would be refused on the mesh: any value the client
+    # knows may join it (torch's invert_permutation scatters an arange it made into a local)
+    into_local = any(
+        type(v) is torch.Tensor for k, v in (*enumerate(args), *kwargs.items()) if k in written
+    )
 
     def value(v: Any, key: Any) -> Any:
         if isinstance(v, (list, tuple)):
@@ -1308,7 +1354,7 @@ def _known_scalars_as_values(
             or v._session.capture is not None  # a trace records what the ranks run
             or v.requires_grad
             or key in written
-            or not (indexing and key == 1 or _one_value(v))
+            or not (into_local or indexing and key == 1 or _one_value(v))
         ):
             raise _OnTheMesh
         return v._known
@@ -1448,7 +1494,9 @@ def _plan_from_known(
     runs the op itself (and mirrors it). None otherwise."""
     by_values = PLANNED_BY_VALUES.get(func)
     if by_values is not None:
-        return by_values(args, _known_value)
+        plan = by_values(args, _known_value, handles[0]._mesh._propagator.run_fake)
+        if plan is not None:
+            return plan
     if info.seeded or not all(h._known is not None for h in handles):
         return None
     return plan_of(client_values.run(func, args, kwargs), info)
@@ -1548,7 +1596,8 @@ def _data_dependent(
 
 _LEARNED_NEED = (
     "its outputs' metadata from the ranks (once per input metadata: fake tensors refuse this "
-    "op on the CPU or are known to say other metadata), for its call on the {}"
+    "op on the CPU, are known to say other metadata, or it is a custom op with no fake kernel: "
+    "give it one with register_fake), for its call on the {}"
 )
 
 

@@ -153,6 +153,14 @@ def _walk(path: str) -> Callable:
         obj = getattr(importlib.import_module(module_name), name)
         return getattr(obj, "_remote_impl", obj)
     except Exception as e:
+        if path.startswith("torch.ops.") and path.count(".") >= 3:
+            namespace, op = path.split(".")[2:4]
+            raise InvalidRemoteFunction(
+                f"invalid remote function: the op {namespace}::{op} is not registered on this "
+                "worker (a torch.library op defined in __main__, a notebook or a module the "
+                "workers cannot import): import the module that defines it on every worker "
+                "(client.run(importlib.import_module, 'module'), or a worker --preload)"
+            ) from e
         raise InvalidRemoteFunction(
             f"invalid remote function: failed to resolve function {path}: {type(e).__name__}: {e}"
         ) from e

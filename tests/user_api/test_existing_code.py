@@ -13,6 +13,8 @@ import copy
 import io
 import pickle
 import re
+import subprocess
+import sys
 import warnings
 
 import dask
@@ -95,6 +97,24 @@ def test_torch_functions_wrapped_for_meshes_still_script(mesh2):
         return x + torch.tensor([1.0]) + torch.as_tensor([2.0])
 
     assert torch.jit.script(scripted)(torch.zeros(1)).tolist() == [3.0]
+
+
+def test_torch_device_contexts_still_give_the_wrapped_constructors_their_device():
+    """torch caches the functions ``with torch.device(d):`` gives ``device=d``: cached after
+    a mesh replaced ``torch.tensor``, the cache held the wrapper, not the function torch's
+    mode sees, and ``torch.tensor([])`` under ``torch.device("meta")`` was a CPU tensor
+    (transformers then gave a Llama garbage rotary frequencies). In a fresh process, as the
+    cache is filled once."""
+    code = (
+        "import torch\n"
+        "from dask_monarch import tensor\n"
+        "tensor.install_tensor_constructors()\n"
+        "with torch.device('meta'):\n"
+        "    made = [torch.tensor([]), torch.as_tensor([1.0]), torch.empty(1)]\n"
+        "assert [t.device.type for t in made] == ['meta'] * 3, made\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_legacy_constructor_of_mesh_scalars_makes_a_mesh_tensor_on_the_ranks(mesh2, no_fetch):
@@ -688,6 +708,28 @@ def test_promotions_by_the_clients_default_dtype_equal_local(mesh2):
         assert got[name].dtype == torch.float64 and torch.equal(got[name], want[name]), name
     assert unknown.dtype == torch.float64
     assert torch.equal(values[0], torch.sqrt(values[1].double()))
+
+
+def test_a_users_custom_ops_run_on_the_mesh_with_or_without_a_fake_kernel(mesh2):
+    """torch.library custom ops (a user's own kernels): with a fake kernel they are planned
+    as any op, gradients too; without one the client refused them with torch's error about
+    torch.compile tracing, and now the ranks run them and report their outputs' metadata,
+    once per input metadata (found by a probe of pretrained models and custom ops)."""
+    from helpers.custom_ops import doubled_rows, scaled
+
+    x = torch.arange(6.0).reshape(3, 2)
+    with mesh2.activate(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", dm.ImplicitFetchWarning)
+        leaf = torch.tensor(x.tolist(), requires_grad=True)
+        scaled(leaf, 3.0).sum().backward()
+        assert not caught
+        first = doubled_rows(leaf.detach())
+        again = doubled_rows(leaf.detach() + 1)  # the same input metadata: planned
+        assert first.shape == (6, 2) and len(caught) == 1
+        assert "register_fake" in str(caught[0].message)
+        got = dm.inspect((leaf.grad, first, again))
+    assert torch.equal(got[0], torch.full((3, 2), 3.0))
+    assert torch.equal(got[1], torch.cat([x, x])) and torch.equal(got[2], torch.cat([x, x]) + 1)
 
 
 def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):

@@ -61,10 +61,10 @@ MODULES = [
 ]
 
 # Lazy modules size their parameters on their first call, which a mesh refuses: their
-# mesh errors are noted as refused, with this error (torch's UninitializedParameter cannot
-# be made from a mesh tensor when the module is built under the mesh).
+# mesh errors are noted as refused, with this error (built under the mesh, their local
+# placeholders are then given mesh values; before, torch refused to make the placeholders).
 LAZY = {"nn.LazyConv2d"}
-LAZY_ERROR = "Creating a new Tensor subclass UninitializedParameter"
+LAZY_ERROR = "LOCAL_TENSOR: a lazy module's parameter"
 
 # module -> the cause of its mesh errors (a category of op_sweep, or a part of the error's
 # first line); every error the module raises must have it. Empty: the test fails on any.

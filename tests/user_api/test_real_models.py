@@ -232,3 +232,35 @@ def test_bert_llama_and_mixtral_training_steps_equal_local(mesh2, family):
     assert torch.allclose(loss, want[0], rtol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, want[1]))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(weights, want[2]))
+
+
+def test_a_model_loaded_with_from_pretrained_under_a_mesh_trains_as_locally(mesh2, tmp_path):
+    """transformers builds the model on the meta device and makes each parameter with
+    ``nn.Parameter(what it read)``: under ``mesh.activate()`` those stayed local, and the first
+    backward refused them; they are mesh parameters now. And ``torch.device("meta")`` gave
+    ``torch.tensor([])`` no device once a mesh had replaced ``torch.tensor`` (torch caches the
+    functions it gives a device): a local Llama loaded after the mesh had garbage rotary
+    frequencies (found by a probe of pretrained models)."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    ids = _batch(0)
+    want = _a_training_step(lambda: LlamaForCausalLM.from_pretrained(tmp_path), ids)
+    with torch.device("meta"):
+        assert torch.tensor([]).device.type == "meta"  # torch.tensor is the mesh's wrapper here
+    with mesh2.activate(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.ImplicitFetchWarning)
+        got = _a_training_step(lambda: LlamaForCausalLM.from_pretrained(tmp_path), ids)
+        assert all(isinstance(p, dm.Tensor) for p in got[2])
+        got = dm.inspect(got, gpu=1)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))

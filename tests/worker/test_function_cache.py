@@ -6,7 +6,7 @@ import cloudpickle
 import pytest
 from helpers.threads import race
 
-from dask_monarch.messages import Cloudpickle
+from dask_monarch.messages import Cloudpickle, FunctionPath
 from dask_monarch.worker import calls
 
 
@@ -28,3 +28,11 @@ def test_lanes_resolving_pickled_functions_at_once_share_the_cache_safely():
 
     assert race(lambda: lane(0), lambda: lane(1)) == []
     assert calls.resolve_function(functions[7])() == 7
+
+
+def test_an_op_the_worker_never_registered_says_where_to_define_it():
+    """A torch.library op defined in __main__ or a notebook is sent by its torch.ops path; a
+    worker that never imported its module said "No module named 'torch.ops.<namespace>'"."""
+    with pytest.raises(calls.InvalidRemoteFunction, match="nowhere::op is not registered") as info:
+        calls.resolve_function(FunctionPath("torch.ops.nowhere.op.default"))
+    assert "client.run(importlib.import_module" in str(info.value)
