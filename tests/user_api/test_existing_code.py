@@ -332,6 +332,43 @@ def test_masked_writes_and_constant_pads_of_known_values_stay_known(mesh2, no_fe
     assert dm.inspect(ext, gpu=1).tolist() == [[0.0, big, 0.0], [big, big, 0.0]]
 
 
+def test_masks_the_client_knows_select_without_a_round_trip(mesh2, no_fetch):
+    """``x[mask]`` and ``masked_select`` make as many elements as the mask holds true ones: a
+    mask the client knows (placed from the client, ``ones_like``, a comparison of known
+    values: ``prune.global_unstructured`` indexes so) plans them; each was a fetch."""
+    x = torch.arange(12.0).reshape(3, 4)
+    local_mask = x % 3 == 0
+    with mesh2.activate():
+        values = torch.tensor(x.tolist())
+        unknown = _unknown(x)  # only the ranks know it: the mask decides the shape
+        rows = unknown[torch.tensor([True, False, True])]
+        picked = unknown[local_mask]
+        selected = torch.masked_select(unknown, values > 6)
+        assert rows.shape == (2, 4) and picked.shape == (4,) and selected.shape == (5,)
+        got = dm.inspect((rows, picked, selected))
+    assert torch.equal(got[0], x[[0, 2]]) and torch.equal(got[1], x[local_mask])
+    assert torch.equal(got[2], x[x > 6])
+
+
+def test_a_quantized_modules_weights_are_refused_naming_the_op_and_the_mesh_lives(mesh2):
+    """A model quantized locally (``quantize_dynamic``) called on a mesh tensor sent its
+    packed weights, a ``torch.ScriptObject``, to the ranks: the next flush could not
+    serialise it, and the mesh was broken for good. Quantizing under the mesh raised torch's
+    dispatcher listing of backends (found by a probe of model tooling)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        quantized = torch.ao.quantization.quantize_dynamic(
+            nn.Sequential(nn.Linear(4, 2)), {nn.Linear}, dtype=torch.qint8
+        )
+    with mesh2.activate():
+        x = torch.ones(3, 4)
+        with pytest.raises(TypeError, match="torch.classes object.*run the module locally"):
+            quantized(x)
+        with pytest.raises(NotImplementedError, match="quantized tensor.*run the model locally"):
+            torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+        assert dm.inspect(x.sum()).item() == 12.0  # the mesh runs on
+
+
 def test_a_value_the_ranks_change_is_no_longer_known(mesh2, no_fetch):
     with mesh2.activate():
         count = torch.tensor([1.0, 2.0])
@@ -562,12 +599,14 @@ def test_fetching_state_dicts_and_trees_of_local_and_mesh_values(mesh2):
                 "ordered": collections.OrderedDict(a=t),
                 "default": collections.defaultdict(list, a=[t]),
                 "mixed": [local, t],
+                "topk": torch.topk(t, 2),
             }
         )
     assert type(got["state"]) is collections.OrderedDict and got["state"]["weight"].shape == (2, 3)
     assert type(got["ordered"]) is collections.OrderedDict and got["ordered"]["a"].equal(t)
     assert type(got["default"]) is collections.defaultdict and got["default"]["b"] == []
     assert got["mixed"][0].item() == 0.5 and got["mixed"][1].equal(t)
+    assert type(got["topk"]).__name__ == "topk" and got["topk"].values.tolist() == [2.0, 1.0]
 
 
 def test_deepcopy_clones_tensors_and_modules_on_the_ranks(mesh2):

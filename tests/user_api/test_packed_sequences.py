@@ -78,3 +78,19 @@ def test_packing_mesh_lengths_and_unpacking_give_what_torch_gives(mesh2):
     torch.testing.assert_close(dm.inspect(packed.data), want_packed.data)
     torch.testing.assert_close(got, want)
     assert torch.equal(got_lengths, want_lengths)
+
+
+def test_unsorted_local_lengths_pack_mesh_sequences(mesh2):
+    """Lengths come from a DataLoader or a tokenizer as local tensors, unsorted: torch's
+    ``invert_permutation`` scatters ``torch.arange(n)`` (a mesh tensor under the mesh, which
+    the client knows) into a local tensor, which was refused as a write of a value computed
+    on the ranks (found by a probe of evaluation loops)."""
+    x = torch.randn(3, 5, 2)
+    lengths = torch.tensor([3, 5, 1])
+    want = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    with mesh2.activate():
+        packed = pack_padded_sequence(dm.put(x), lengths, batch_first=True, enforce_sorted=False)
+        assert type(packed.unsorted_indices) is torch.Tensor  # local, as the lengths
+        data = dm.inspect(packed.data)
+    torch.testing.assert_close(data, want.data)
+    assert torch.equal(packed.unsorted_indices, want.unsorted_indices)
