@@ -623,8 +623,9 @@ def _parameter_on_the_mesh(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __new__(cls: type, data: torch.Tensor | None = None, requires_grad: bool = True) -> Any:
-        if type(data) is torch.Tensor and data.device.type == "cpu" and active_mesh() is not None:
-            data = from_client(data.detach(), active_mesh(), get_active_stream())
+        mesh = active_mesh()
+        if mesh is not None and type(data) is torch.Tensor and data.device.type == "cpu":
+            data = from_client(data.detach(), mesh, get_active_stream())
         return original(cls, data, requires_grad)
 
     __new__.__dask_monarch_original__ = original  # type: ignore[attr-defined]
@@ -1393,7 +1394,7 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
     info = op_info(func)
     written = {info.names[i] for i in info.writes} | set(info.writes)
     limit = local_limit()
-    copy = func is _aten.copy_.default  # mesh.copy_(local): a transfer asked for, any size
+    transfer = func is _aten.copy_.default  # mesh.copy_(local): asked for, any size
 
     def place(v: Any, key: Any) -> Any:
         if isinstance(v, (list, tuple)):
@@ -1408,7 +1409,7 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
                 f"{list(v.shape)} a value computed on the ranks; fetch it instead "
                 "(local.copy_(dask_monarch.inspect(t)))"
             )
-        if nbytes > limit and not (copy and key == 1):
+        if nbytes > limit and not (transfer and key == 1):
             site = implicit_fetch.where(implicit_fetch.call_site())
             raise misuse(
                 f"LOCAL_TENSOR: a local tensor of shape {list(v.shape)} ({nbytes} bytes) was "
