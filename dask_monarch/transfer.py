@@ -45,7 +45,10 @@ def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = No
     Parameters
     ----------
     tensors
-        A local tensor, or a pytree of them (other leaves pass through).
+        A local tensor, or a pytree of them (other leaves pass through); or an
+        ``nn.Module``, whose parameters and buffers are placed in place, as
+        ``module.to(device)`` moves them (tied ones stay tied; each parameter is a new
+        object, so make its optimizer after), and which is returned.
     mesh
         Where to place them (default: the active mesh).
     stream
@@ -55,6 +58,8 @@ def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = No
     if mesh is None:
         raise RuntimeError("dask_monarch.put needs a mesh: mesh= or an active mesh")
     stream = stream or get_active_stream()
+    if isinstance(tensors, torch.nn.Module):
+        return _put_module(tensors, mesh, stream)
 
     def place(t: Any) -> Any:
         if isinstance(t, Tensor):
@@ -64,6 +69,29 @@ def put(tensors: Any, mesh: DeviceMesh | None = None, stream: Stream | None = No
         return t
 
     return tree_map(place, tensors)
+
+
+def _put_module(module: torch.nn.Module, mesh: DeviceMesh, stream: Stream) -> torch.nn.Module:
+    """``module``'s local parameters and buffers replaced by mesh ones holding their values (a
+    model built or loaded locally; ``module._apply(dm.put)`` would set ``param.data`` to a
+    mesh tensor, which a local tensor cannot hold)."""
+    placed: dict[int, torch.Tensor] = {}  # a tied weight is placed once, and stays tied
+
+    def place(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        new = placed.get(id(t))
+        if new is None:
+            new = from_client(t.detach(), mesh, stream)
+            if parameter:
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            placed[id(t)] = new
+        return new
+
+    for sub in module.modules():
+        for kind, parameter in ((sub._parameters, True), (sub._buffers, False)):
+            for name, t in kind.items():
+                if t is not None and not isinstance(t, Tensor):
+                    kind[name] = place(t, parameter)
+    return module
 
 
 class MeshSliceTensor:

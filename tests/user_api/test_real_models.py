@@ -264,3 +264,28 @@ def test_a_model_loaded_with_from_pretrained_under_a_mesh_trains_as_locally(mesh
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+def test_a_model_built_locally_moves_onto_the_mesh_with_put(mesh2, gpt2_init):
+    """``dm.put(model)``: its parameters and buffers placed, tied ones still tied, as
+    ``model.to(device)`` moves them (``model._apply(dm.put)`` was refused: a local parameter
+    cannot hold a mesh tensor as its ``.data``)."""
+
+    def make_model():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(_gpt2_config())
+        model.load_state_dict(gpt2_init)
+        return model
+
+    ids = _batch(0)
+    want = _a_training_step(make_model, ids)
+    local = make_model()
+    with mesh2.activate(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.ImplicitFetchWarning)
+        model = dm.put(local)
+        assert model is local and model.lm_head.weight is model.transformer.wte.weight
+        assert all(isinstance(t, dm.Tensor) for t in (*model.parameters(), *model.buffers()))
+        got = dm.inspect(_a_training_step(lambda: model, ids), gpu=1)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
