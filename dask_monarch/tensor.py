@@ -1264,7 +1264,9 @@ def from_client(
         raise misuse(
             f"LOCAL_TENSOR: a local tensor that requires grad (shape {list(value.shape)}) was "
             "used with mesh tensors: its gradient could not come back from the ranks; make it "
-            "a mesh tensor first (dask_monarch.put(t).requires_grad_())"
+            "a mesh tensor first (dask_monarch.put(t).requires_grad_()), or, for a model's "
+            "parameter, move the model (dask_monarch.put(model), or build it under "
+            "mesh.activate())"
         )
     value = value.detach()
     if not value.is_contiguous() or value.storage_offset():
