@@ -487,6 +487,31 @@ def _mesh_leaves(data: Any, leaves: list) -> tuple[int, ...] | None:
     return (len(data), *inner)
 
 
+_STORAGES = (torch.UntypedStorage, torch.TypedStorage)
+
+
+def _of_a_storage(original: Callable, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.asarray(storage)`` (safetensors' ``load_file``, a checkpoint read from its
+    file), ``torch.tensor(storage)``: a local tensor over local memory, as ``torch.load``
+    makes under a mesh (local_torch.py). torch's C++ sizes it with an ``at::empty``, which an
+    active mesh made a mesh tensor, and refused pointing it at the storage."""
+    if active_mesh() is None:
+        return original(data, *args, **kwargs)
+    with activate_mesh(None):
+        return original(data, *args, **kwargs)
+
+
+def _local_storages(original: Callable) -> Callable:
+    """``torch.asarray``: :func:`_of_a_storage` for a storage, else torch's own."""
+
+    def asarray(obj: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(obj, _STORAGES):
+            return _of_a_storage(original, obj, *args, **kwargs)
+        return original(obj, *args, **kwargs)
+
+    return asarray
+
+
 def _with_mesh_values(original: Callable) -> Callable:
     """``torch.tensor(data)`` / ``torch.as_tensor(data)``, when lists ``data`` hold mesh
     tensors (``torch.tensor(losses)``): torch's C++ reads each element's memory, which a
@@ -494,6 +519,8 @@ def _with_mesh_values(original: Callable) -> Callable:
     each rank's elements stacked, with torch's dtype (the promotion of the elements')."""
 
     def constructor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(data, _STORAGES):
+            return _of_a_storage(original, data, *args, **kwargs)
         try:  # torch's own first: nothing to pay unless it failed
             return original(data, *args, **kwargs)
         except RuntimeError:
@@ -574,12 +601,14 @@ def _legacy_tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
 def install_tensor_constructors() -> None:
     """Route ``torch.tensor`` and ``torch.as_tensor`` through :func:`_with_mesh_values`,
     ``torch.Tensor(data)`` through :func:`_legacy_tensor_new`, ``torch.ctc_loss``, which
-    makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors`, and
+    makes a tensor of its lengths, through :func:`_ctc_loss_of_length_tensors`,
+    ``torch.asarray`` of a storage through :func:`_local_storages`, and
     ``nn.Parameter(data)`` through :func:`_parameter_on_the_mesh` (once per process: the
     first mesh of a client does it)."""
     _replace_in_torch("tensor", _with_mesh_values)
     _replace_in_torch("as_tensor", _with_mesh_values)
     _replace_in_torch("ctc_loss", _ctc_loss_of_length_tensors)
+    _replace_in_torch("asarray", _local_storages)
     parameter_new = torch.nn.Parameter.__dict__["__new__"].__func__
     if not hasattr(parameter_new, "__dask_monarch_original__"):
         torch.nn.Parameter.__new__ = staticmethod(_parameter_on_the_mesh(parameter_new))

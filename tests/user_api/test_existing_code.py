@@ -110,8 +110,9 @@ def test_torch_device_contexts_still_give_the_wrapped_constructors_their_device(
         "from dask_monarch import tensor\n"
         "tensor.install_tensor_constructors()\n"
         "with torch.device('meta'):\n"
-        "    made = [torch.tensor([]), torch.as_tensor([1.0]), torch.empty(1)]\n"
-        "assert [t.device.type for t in made] == ['meta'] * 3, made\n"
+        "    made = [torch.tensor([]), torch.as_tensor([1.0]), torch.asarray([1])]\n"
+        "    made.append(torch.empty(1))\n"
+        "assert [t.device.type for t in made] == ['meta'] * 4, made\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -582,6 +583,28 @@ def test_resuming_from_a_checkpoint_loaded_with_torch_load_equals_local(mesh2, l
         weights = dm.inspect(resumed.state_dict())
     assert torch.equal(torch.stack(dm.inspect(got)), torch.stack(want))
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_safetensors_file_loads_under_a_mesh_as_local_tensors(mesh2, tmp_path):
+    """safetensors reads a file into ``torch.asarray(storage)``; torch's C++ sizes it with an
+    ``at::empty``, which an active mesh made a mesh tensor, then refused ("could not determine
+    the shape of object type 'torch.storage.UntypedStorage'"): transformers' Trainer could not
+    resume (found by a probe of the Trainer)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    local = nn.Linear(3, 2)
+    save_file(local.state_dict(), tmp_path / "model.safetensors")
+    with mesh2.activate():
+        loaded = load_file(tmp_path / "model.safetensors")
+        with safe_open(tmp_path / "model.safetensors", "pt") as f:
+            bias = f.get_tensor("bias")
+        assert type(loaded["weight"]) is torch.Tensor and type(bias) is torch.Tensor
+        model = nn.Linear(3, 2)
+        model.load_state_dict(loaded)
+        weight = dm.inspect(model.weight)
+    assert torch.equal(weight, local.weight) and torch.equal(bias, local.bias)
 
 
 def test_fetching_state_dicts_and_trees_of_local_and_mesh_values(mesh2):
