@@ -308,6 +308,17 @@ class Tensor(torch.Tensor, Handle):
             "dask_monarch.checkpoint.save"
         )
 
+    def storage(self) -> Any:  # type: ignore[override]
+        """Refused, saying how to save: a mesh tensor has no local memory. safetensors asks
+        for it (``save_pretrained``, transformers' Trainer) once ``untyped_storage()``'s
+        pointer failed, and torch's error named an "invalid python storage"."""
+        raise RuntimeError(
+            f"{self._describe()} has no local storage: its value lives on the ranks. To save "
+            "a model, fetch its state first: model.save_pretrained(path, "
+            "state_dict=dask_monarch.inspect(model.state_dict())), or torch.save of "
+            "dask_monarch.inspect(...); or save mesh state with dask_monarch.checkpoint.save"
+        )
+
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 

@@ -801,6 +801,9 @@ def test_pickling_a_mesh_tensor_says_what_to_do(mesh2):
         pickle.dumps(x)
     with pytest.raises(TypeError, match="cannot be pickled"):
         torch.save(x, "/dev/null")
+    # safetensors (save_pretrained, transformers' Trainer) asks for a storage's pointer
+    with pytest.raises(RuntimeError, match="no local storage.*state_dict=dask_monarch.inspect"):
+        x.storage()
 
 
 # -- torch's optimizers ----------------------------------------------------------------------
