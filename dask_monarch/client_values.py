@@ -33,6 +33,17 @@ VALUE_FREE = 2  # the op reads no input value (zeros_like, fill_): the client ru
 _CPU = torch.device("cpu")
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _SCALE = frozenset({"add", "sub", "rsub"})  # exact only without a scale (alpha) that may be fused
+_UNINITIALIZED = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "resize",
+        "resize_as",
+    }
+)
 
 
 def kind(info: OpInfo, args: tuple, kwargs: dict, handles: list, plan: Plan) -> int:
@@ -41,7 +52,7 @@ def kind(info: OpInfo, args: tuple, kwargs: dict, handles: list, plan: Plan) -> 
         for h in handles:
             if h._known is None:
                 return 0
-    if info.seeded or not (info.exact or info.value_free or _integral(handles, plan)):
+    if info.seeded or not (info.exact or info.value_free or _integral(info, handles, plan)):
         return 0
     if info.exact and (kwargs or len(args) > 2) and not _exact_here(info, args, kwargs):
         return 0
@@ -69,13 +80,18 @@ def _exact_here(info: OpInfo, args: tuple, kwargs: dict) -> bool:
 
 
 def _base(info: OpInfo) -> str:
-    return info.function.path.split(".")[3].rstrip("_").removeprefix("_foreach_")
+    """An ATen op's name without its in-place and ``_foreach_`` marks ("" for another op)."""
+    parts = info.function.path.split(".")
+    if len(parts) < 5 or parts[:3] != ["torch", "ops", "aten"]:
+        return ""
+    return parts[3].rstrip("_").removeprefix("_foreach_")
 
 
-def _integral(handles: list, plan: Plan) -> bool:
+def _integral(info: OpInfo, handles: list, plan: Plan) -> bool:
     """Integer and boolean arithmetic is exact everywhere: an op with only such inputs and
-    outputs (and at least one tensor input) may be mirrored whatever it is."""
-    if not handles:
+    outputs (and at least one tensor input) may be mirrored whatever it is, but for one whose
+    output is uninitialized memory (``empty_like``, a growing ``resize_``)."""
+    if not handles or _base(info) in _UNINITIALIZED:
         return False
     for h in handles:
         if h.dtype.is_floating_point or h.dtype.is_complex:
@@ -99,11 +115,15 @@ def run(func: OpOverload, args: tuple, kwargs: dict, stand_ins: bool = False) ->
 
 def _local(x: Any, stand_ins: bool) -> Any:
     """``x`` as :func:`run` passes it to the op (a module-level function: a nested one that
-    calls itself is a reference cycle, garbage for the collector on every op)."""
+    calls itself is a reference cycle, garbage for the collector on every op). A mesh tensor
+    whose value the client no longer knows, where its value is read, is an error: the op
+    is not mirrored (an empty stand-in made garbage the client then took for the value)."""
     known = getattr(x, "_known", None)
     if known is not None and not stand_ins:
         return known
     if known is not None or hasattr(x, "_known"):
+        if not stand_ins:
+            raise LookupError(f"the client no longer knows the value of {x._describe()}")
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
     if type(x) is list or type(x) is tuple:
         return type(x)(_local(v, stand_ins) for v in x)

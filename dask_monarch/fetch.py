@@ -152,15 +152,15 @@ class _Declared:
         if len(got) != self.leaves:  # an OpaqueRef's object came back as a container
             return
         for i, (shape, dtype) in self.declared.items():
-            real = got[i]
-            if isinstance(real, torch.Tensor) and (tuple(real.shape), real.dtype) == (shape, dtype):
+            leaf = got[i]
+            if isinstance(leaf, torch.Tensor) and (tuple(leaf.shape), leaf.dtype) == (shape, dtype):
                 continue
-            if isinstance(real, torch.Tensor):
-                real = f"shape {tuple(real.shape)} dtype {real.dtype}"
+            if isinstance(leaf, torch.Tensor):
+                held = f"shape {tuple(leaf.shape)} dtype {leaf.dtype}"
             else:
-                real = f"a {type(real).__name__}"
+                held = f"a {type(leaf).__name__}"
             raise RemoteException(
-                f"the value on rank {self.rank} is {real}, "
+                f"the value on rank {self.rank} is {held}, "
                 f"but the client believes shape {shape} dtype {dtype}: the function that "
                 "made it returned something else than its propagation said (fix its "
                 "propagate or its result)",

@@ -222,6 +222,16 @@ class OpInfo:
 _op_infos: dict[int, tuple[Any, OpInfo]] = {}
 
 
+# Ops that write into arguments their schema does not mark (``Tensor(a!)``): argument
+# positions by op. Batch norm in training updates its running statistics in place; unmarked,
+# the client kept a stale copy of their values (``bn.running_mean.tolist()``: zeros) and
+# ordered nothing after the write.
+UNDECLARED_WRITES = {
+    name: (3, 4)
+    for name in ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")
+}
+
+
 def op_info(func: OpOverload) -> OpInfo:
     entry = _op_infos.get(id(func))
     if entry is None or entry[0] is not func:
@@ -245,6 +255,7 @@ def _make_op_info(func: OpOverload) -> OpInfo:
                 sets[s] = i
             if info.is_write:
                 writes.append(i)
+    writes += UNDECLARED_WRITES.get(schema.name, ())
     aliases, written = [], []
     for ret in schema.returns:
         info = ret.alias_info
@@ -396,6 +407,9 @@ def warm_up() -> None:
         _warm = True
 
 
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float16: torch.complex32}
+
+
 def _promoting(func: OpOverload, args: tuple, kwargs: dict, plan: Plan) -> torch.dtype | None:
     """The client's default dtype when it, not an input, decides a pointwise op's result: its
     tensor inputs integers or booleans, its result floating (``int_tensor / 2``,
@@ -406,7 +420,10 @@ def _promoting(func: OpOverload, args: tuple, kwargs: dict, plan: Plan) -> torch
     default = _default_dtype()
     if default is torch.float32 or plan.kind != "tensor" or not plan.fresh:
         return None
-    if plan.outputs[0].meta.dtype is not default or torch.Tag.pointwise not in func.tags:
+    made = plan.outputs[0].meta.dtype  # the default, or its complex one (int_tensor * 1j)
+    if made is not default and made is not _COMPLEX_OF.get(default):
+        return None
+    if torch.Tag.pointwise not in func.tags:
         return None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     if not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors):

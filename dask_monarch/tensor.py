@@ -1104,8 +1104,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
                 continue
             if out.is_arg:  # in place or out=: the caller's own handle, maybe restrided
                 handle = argument(info, args, kwargs, out.alias)
-                if handle._mkey != out.meta:
-                    restride(handle, out.meta)
+                if handle._mkey != out.meta:  # the mirror reshapes a known value itself
+                    restride(handle, out.meta, keep_known=how == client_values.ALL_KNOWN)
                 outputs.append(handle)
                 results.append(None)
                 continue
@@ -1267,7 +1267,7 @@ def _written(info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
     return mutated
 
 
-def restride(t: Tensor, meta: TensorMeta) -> None:
+def restride(t: Tensor, meta: TensorMeta, keep_known: bool = False) -> None:
     """Give handle ``t`` the shape, strides and offset an in-place op gave its value on the
     ranks (``squeeze_``, ``t_``, ``resize_``, ``as_strided_``, an ``out=`` resized), as torch's
     own wrapper subclasses do: the op's meta kernel run on the wrapper itself."""
@@ -1282,6 +1282,8 @@ def restride(t: Tensor, meta: TensorMeta) -> None:
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was_meta)
     t._mkey = meta
+    if keep_known:
+        return
     if t._known is not None and (t._known.shape != meta.shape or t._known.dtype != meta.dtype):
         t._storage.forget_known()
 

@@ -370,6 +370,40 @@ def test_a_quantized_modules_weights_are_refused_naming_the_op_and_the_mesh_live
         assert dm.inspect(x.sum()).item() == 12.0  # the mesh runs on
 
 
+def test_an_in_place_op_that_reshapes_a_known_value_keeps_it_right(mesh2):
+    """``squeeze_``, ``resize_``, ``as_strided_`` (and an integer ``1-D @ 2-D`` matmul, which
+    torch ends with ``squeeze_``) of a value the client knows: the new shape made it forget
+    the value, then mirror the op on an empty stand-in, and Python read that garbage as the
+    value (found by a probe of op_db in integer dtypes)."""
+    cases = {
+        "squeeze_": lambda: torch.tensor([[5, 1, 7]]).squeeze_(),
+        "resize_": lambda: torch.tensor([1, 2, 3, 4]).resize_(2),
+        "as_strided_": lambda: torch.tensor([3, 4, 5, 6]).as_strided_((2,), (2,)),
+        "matmul": lambda: torch.tensor([1, 2]) @ torch.tensor([[3, 4, 5], [6, 7, 8]]),
+    }
+    want = {name: case().tolist() for name, case in cases.items()}
+    with mesh2.activate(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.ImplicitFetchWarning)  # resize_: not followed
+        made = {name: case() for name, case in cases.items()}
+        read = {name: t.tolist() for name, t in made.items()}  # the client's copies
+        held = dm.inspect(made)
+    assert read == want and {name: t.tolist() for name, t in held.items()} == want
+
+
+def test_batch_norm_running_statistics_are_read_as_the_ranks_hold_them(mesh2):
+    """``native_batch_norm`` updates its running statistics in place without saying so in its
+    schema: the client kept its copy of ``torch.zeros(3)`` and ``bn.running_mean.tolist()``
+    read zeros after training (found by a probe of op_db in half precision)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    with mesh2.activate():
+        bn = nn.BatchNorm1d(3)
+        bn(x).sum().backward()
+        read = bn.running_mean.tolist()  # implicit fetches, or the client's stale copy
+        held = dm.inspect(bn.running_mean)
+    assert read == held.tolist() and read != [0.0, 0.0, 0.0]
+
+
 def test_a_value_the_ranks_change_is_no_longer_known(mesh2, no_fetch):
     with mesh2.activate():
         count = torch.tensor([1.0, 2.0])
@@ -751,6 +785,7 @@ def test_promotions_by_the_clients_default_dtype_equal_local(mesh2):
         "bool": lambda i, b: b * 0.3,
         "where": lambda i, b: torch.where(b, i, 0.7),
         "clamp": lambda i, b: i.clamp(min=1.5),
+        "complex": lambda i, b: i * (1 + 0.5j),  # the default's complex dtype: complex128
     }
     try:
         torch.set_default_dtype(torch.float64)
@@ -767,7 +802,7 @@ def test_promotions_by_the_clients_default_dtype_equal_local(mesh2):
     finally:
         torch.set_default_dtype(default)
     for name in cases:
-        assert got[name].dtype == torch.float64 and torch.equal(got[name], want[name]), name
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
     assert unknown.dtype == torch.float64
     assert torch.equal(values[0], torch.sqrt(values[1].double()))
 
