@@ -162,8 +162,11 @@ def test_client_side_checks(mesh, client2):
             with pytest.raises(TypeError, match="LOCAL_TENSOR") as info:
                 x.sum() + big
             assert "256 bytes" in str(info.value) and "dask_monarch.put" in str(info.value)
+            ranks_only = (x.unsqueeze(0).expand(2, 2)).mean(0)  # a value the client lacks
             with pytest.raises(TypeError, match="LOCAL_TENSOR.*write into a local tensor"):
-                local.add_(x)
+                local.add_(ranks_only)
+            local.add_(x)  # a value the client knows: computed here, as torch would
+            assert local.tolist() == [2.0, 2.0]
         with other.activate():
             y = torch.ones(2)
         with mesh.activate():
