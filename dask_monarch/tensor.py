@@ -1381,7 +1381,7 @@ def _known_scalars_as_values(
     expanded) with a local input makes a mesh parameter's gradient."""
     if _graph_task() >= 0:  # a backward pass: what it makes goes to the mesh's gradients
         return None
-    written = {info.names[i] for i in info.writes} | set(info.writes)
+    written = _written_keys(info)
     indexing = id(func) in _INDEXING
     # an op writing into a local tensor would be refused on the mesh: any value the client
     # knows may join it (torch's invert_permutation scatters an arange it made into a local)
@@ -1416,6 +1416,11 @@ def _known_scalars_as_values(
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
+def _written_keys(info: OpInfo) -> set:
+    """The arguments ``info``'s op writes, by position and by name (as keyword)."""
+    return {info.names[i] for i in info.writes} | set(info.writes)
+
+
 def _one_value(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is one element of memory: a scalar, expanded or not."""
     return all(n == 1 or s == 0 for n, s in zip(t.shape, t.stride()))
@@ -1436,7 +1441,7 @@ def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, d
         mesh = active_mesh()
     stream = get_active_stream()
     info = op_info(func)
-    written = {info.names[i] for i in info.writes} | set(info.writes)
+    written = _written_keys(info)
     limit = local_limit()
     transfer = func is _aten.copy_.default  # mesh.copy_(local): asked for, any size
 

@@ -48,6 +48,18 @@ def _gpt2_config() -> GPT2Config:
     )
 
 
+def _llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+
+
 def _batch(step: int) -> torch.Tensor:
     """The global batch of a step: 4 sequences of 8 tokens, none of them padding."""
     return torch.randint(2, 64, (4, 8), generator=torch.Generator().manual_seed(step))
@@ -188,15 +200,7 @@ def test_bert_llama_and_mixtral_training_steps_equal_local(mesh2, family):
         )
         cls = BertForMaskedLM
     elif family == "llama":
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
+        config = _llama_config()
         cls = LlamaForCausalLM
     else:
         config = MixtralConfig(
@@ -241,17 +245,8 @@ def test_a_model_loaded_with_from_pretrained_under_a_mesh_trains_as_locally(mesh
     ``torch.tensor([])`` no device once a mesh had replaced ``torch.tensor`` (torch caches the
     functions it gives a device): a local Llama loaded after the mesh had garbage rotary
     frequencies (found by a probe of pretrained models)."""
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    LlamaForCausalLM(_llama_config()).save_pretrained(tmp_path)
     ids = _batch(0)
     want = _a_training_step(lambda: LlamaForCausalLM.from_pretrained(tmp_path), ids)
     with torch.device("meta"):
