@@ -22,25 +22,37 @@ from typing import Any
 
 
 class Invocation:
-    """One issued message that may still fail: what it defines, who used that, where."""
+    """One issued message that may still fail: what it defines, who used that, where.
+
+    Thousands may wait for a Status, each a young object the garbage collector walks until
+    they go: so one def or one user is kept as the int itself, not in a container of its own.
+    """
 
     __slots__ = ("seq", "defs", "users", "failure", "origin")
 
     def __init__(
         self,
         seq: int,
-        defs: tuple[int, ...],
+        defs: int | tuple[int, ...],
         failure: BaseException | None = None,
         origin: Any = None,
     ) -> None:
         self.seq = seq
-        self.defs = defs
-        # no users yet, then an array of seqs: thousands of invocations may wait for a Status,
-        # and the garbage collector walks a list's every element but none of an array's; an
-        # append is O(1) where a tuple's is a copy (a definer used 10 000 times: 50 us per use)
-        self.users: tuple[()] | array = ()
+        self.defs = defs  # the ref it defines, or a tuple of them
+        # none yet, a seq, then an array of seqs: the collector walks a list's every element
+        # but none of an array's, and an append is O(1) where a tuple's is a copy (a definer
+        # used 10 000 times: 50 us per use)
+        self.users: tuple[()] | int | array = ()
         self.failure = failure
         self.origin = origin  # where the client issued it, for the error message
+
+    def def_refs(self) -> tuple[int, ...]:
+        defs = self.defs
+        return defs if type(defs) is tuple else (defs,)
+
+    def user_seqs(self) -> Iterable[int]:
+        users = self.users
+        return (users,) if type(users) is int else users
 
     def __repr__(self) -> str:
         return f"Invocation(seq={self.seq}, defs={self.defs}, failure={self.failure!r})"
@@ -69,14 +81,17 @@ class History:
                 if failure is None:
                     failure = inv.failure
             elif producer >= self.completed:
-                if inv.users:
-                    inv.users.append(seq)
+                users = inv.users
+                if type(users) is array:
+                    users.append(seq)
+                elif users == ():
+                    inv.users = seq
                 else:
-                    inv.users = array("q", (seq,))
+                    inv.users = array("q", (users, seq))
         defs = tuple(defs)
-        invocations[seq] = Invocation(seq, defs, failure, origin)
         for ref in defs:
             definer[ref] = seq
+        invocations[seq] = Invocation(seq, defs[0] if len(defs) == 1 else defs, failure, origin)
         return failure
 
     def fail(self, seq: int, failure: BaseException) -> list[int]:
@@ -90,7 +105,7 @@ class History:
                 continue
             inv.failure = failure
             newly.append(s)
-            todo.extend(inv.users)
+            todo.extend(inv.user_seqs())
             inv.users = ()
         return newly
 
@@ -111,7 +126,7 @@ class History:
             if inv is None or inv.failure is not None:
                 continue
             del self.invocations[seq]
-            for ref in inv.defs:
+            for ref in inv.def_refs():
                 if self.definer.get(ref) == seq:
                     del self.definer[ref]
         self.completed = max(self.completed, upto)

@@ -819,13 +819,20 @@ def user_frame(f: Any = None) -> tuple[str, int, str] | None:
                 name.startswith(_INTERNAL) or "/torch/" in name or name.startswith("<frozen")
             )
         if not inside:
-            return (code.co_filename, f.f_lineno, code.co_name)
+            line = f.f_lineno
+            origin = _origins.get((code, line))
+            if origin is None:
+                origin = _origins[(code, line)] = (code.co_filename, line, code.co_name)
+            return origin
         f = f.f_back
     return None
 
 
 _INTERNAL = os.path.dirname(os.path.dirname(__file__))  # the dask_monarch folder
 _internal_code: dict = {}  # code object -> is it dask_monarch's or torch's own
+# (code, line) -> its origin, one tuple per site: the history keeps an origin per message in
+# flight, and a tuple of its own for each was the garbage collector's to walk
+_origins: dict = {}
 
 
 __all__ = ["Capture", "MeshFuture", "Session"]  # MeshFuture: as before, from here too

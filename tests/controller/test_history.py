@@ -83,3 +83,34 @@ def test_a_definer_used_many_times_keeps_its_users_in_an_untracked_array():
     assert len(users) == 20_000 and gc.get_referents(users) == [type(users)]
     assert len(h.fail(0, RuntimeError("x"))) == 20_001
     assert h.invocations[0].users == ()
+
+
+def test_a_chain_of_messages_keeps_no_container_of_its_own_per_message():
+    # thousands of invocations wait for a Status; each container they hold is a young object the
+    # garbage collector walks until they go: one def and one user are kept as ints, and the
+    # origin is one tuple per site in the user's code (user_frame)
+    import gc
+
+    from dask_monarch.controller.session import user_frame
+
+    def issue_site() -> tuple:
+        return user_frame()
+
+    origins = {id(issue_site()) for _ in range(3)}
+    assert len(origins) == 1
+    origin = issue_site()
+    h = History()
+    h.invoke(0, [], [1], origin)
+    for seq in range(1, 101):
+        h.invoke(seq, [seq], [seq + 1], origin)
+    for inv in h.invocations.values():
+        held = [x for x in gc.get_referents(inv) if x is not origin and x is not type(inv)]
+        assert not any(gc.is_tracked(x) for x in held), inv
+    assert len(h.fail(0, RuntimeError("x"))) == 101
+    assert str(h.failure_of_ref(101)) == "x"
+    h2 = History()
+    h2.invoke(0, [], [1, 2])
+    h2.invoke(1, [1], [3])
+    h2.invoke(2, [1, 2], [4])
+    h2.complete(1)
+    assert 1 not in h2.definer and 2 not in h2.definer and h2.definer == {3: 1, 4: 2}
