@@ -494,6 +494,8 @@ class Propagator:
         if differs is not None and differs(args, kwargs):
             raise FakeDiffers(func)
         plan = plan_of(self.run_fake(func, args, kwargs), info)
+        if func.is_view:
+            plan = _view_layout_as_kernels_make_it(func, args, kwargs, plan)
         promote = _promoting(func, args, kwargs, plan)
         return plan if promote is None else replace(plan, promote=promote)
 
@@ -527,6 +529,48 @@ class Propagator:
         fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
         with mode:
             return func(*fake_args, **fake_kwargs)
+
+
+def _view_layout_as_kernels_make_it(
+    func: OpOverload, args: tuple, kwargs: dict, plan: Plan
+) -> Plan:
+    """``plan`` with the strides and offsets the view kernels give, from a run on meta tensors.
+
+    torch's fake ``view`` gives a dimension of size 1 another stride than its CPU, CUDA and
+    meta kernels do (a ``(1, 64, 16)`` tensor transposed and viewed as ``(1, 16, 8, 8)``:
+    1024 where they give 16). Such a stride addresses nothing, but ops decide by it:
+    ``group_norm`` takes the fake's for channels-last and copies nothing, and the rank's
+    kernel then refuses its input (diffusers' attention blocks at batch size 1).
+    """
+    try:
+        with _disable_current_modes():
+            made = func(*[_as_meta(a) for a in args], **{k: _as_meta(v) for k, v in kwargs.items()})
+    except Exception:  # no meta kernel, or a value it needs: the fake's word stands
+        return plan
+    made = made if isinstance(made, (list, tuple)) else (made,)
+    if len(made) != len(plan.outputs):
+        return plan
+    outputs = []
+    for out, t in zip(plan.outputs, made):
+        if out is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == out.meta.shape:
+            meta = out.meta._replace(stride=tuple(t.stride()), offset=t.storage_offset())
+            out = replace(out, meta=meta)
+        outputs.append(out)
+    return replace(plan, outputs=tuple(outputs))
+
+
+def _as_meta(x: Any) -> Any:
+    """A mesh tensor as a meta tensor of its metadata (a view of a storage that spans it)."""
+    mkey = getattr(x, "_mkey", None)
+    if mkey is None:
+        if isinstance(x, torch.Tensor):
+            raise TypeError("a local tensor: no meta run")
+        if isinstance(x, (list, tuple)):
+            return type(x)(_as_meta(v) for v in x)
+        return x
+    shape, stride, offset, dtype = mkey[:4]
+    base = torch.empty(extent(mkey), dtype=dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
 
 
 def _nested_text(func: OpOverload) -> str:

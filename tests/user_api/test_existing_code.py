@@ -709,6 +709,31 @@ def test_transformer_encoder_with_a_mask_equals_local(mesh2, no_fetch):
     assert all(torch.allclose(a, b.grad, atol=1e-5) for a, b in zip(grads, local.parameters()))
 
 
+def test_a_view_has_the_strides_the_ranks_give_it_and_group_norm_runs_at_batch_one(mesh2):
+    """torch's fake view gives a dimension of size 1 another stride than its kernels do;
+    group_norm decided by it to copy nothing, and the rank's kernel refused its input
+    (diffusers' attention block feeding a ResnetBlock's GroupNorm, at batch size 1)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 16)
+    norm = nn.GroupNorm(4, 16)
+    want = norm(x.transpose(-1, -2).reshape(1, 16, 8, 8))
+    want.sum().backward()
+    with mesh2.activate():
+        mesh_norm = nn.GroupNorm(4, 16)
+        mesh_norm.load_state_dict(norm.state_dict())
+        h = dm.put(x).transpose(-1, -2).reshape(1, 16, 8, 8)
+        views = [h, dm.put(x)[:, :4].view(1, 4, 4, 4), dm.put(x)[0].t().unflatten(1, (1, 64))]
+        held = [(v.shape, v.stride(), v.storage_offset()) for v in views]
+        on_ranks = [(v.shape, v.stride(), v.storage_offset()) for v in map(dm.inspect, views)]
+        got = mesh_norm(h)
+        got.sum().backward()
+        grads = [dm.inspect(p.grad) for p in mesh_norm.parameters()]
+        got = dm.inspect(got.detach())
+    assert held == on_ranks
+    assert torch.allclose(got, want.detach(), atol=1e-6)
+    assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(grads, norm.parameters()))
+
+
 def test_a_nested_tensor_is_refused_saying_how_to_avoid_it(mesh2):
     torch.manual_seed(0)
 
