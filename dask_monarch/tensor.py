@@ -1044,6 +1044,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     info = op_info(func)
     if info.answers:
         return python_value(func, args, kwargs)
+    if info.seeded and type(kwargs.get("generator")) is torch.Generator:
+        return _drawn_by_a_client_generator(func, info, args, kwargs)
     if info.writes:  # lazy views of what it changes are sent first: their bases change
         for h in _written(info, args, kwargs):
             h._settle_views()
@@ -1719,6 +1721,97 @@ def _own_generator(
         )
     ref_kwargs["generator"] = generator.__monarch_ref__()
     return info.with_generator, [*handles, generator]
+
+
+# Random ops that overwrite their tensor without reading it (by name, any overload): the draw
+# needs its layout, not its value. ``*_like`` factories need only their input's layout too.
+_FILLS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "random_",
+        "cauchy_",
+        "log_normal_",
+        "exponential_",
+        "geometric_",
+        "bernoulli_",
+    }
+)
+
+
+def _drawn_by_a_client_generator(func: OpOverload, info: OpInfo, args: tuple, kwargs: dict) -> Any:
+    """A random op given a ``torch.Generator`` of the client's runs on the client, as local
+    torch, so that the generator advances as it does there, and its result is placed on the
+    mesh: every rank gets the same draws, those local torch gives (diffusers'
+    ``randn_tensor(shape, generator=g)``). Sent to the ranks, the generator travelled by value
+    and never advanced: each flush drew the same numbers again.
+
+    A draw into a mesh tensor (``t.normal_(generator=g)``, ``nn.init``) is made into a local
+    tensor of its layout and copied in; a mesh input whose values the op reads
+    (``torch.multinomial(probs, 1, generator=g)``) is fetched, as ``.item()`` is.
+    """
+    handles = [x for x in _flat_arguments(args, kwargs) if isinstance(x, Tensor)]
+    mesh, stream = placement(handles, func, "borrow it first")
+    capture = mesh._session.capture
+    what = f"{func} with a torch.Generator of the client's"
+    if capture is not None and capture.tracing:
+        raise NotImplementedError(
+            f"{what} inside a compiled function: its draws would be made once, when it is "
+            "traced, and replayed unchanged. Draw outside and pass the tensor in, or draw from "
+            "the ranks' generators (no generator=, seeded with torch.manual_seed or "
+            "dask_monarch.random)"
+        )
+    device = kwargs.get("device")
+    if any(h.device.type != "cpu" for h in handles) or (
+        device is not None and torch.device(device).type != "cpu"
+    ):
+        raise NotImplementedError(
+            f"{what} on a GPU: the client draws on its CPU. Draw on the CPU and move the result "
+            "(torch.randn(shape, generator=g).to(device), as diffusers' randn_tensor does), or "
+            "draw from the ranks' generators (no generator=)"
+        )
+    name = func._schema.name.split("::")[-1]
+    layout_only = args[0] if args and (name in _FILLS or name.endswith("_like")) else None
+    local_of: dict[int, torch.Tensor] = {}
+
+    def local(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            if id(x) not in local_of:
+                if x is layout_only:
+                    local_of[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+                else:
+                    local_of[id(x)] = value_of(x, what)
+            return local_of[id(x)]
+        if isinstance(x, (list, tuple)):
+            return type(x)(local(v) for v in x)
+        return x
+
+    local_args = [local(a) for a in args]
+    local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    with no_dispatch():
+        result = func(*local_args, **local_kwargs)
+    mesh_of = {id(local_of[id(h)]): h for h in handles}
+    for h in _written(info, args, kwargs):  # the draws go into the mesh tensor
+        dispatch(_aten.copy_.default, (h, local_of[id(h)]), {})
+
+    def placed(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            mine = mesh_of.get(id(value))
+            return mine if mine is not None else from_client(value, mesh, stream, private=True)
+        if isinstance(value, (list, tuple)):
+            return type(value)(placed(v) for v in value)
+        return value
+
+    return placed(result)
+
+
+def _flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """Every argument, and the items of list and tuple arguments (one level)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
 
 
 def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:

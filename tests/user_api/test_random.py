@@ -151,3 +151,50 @@ def test_checkpointed_dropout_replays_its_masks_through_torch_s_rng_state(mesh2)
             got = run(reentrant)
         for rank in range(2):
             assert all(torch.equal(a, b) for a, b in zip(dm.inspect(got, gpu=rank), want))
+
+
+def _drawn_with_a_generator() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What diffusers and nn.init draw from a generator of the caller's, in one program."""
+    g = torch.Generator().manual_seed(5)
+    out = [torch.randn(3, generator=g), torch.randint(0, 10, (4,), generator=g)]
+    t = torch.zeros(2, 3)
+    t.normal_(generator=g)  # into a mesh tensor under a mesh
+    strided = torch.empty(4, 4).t()
+    strided.uniform_(generator=g)  # its draws land in its own element order
+    out += [t, strided, torch.randn_like(t, generator=g)]
+    out.append(torch.multinomial(torch.tensor([0.1, 0.5, 0.4]), 2, generator=g))
+    w = torch.empty(3, 5)
+    torch.nn.init.kaiming_uniform_(w, generator=g)
+    out += [w, torch.randperm(6, generator=g), torch.randn(3, generator=g)]
+    return out, g.get_state()
+
+
+def test_a_generator_of_the_clients_draws_what_it_draws_locally_and_advances(mesh2):
+    """A client torch.Generator went to the ranks by value and never advanced: every flush
+    drew the same numbers again (a diffusers sampling loop got the same noise each step)."""
+    want, want_state = _drawn_with_a_generator()
+    with mesh2.activate():
+        drawn, state = _drawn_with_a_generator()
+        assert all(isinstance(t, dm.Tensor) for t in drawn)
+        on_ranks = [dm.inspect(drawn, gpu=r) for r in range(2)]
+        g = torch.Generator().manual_seed(9)
+        first = dm.inspect(torch.randn(3, generator=g))  # a flush between two draws
+        second = dm.inspect(torch.randn(3, generator=g))
+    for got in on_ranks:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(state, want_state)
+    local = torch.Generator().manual_seed(9)
+    assert torch.equal(first, torch.randn(3, generator=local))
+    assert torch.equal(second, torch.randn(3, generator=local))
+
+
+def test_a_generator_of_the_clients_is_refused_inside_a_compiled_function(mesh2):
+    g = torch.Generator().manual_seed(0)
+
+    @dm.compile
+    def noisy(x):
+        return x + torch.randn(3, generator=g)
+
+    with mesh2.activate():
+        with pytest.raises(NotImplementedError, match="traced, and replayed unchanged"):
+            noisy(torch.zeros(3))
