@@ -18,9 +18,10 @@ zeros (docs/protocol.md §3.11).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils._pytree import tree_map
 
 from .borrows import first_use
@@ -152,9 +153,41 @@ def _reduce(
                 out._ref if out is not None else None,
             ),
         )
+    if target is not None:  # as any in-place op: backward refuses what saved its old value
+        torch.autograd.graph.increment_version(target)
     if in_place:
         return t
     return out if out is not None else handle
+
+
+class _NoGradient(torch.autograd.Function):
+    """The result of ``run()``, a collective of ``t``, given a backward that raises ``why``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, run: Callable[[], Tensor], why: str) -> Tensor:
+        ctx.why = why
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple:
+        raise RuntimeError(ctx.why)
+
+
+def without_gradient(t: Tensor, run: Callable[[], Tensor], what: str) -> Tensor:
+    """``run()``, a collective of ``t``: if ``t`` requires grad, a result that says so when
+    backward reaches it, where it would have had no gradient at all, silently (the layers
+    before a tensor-parallel sum were never trained)."""
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return run()
+    why = (
+        f"{what} has no gradient, and backward reached it from a tensor that requires grad. A "
+        "collective's gradient depends on how the ranks' losses make one objective (Megatron's "
+        "tensor parallelism sums forward and passes the gradient through; "
+        "torch.distributed.nn.functional.all_reduce sums it over the ranks): write the one you "
+        "mean as a torch.autograd.Function (docs/user_guide.md, 'Collectives and autograd'), "
+        "or reduce t.detach() where no gradient should flow"
+    )
+    return _NoGradient.apply(t, run, why)
 
 
 def reduce(
@@ -193,12 +226,16 @@ def reduce(
         return tree_map(
             lambda t, o: _reduce(t, dims, reduction, scatter, mesh, o, False), tensors, out
         )
-    return tree_map(
-        lambda t: (
-            _reduce(t, dims, reduction, scatter, mesh, None, False) if isinstance(t, Tensor) else t
-        ),
-        tensors,
-    )
+    what = f"reduce({dims!r}, {reduction!r}{', scatter=True' if scatter else ''})"
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        return without_gradient(
+            t, lambda: _reduce(t, dims, reduction, scatter, mesh, None, False), what
+        )
+
+    return tree_map(one, tensors)
 
 
 def reduce_(

@@ -99,8 +99,8 @@ class _Trace:
     ) -> None:
         self.recording: _Recording | None = None  # on the ranks, once defined
         self.ranks = ranks
-        # per output: (TensorMeta, stream, index of the formal it is or None, index of the
-        # escaped handle it is or None)
+        # per output: (TensorMeta, stream, its mesh if not the arguments' or None, index of
+        # the formal it is or None, index of the escaped handle it is or None)
         self.outputs = outputs
         self.escaped = escaped  # handles made inside that outlive the call: those returned
         self.first_extra = first_extra  # (by slot) first, then the others, results after them
@@ -342,14 +342,15 @@ class Compiled:
             del out_leaves  # from here on, what holds a handle the trace made is not ours
             held = _escaped(session, capture)
             outputs, escaped = [], []
-            for j, (handle, ref, meta, stream, ranks, is_formal) in enumerate(returned):
-                capture.add(ranks, m.RecordingResult(ref, j, session.stream_ref(stream)))
+            for j, (handle, ref, meta, stream, mesh_of, is_formal) in enumerate(returned):
+                capture.add(mesh_of._ranks, m.RecordingResult(ref, j, session.stream_ref(stream)))
                 h, slot = handle(), None
                 if h is not None and any(h is x for x in held):  # also held elsewhere
                     slot = next((i for i, x in enumerate(escaped) if x is h), len(escaped))
                     if slot == len(escaped):
                         escaped.append(h)
-                outputs.append((meta, stream, is_formal, slot))
+                elsewhere = None if mesh_of == mesh else mesh_of
+                outputs.append((meta, stream, elsewhere, is_formal, slot))
             first_extra = len(escaped)
             for h in held:  # results after the outputs: each replay rebinds them
                 if not any(h is x for x in escaped):
@@ -465,15 +466,16 @@ def _signature(leaves: list[Any], spec_text: str) -> Any:
 
 
 def _returned(leaves: list[Any], formals: dict[int, Tensor]) -> list[tuple]:
-    """Per output tensor: a weakref to it, its ref, metadata, stream and ranks, and the index
-    of the formal it is (None if none)."""
+    """Per output tensor: a weakref to it, its ref, metadata, stream and mesh (a pipeline's
+    loss is on its last stage's, not its arguments'), and the index of the formal it is (None
+    if none)."""
     return [
         (
             weakref.ref(h),
             h._ref,
             h._mkey,
             h._stream,
-            h._mesh._ranks,
+            h._mesh,
             next((i for i, f in formals.items() if f is h), None),
         )
         for h in leaves
@@ -649,14 +651,15 @@ def _call_recording(mesh: DeviceMesh, trace: _Trace, actuals: list[Tensor], trac
         first_use(session, actuals)
         held = [ref() for ref in trace.escaped]
         results, handles, rebinds = [], [], []
-        for meta, stream, is_formal, slot in trace.outputs:
+        for meta, stream, elsewhere, is_formal, slot in trace.outputs:
             ref = session.new_ref()
             if slot is not None:  # also held elsewhere: the same object, rebound
                 handles.append(held[slot])
                 rebinds.append((held[slot], ref))
             else:
                 storage = actuals[is_formal]._storage if is_formal is not None else None
-                handles.append(Tensor(meta, session, mesh, stream, ref, storage))
+                made_on = mesh if elsewhere is None else elsewhere
+                handles.append(Tensor(meta, session, made_on, stream, ref, storage))
             results.append(ref)
         for h in held[trace.first_extra :]:
             results.append(session.new_ref())

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .borrows import first_use
+from .collectives import without_gradient
 from .mesh import DeviceMesh
 from .propagation import TensorMeta
 from .protocol import messages as m
@@ -102,7 +103,8 @@ class MeshSliceTensor:
         self.mesh = mesh
 
     def to_mesh(self, mesh: DeviceMesh, stream: Stream | None = None) -> Tensor:
-        return _move(self.tensor, self.mesh, mesh, stream)
+        t = self.tensor
+        return without_gradient(t, lambda: _move(t, self.mesh, mesh, stream), "to_mesh of a slice")
 
     def __repr__(self) -> str:
         return f"MeshSliceTensor({self.tensor!r} on {self.mesh!r})"
@@ -122,11 +124,31 @@ def to_mesh(tensors: Any, mesh: DeviceMesh, stream: Stream | None = None) -> Any
     def move(t: Any) -> Any:
         if isinstance(t, MeshSliceTensor):
             return t.to_mesh(mesh, stream)
-        if isinstance(t, Tensor):
+        if not isinstance(t, Tensor):
+            return t
+        if not (t.requires_grad and torch.is_grad_enabled()):
             return _move(t, t._mesh, mesh, stream)
-        return t
+        if set(mesh.dims) == set(t._mesh.dims):
+            return _Moved.apply(t, mesh, stream)
+        return without_gradient(
+            t, lambda: _move(t, t._mesh, mesh, stream), "a broadcasting to_mesh"
+        )
 
     return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
+
+
+class _Moved(torch.autograd.Function):
+    """A move that autograd records: its gradient moves back, to the source's mesh and stream
+    (a pipeline's stages, with no detach and backward(grad) at each boundary)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, mesh: DeviceMesh, stream: Stream | None) -> Tensor:
+        ctx.source, ctx.stream = t._mesh, t._stream
+        return _move(t, t._mesh, mesh, stream)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        return _move(grad, grad._mesh, ctx.source, ctx.stream), None, None
 
 
 def _reorder(mesh: DeviceMesh, names: list[str]) -> Slice:

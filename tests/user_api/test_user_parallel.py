@@ -186,6 +186,98 @@ def test_pipeline_stages_with_to_mesh(mesh):
     assert got[0].tolist() == [2.0, 4.0, 6.0] and got[1].tolist() == [22.0, 24.0, 26.0]
 
 
+def test_backward_crosses_a_pipeline_boundary_and_refuses_a_collective(mesh):
+    """A move is differentiable (its gradient moves back); a collective has no gradient, and
+    says so when backward reaches it: before, both results simply did not require grad, and
+    the layers before a tensor-parallel sum were silently never trained."""
+    stage0, stage1 = mesh.slice(host=0), mesh.slice(host=1)
+    with stage0.activate():
+        w0 = torch.ones(3, requires_grad=True)
+        h = w0 * (stage0.rank("gpu").float() + 2)
+    moved = h.to_mesh(stage1)
+    with stage1.activate():
+        w1 = torch.full((3,), 3.0, requires_grad=True)
+        (moved * w1).sum().backward()
+        assert [dm.inspect(w1.grad, gpu=g).tolist() for g in range(2)] == [[2.0] * 3, [3.0] * 3]
+    with stage0.activate():
+        assert dm.inspect(w0.grad, gpu=1).tolist() == [9.0] * 3
+    with mesh.activate():
+        w = torch.ones(3, requires_grad=True)
+        y = (w * 2).reduce("gpu", "sum")
+        assert y.requires_grad and dm.inspect(y, host=0, gpu=0).tolist() == [4.0] * 3
+        with pytest.raises(RuntimeError, match=r"reduce\('gpu', 'sum'\) has no gradient"):
+            y.sum().backward()
+        s = torch.sigmoid(w)
+        s.reduce_("gpu", "avg")  # in place, as any in-place op: backward refuses the old value
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            s.sum().backward()
+        loss = (w * 3).sum()
+        loss.reduce_("gpu", "avg")  # a loss averaged for the log: its backward is untouched
+        loss.backward()
+        assert dm.inspect(w.grad, host=0, gpu=0).tolist() == [3.0] * 3
+
+
+class _CopyToTP(torch.autograd.Function):  # docs/user_guide.md, "Collectives and autograd"
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.reduce("gpu", "sum")
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach().reduce("gpu", "sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_the_user_guides_tensor_parallel_pair_gives_local_gradients(mesh):
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(2, 4), torch.randn(4, 6), torch.randn(6, 4)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    (torch.relu(leaves[0] @ leaves[1]) @ leaves[2]).sum().backward()
+    with mesh.activate():
+        r = mesh.rank("gpu").reshape(1)
+        mx = dm.put(x).requires_grad_()
+        m1 = torch.stack(w1.chunk(2, 1)).index_select(0, r).squeeze(0).requires_grad_()
+        m2 = torch.stack(w2.chunk(2, 0)).index_select(0, r).squeeze(0).requires_grad_()
+        y = _ReduceFromTP.apply(torch.relu(_CopyToTP.apply(mx) @ m1) @ m2)
+        y.sum().backward()
+        grads = [dm.inspect((mx.grad, m1.grad, m2.grad), host=1, gpu=g) for g in range(2)]
+    for g, (gx, g1, g2) in enumerate(grads):
+        assert torch.allclose(gx, leaves[0].grad, atol=1e-6)
+        assert torch.allclose(g1, leaves[1].grad.chunk(2, 1)[g], atol=1e-6)
+        assert torch.allclose(g2, leaves[2].grad.chunk(2, 0)[g], atol=1e-6)
+
+
+def test_a_compiled_pipeline_step_returns_its_loss_on_the_last_stage(mesh):
+    """A compiled function's outputs were all given its arguments' mesh: a loss computed on
+    the last stage was fetched from the first, whose ranks do not hold it (RefNotFound)."""
+    stage0, stage1 = mesh.slice(host=0), mesh.slice(host=1)
+
+    @dm.compile
+    def step(x):
+        y = (x * 2).to_mesh(stage1)
+        with stage1.activate():
+            return (y + 1).sum(), x + 1
+
+    with stage0.activate():
+        x = torch.ones(3)
+    for _ in range(3):  # traced, then replayed
+        loss, same = step(x)
+        assert loss.mesh == stage1 and same.mesh == stage0
+        with stage1.activate():
+            assert dm.inspect(loss, gpu=1).item() == 9.0
+        with stage0.activate():
+            assert dm.inspect(same, gpu=0).tolist() == [2.0] * 3
+
+
 def test_to_mesh_copies_and_broadcasts(mesh):
     with mesh.activate():
         t = torch.zeros(2) + mesh.rank(("host", "gpu")).float()
