@@ -319,6 +319,16 @@ class Tensor(torch.Tensor, Handle):
             "dask_monarch.inspect(...); or save mesh state with dask_monarch.checkpoint.save"
         )
 
+    def share_memory_(self) -> Tensor:
+        """Nothing to do, as for a CUDA tensor: the value is in the ranks' memory
+        (``model.share_memory()``, as hogwild training calls it; torch's own path failed
+        on the meta storage of the handle)."""
+        check_usable(self)
+        return self
+
+    def is_shared(self) -> bool:
+        return False  # in no shared memory of the client's
+
     def _nbytes(self) -> int:
         return self.numel() * self.element_size()
 

@@ -666,6 +666,16 @@ def test_fetching_state_dicts_and_trees_of_local_and_mesh_values(mesh2):
     assert type(got["topk"]).__name__ == "topk" and got["topk"].values.tolist() == [2.0, 1.0]
 
 
+def test_share_memory_of_a_mesh_model_is_nothing_to_do(mesh2):
+    """pytorch/examples' hogwild calls model.share_memory(): torch's path failed on the
+    handle's meta storage with a message about devices."""
+    with mesh2.activate():
+        model = nn.Linear(4, 2)
+        assert model.share_memory() is model
+        assert model.weight.share_memory_() is model.weight and not model.weight.is_shared()
+        assert dm.inspect(model(torch.ones(1, 4))).shape == (1, 2)
+
+
 def test_deepcopy_clones_tensors_and_modules_on_the_ranks(mesh2):
     torch.manual_seed(0)
     local = nn.Linear(3, 2)
