@@ -198,3 +198,25 @@ def test_a_generator_of_the_clients_is_refused_inside_a_compiled_function(mesh2)
     with mesh2.activate():
         with pytest.raises(NotImplementedError, match="traced, and replayed unchanged"):
             noisy(torch.zeros(3))
+
+
+def test_a_loader_with_its_own_generator_shuffles_and_drops_out_as_in_one_process(mesh2):
+    """The user guide's recipe (random numbers, "Two generators"): the loader's draws come
+    from its own generator, the model's from the ranks' seeded by torch.manual_seed."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(8))
+
+    def program() -> tuple:
+        torch.manual_seed(0)
+        init = torch.randn(3)
+        loader = DataLoader(
+            data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        order = torch.cat([batch[0] for batch in loader])
+        return init, order, torch.nn.functional.dropout(torch.ones(8), 0.5)
+
+    want = program()
+    with mesh2.activate():
+        got = [dm.inspect(t) if isinstance(t, dm.Tensor) else t for t in program()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
