@@ -236,11 +236,9 @@ def _make_containers(state: Any, layout: Any) -> tuple[Any, list[tuple]]:
             state = state_tree.put(state, path, here)
         elif kind != "dict" and len(here) < length:
             slots.update((*path, i) for i in range(len(here), length))
-            if isinstance(here, list):
-                here.extend([None] * (length - len(here)))
-            else:
+            if not isinstance(here, list):
                 tuples.append(path)
-                state = state_tree.put(state, path, [*here, *[None] * (length - len(here))])
+            state = state_tree.put(state, path, [*here, *[None] * (length - len(here))])
     return state, tuples
 
 

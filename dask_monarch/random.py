@@ -32,7 +32,8 @@ from .opaque_ref import OpaqueRef
 from .protocol.names import rank_function
 from .remote_function import remote
 from .stream import Stream, get_active_stream
-from .tensor import Tensor, active_mesh, as_torch_builtin
+from .tensor import Tensor, active_mesh, as_torch_builtin, no_mesh
+from .transfer import put
 from .worker import rank_gpu
 
 if TYPE_CHECKING:
@@ -217,15 +218,30 @@ def _torch_get_rng_state_on_the_mesh() -> torch.Tensor:
 def _torch_set_rng_state_on_the_mesh(new_state: torch.Tensor) -> None:
     """``torch.set_rng_state(state)``: a mesh state (from ``torch.get_rng_state()`` under a
     mesh) is restored on its ranks, under its mesh if none is active (a checkpointed
-    forward recomputed by a backward called outside ``mesh.activate()``)."""
-    if not isinstance(new_state, Tensor):
-        _torch_set_rng_state(new_state)
+    forward recomputed by a backward called outside ``mesh.activate()``).
+
+    A local state (a checkpoint's: one process's, or a mesh's fetched) sets the client's
+    generator and, under an active mesh, the ranks', as ``torch.manual_seed`` does there:
+    torch's own set only the client's, whose generator no mesh op draws from, and a resumed
+    run's dropout silently drew other masks. A fetched mesh state (CPU state, flag, CUDA
+    state) sets the client's from its CPU part."""
+    if isinstance(new_state, Tensor):
+        if active_mesh() is None:
+            with new_state._mesh.activate():
+                set_state(new_state)
+            return
+        set_state(new_state)
         return
-    if active_mesh() is None:
-        with new_state._mesh.activate():
-            set_state(new_state)
-        return
-    set_state(new_state)
+    cpu_bytes = _torch_get_rng_state().numel()
+    _torch_set_rng_state(new_state[:cpu_bytes] if _is_mesh_state(new_state) else new_state)
+    if active_mesh() is not None:
+        set_state(new_state)
+
+
+def _is_mesh_state(state: torch.Tensor) -> bool:
+    """A local tensor laid out as :func:`get_state`'s values: CPU state, flag, CUDA state."""
+    cpu_bytes = _torch_get_rng_state().numel()
+    return state.dtype == torch.uint8 and state.shape == (cpu_bytes + 1 + CUDA_STATE_BYTES,)
 
 
 def install_torch_rng() -> None:
@@ -258,10 +274,26 @@ def set_state(state: Tensor) -> None:
     """
     mesh = _active()
     if not isinstance(state, Tensor):
-        raise TypeError(
-            f"set_state takes a state from dask_monarch.random.get_state(), got {state!r}"
-        )
+        state = _placed_state(state)
     _set_state(state, **_own(get_active_stream(), mesh))
+
+
+def _placed_state(state: object) -> Tensor:
+    """A local state as a mesh state of the active mesh: one fetched from :func:`get_state`
+    (a checkpoint's), or a CPU generator's (``torch.get_rng_state()`` of one process), which
+    leaves CUDA alone (flag 0)."""
+    cpu_bytes = _torch_get_rng_state().numel()
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        if state.numel() == cpu_bytes:
+            with no_mesh.activate():
+                state = torch.cat([state, torch.zeros(1 + CUDA_STATE_BYTES, dtype=torch.uint8)])
+        if _is_mesh_state(state):
+            return put(state)
+    raise TypeError(
+        "set_state takes a state from dask_monarch.random.get_state() (a mesh tensor, or its "
+        f"fetched value: {cpu_bytes + 1 + CUDA_STATE_BYTES} bytes) or a CPU generator's "
+        f"({cpu_bytes} bytes, torch.get_rng_state() of one process), got {state!r}"
+    )
 
 
 def new_state(seed: int) -> Tensor:

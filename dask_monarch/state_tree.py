@@ -98,10 +98,14 @@ def key(path: Path) -> str:
 
 
 def put(state: Any, path: Path, value: Any) -> Any:
-    """Set the leaf at ``path`` to ``value``; returns the root (a new one if a tuple changed).
+    """Set the leaf at ``path`` to ``value``; returns the root (a new one if a list or tuple
+    on the way changed).
 
-    Dicts and lists change in place; a missing dict entry on the way is made
-    (an empty optimizer state gains its parameters' entries).
+    Dicts change in place, and a missing dict entry on the way is made (an empty
+    optimizer state gains its parameters' entries). A list is copied, never
+    changed: a state dict's lists are often its owner's own (a scheduler's
+    ``state_dict()`` shares ``_last_lr`` with the scheduler, which a load
+    would have changed before ``load_state_dict``, as torch never does).
     """
     if not path:
         return value
@@ -111,8 +115,9 @@ def put(state: Any, path: Path, value: Any) -> Any:
         state[head] = put(child, rest, value)
         return state
     if isinstance(state, list) and isinstance(head, int) and head < len(state):
-        state[head] = put(state[head], rest, value)
-        return state
+        items = list(state)
+        items[head] = put(items[head], rest, value)
+        return items
     if isinstance(state, tuple) and isinstance(head, int) and head < len(state):
         items = list(state)
         items[head] = put(items[head], rest, value)

@@ -237,6 +237,25 @@ def test_lists_tuples_and_empty_containers_load_back_as_they_were_saved(mesh2, t
     assert dm.inspect(loaded["extras"][0][1]).tolist() == [1.0, 1.0]
 
 
+def test_a_load_changes_no_list_it_was_given(mesh2, tmp_path):
+    """A scheduler's state_dict() shares its lists (_last_lr) with the scheduler: a load
+    wrote the saved values into them, changing the live scheduler (and any state dict taken
+    before) ahead of load_state_dict, as torch never does."""
+    with mesh2.activate():
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        dm.checkpoint.save({"sched": sched.state_dict()}, tmp_path)
+        for _ in range(2):
+            opt.step()
+            sched.step()
+        kept = sched.state_dict()
+        loaded = dm.checkpoint.load({"sched": sched.state_dict()}, tmp_path)
+        assert kept["_last_lr"] == [0.025] and sched.get_last_lr() == [0.025]
+        assert loaded["sched"]["_last_lr"] == [0.1]
+        sched.load_state_dict(loaded["sched"])
+        assert sched.get_last_lr() == [0.1]
+
+
 def test_a_checkpoint_of_four_ranks_loads_onto_two(mesh, mesh2, tmp_path):
     model, _ = _model(mesh)
     with mesh.activate():

@@ -220,3 +220,33 @@ def test_a_loader_with_its_own_generator_shuffles_and_drops_out_as_in_one_proces
     with mesh2.activate():
         got = [dm.inspect(t) if isinstance(t, dm.Tensor) else t for t in program()]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_local_state_sets_the_ranks_and_the_client_and_a_fetched_one_restores(mesh2):
+    """A resumed run's checkpoint holds a local state: one process's (torch.get_rng_state()
+    there) or a mesh's, fetched. torch.set_rng_state of a local state set only the client's
+    generator, and the ranks' dropout silently drew other masks; a fetched mesh state was
+    refused by both setters."""
+    with dm.no_mesh.activate():
+        torch.manual_seed(0)
+        one_process = torch.get_rng_state()
+        want = torch.rand(3)
+    with mesh2.activate():
+        torch.manual_seed(123)
+        torch.set_rng_state(one_process)
+        drawn = torch.rand(3)
+        ranks = [dm.inspect(drawn, gpu=r) for r in range(2)]
+        with dm.no_mesh.activate():
+            client = torch.rand(3)
+        fetched = dm.inspect(torch.get_rng_state())
+        first = dm.inspect(torch.rand(3))
+        torch.set_rng_state(fetched)
+        again = dm.inspect(torch.rand(3))
+        dm.random.set_state(fetched)
+        once_more = dm.inspect(torch.rand(3))
+        with dm.no_mesh.activate():
+            wrong = torch.zeros(3, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="set_state takes a state"):
+            dm.random.set_state(wrong)
+    assert all(torch.equal(r, want) for r in ranks) and torch.equal(client, want)
+    assert torch.equal(again, first) and torch.equal(once_more, first)
