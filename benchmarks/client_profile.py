@@ -1,7 +1,7 @@
 """Where the client's time goes, per op and per training step (issue 38, item 1).
 
     python benchmarks/client_profile.py [--what op|reuse|literal|gpt2|gpt2-compiled]
-                                        [--n 20000] [--sort tottime] [--spy]
+                                        [--n 20000] [--sort tottime] [--spy] [--gc]
 
 ``op``: ``acc = ones + acc`` on 100x100 mesh tensors (``benchmarks/peers.py``'s
 shape), ``--n`` times: the wall time and the user thread's CPU per op, then
@@ -14,6 +14,9 @@ AdamW, ``ddp_hooks``) on 2 ranks, ``--n`` steps (30 is plenty): per step and
 per message, then under cProfile; ``gpt2-compiled``: the same step under
 ``dm.compile``. All on a 2-rank ``LocalMeshCluster``.
 
+``--gc``: the time the client's cyclic garbage collections took in the timed loop, per
+op or step, and their count per generation.
+
 ``--spy``: where the ranks' time goes too. py-spy (``pip install py-spy``, not a
 dependency) samples each rank process during the timed loop, only while a
 thread holds the GIL (``--gil``: Python's own work, not the ops, whose torch
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import os
 import pstats
 import signal
@@ -154,6 +158,32 @@ def _hottest(path: str, n: int = 15) -> tuple[int, list[str]]:
     return total, [f"{c / total:6.1%}  {line}" for line, c in lines.most_common(n)]
 
 
+class _CollectionTimer:
+    """The client's cyclic garbage collections while it runs, per generation (gc.callbacks):
+    every young object a message keeps alive until the ranks report is walked by them."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._note)
+
+    def report(self, n: int, unit: str) -> str:
+        per = ", ".join(
+            f"gen {g}: {c} ({s * 1e3:.0f} ms)"
+            for g, (c, s) in enumerate(zip(self.count, self.seconds))
+        )
+        return f"GC: {sum(self.seconds) / n * 1e6:.2f} us per {unit}; collections {per}"
+
+
 def _cpu(workers: list) -> list[float]:
     """CPU seconds (user + system) of this process, then of each of ``workers``."""
     return [sum(p.cpu_times()[:2]) for p in [psutil.Process(), *workers]]
@@ -165,6 +195,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None, help="ops (20 000) or steps (30)")
     parser.add_argument("--sort", default="tottime", help="pstats order (tottime, cumulative)")
     parser.add_argument("--spy", action="store_true", help="py-spy the ranks (see above)")
+    parser.add_argument("--gc", action="store_true", help="time the client's GC (see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with dm.LocalMeshCluster(n_ranks=2, device="cpu") as cluster, Client(cluster) as client:
@@ -179,10 +210,13 @@ def main() -> None:
         workers = [psutil.Process(pid) for pid in client.run(os.getpid).values()]
         folder = tempfile.mkdtemp(prefix="dm-spy-") if args.spy else None
         spies = _spy([w.pid for w in workers], folder) if folder else []
+        gc_timer = _CollectionTimer() if args.gc else None
         before = _cpu(workers)
         wall, cpu = time.perf_counter(), time.thread_time()
         run(n)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        if gc_timer is not None:
+            gc_timer.stop()
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its recording as it stops
             spy.wait()
@@ -199,6 +233,8 @@ def main() -> None:
             + ", ".join(f"{s:.1f}" for s in spent[1:])
             + f"; all {sum(spent):.1f} on {psutil.cpu_count()} cores"
         )
+        if gc_timer is not None:
+            print(gc_timer.report(n, unit))
         for i in range(len(spies)):
             samples, hottest = _hottest(os.path.join(folder, f"rank{i}.txt"))
             print(
