@@ -13,6 +13,7 @@ exactly what uses the object (docs/protocol.md §4), and the worker carries on.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,15 @@ class OpaqueRef(Handle):
         handles, objects = split_handles(leaves)
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
         mesh, stream = place(handles, objects, f"OpaqueRef({name})", groups)
+        if any(h.requires_grad for h in handles):
+            warnings.warn(
+                f"OpaqueRef({name}) is given mesh tensors that require grad: on the ranks "
+                "they are values without .grad (gradients are the client's autograd's), so "
+                "an optimizer built there steps on nothing. Step the optimizer on the client "
+                "(torch.optim under mesh.activate()), or pass the gradients to your remote "
+                "function and set p.grad there",
+                stacklevel=2,
+            )
         session = mesh._session
         with session.lock:
             if session.capture is not None and session.capture.tracing:

@@ -34,6 +34,7 @@ from torch.utils._pytree import (
 
 from . import config
 from .borrows import first_use
+from .collectives import without_gradient
 from .fetch import fetch_value, shard_rank
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .opaque_ref import OpaqueRef, place, split_handles
@@ -76,7 +77,10 @@ class Remote:
         groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
         mesh, stream = place(handles, objects, repr(self), groups)
         if self._propagate == "inspect":
+            # it may change any of its tensors: the client's copies of their values go
             spec, mutated = None, []
+            for h in handles:
+                h._storage.forget_known()
         elif self._propagate is not None:
             spec, mutated = propagate_locally(self._propagate, args, kwargs)
         elif objects:
@@ -114,7 +118,20 @@ class Remote:
                 [g.ref for g in groups],
             )
 
-        return bind_outputs(spec, mesh, stream, handles, message, mutated, groups, objects)
+        out = bind_outputs(spec, mesh, stream, handles, message, mutated, groups, objects)
+        differentiable = [h for h in handles if h.requires_grad]
+        if out is None or not differentiable or not torch.is_grad_enabled():
+            return out
+        # autograd cannot see into it: backward reaching its outputs raises, saying so
+        what = f"{self!r} (a remote function)"
+        return tree_map(
+            lambda o: (
+                without_gradient(differentiable[0], lambda: o, what)
+                if isinstance(o, Tensor) and (o.is_floating_point() or o.is_complex())
+                else o
+            ),
+            out,
+        )
 
     def _propagate_remotely(
         self, mesh: DeviceMesh, args: tuple, kwargs: dict, handles: list[Tensor]
@@ -137,7 +154,9 @@ class Remote:
             cached = _unpack_spec(future.result())
             if key is not None:
                 self._cache[key] = cached
-        return cached
+        spec, changed = cached
+        leaves = tree_flatten((args, kwargs))[0]
+        return spec, [leaves[i] for i in changed if isinstance(leaves[i], Tensor)]
 
     def call_on_shard_and_fetch(self, *args: Any, shard: dict | None = None, **kwargs: Any) -> Any:
         """Run the function on one rank only and return its value (tensors on the CPU)."""
@@ -312,16 +331,23 @@ def _propagate_on_rank(
     fake_args, fake_kwargs = tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
     )
+    inputs = tree_flatten((fake_args, fake_kwargs))[0]
+    versions = [x._version if isinstance(x, torch.Tensor) else None for x in inputs]
     with mode, breakpoints_suppressed():  # a breakpoint() stops the real call, not this one
         out = fn(*fake_args, **fake_kwargs)
     leaves, spec = tree_flatten(out)
     packed = [describe_output(x) for x in leaves]
+    changed = [
+        i for i, (x, v) in enumerate(zip(inputs, versions)) if v is not None and x._version != v
+    ]
     config.freeze_new_imports()  # the first fake run imports dynamo into this worker
-    return packed, treespec_dumps(spec)
+    return packed, treespec_dumps(spec), changed
 
 
-def _unpack_spec(reply: tuple[list[tuple], str]) -> tuple[Any, list]:
-    packed, spec = reply
+def _unpack_spec(reply: tuple[list[tuple], str, list[int]]) -> tuple[Any, list[int]]:
+    """The output spec, and the positions among the call's argument leaves of the inputs the
+    function changed in place (the client forgets its copies of their values)."""
+    packed, spec, changed = reply
     spec = treespec_loads(spec)
     leaves = [p[1] if (t := described_tensor(p)) is None else Spec((*t, None)) for p in packed]
-    return tree_unflatten(leaves, spec), []
+    return tree_unflatten(leaves, spec), changed

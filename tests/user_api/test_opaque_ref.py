@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -101,3 +102,15 @@ def test_an_object_made_from_a_closure_and_passed_in_a_container(mesh2):
         obj = dm.OpaqueRef(make, mesh2.rank("gpu"))
         x = torch.zeros(2)
         assert dm.inspect(shift([obj, obj], x), gpu=1).tolist() == [16.0, 16.0]
+
+
+def test_an_object_given_parameters_warns_that_they_have_no_grad_there(mesh2):
+    """An optimizer built on the ranks over mesh parameters stepped on nothing: the ranks'
+    values have no .grad (gradients are the client's autograd's)."""
+    with mesh2.activate():
+        model = torch.nn.Linear(2, 1)
+        with pytest.warns(UserWarning, match="require grad.*steps on nothing"):
+            dm.OpaqueRef(torch.optim.SGD, list(model.parameters()), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dm.OpaqueRef("helpers.remote_fns.Resident", 1.0)

@@ -280,6 +280,42 @@ def _local_double(x):
     return x * 2
 
 
+def test_a_remote_functions_changes_to_its_inputs_are_read_from_the_ranks(mesh2):
+    """The client kept its copy of a small value a remote function changed in place:
+    t.tolist() read the value from before the call (rank 0 saw the change in its fake run,
+    and "inspect" says nothing of what the function changes)."""
+
+    def bump_(t):
+        t.add_(1)
+        return t.sum()
+
+    learned = dm.remote(bump_)  # rank 0 runs it on fakes: their versions say what changed
+    silent = dm.remote(bump_, propagate="inspect")
+    with mesh2.activate():
+        t = torch.tensor([1.0, 2.0, 3.0])
+        untouched = torch.tensor([5.0])
+        learned(t)
+        assert t.tolist() == [2.0, 3.0, 4.0] and (t * 2).tolist() == [4.0, 6.0, 8.0]
+        silent(t)
+        assert t.tolist() == [3.0, 4.0, 5.0]
+        learned(untouched + 0)
+        assert untouched.tolist() == [5.0]
+
+
+def test_a_remote_functions_outputs_say_they_have_no_gradient(mesh2):
+    double = dm.remote(lambda x: x * 2, propagate=lambda x: x.clone())
+    with mesh2.activate():
+        model = torch.nn.Linear(4, 4)
+        out = double(model(torch.ones(2, 4)))
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match="a remote function.*has no gradient"):
+            out.sum().backward()
+        detached = double(model(torch.ones(2, 4)).detach())
+        assert not detached.requires_grad
+        with torch.no_grad():
+            assert not double(model(torch.ones(2, 4))).requires_grad
+
+
 def test_remote_functions_by_callable_path_and_propagation(mesh2):
     doubled = dm.remote(_local_double, propagate=lambda x: x.clone())
     by_path = dm.remote("torch.nn.functional.relu", propagate=lambda x: x.clone())
