@@ -133,7 +133,7 @@ class Tensor(torch.Tensor, Handle):
         if known is not None:
             storage.learn(t, known)
         watch = session.watch
-        if watch is not None:  # a dry run counts what each handle holds
+        if watch is not None and lazy is None:  # a dry run counts what each ref holds
             watch(ref.id, storage, extent(meta) * meta.dtype.itemsize if fresh else 0, mesh._ranks)
         return t
 
@@ -161,8 +161,10 @@ class Tensor(torch.Tensor, Handle):
             self._settle_views()
         Handle.drop(self)
 
-    def disown(self, why: str | None = None) -> None:
-        if why is None and self._lazy is None:  # else unusable, with the views of its storage
+    def disown(self, why: str | None = None, settle: bool = True) -> None:
+        """As :meth:`Handle.disown`; the lazy views of its storage are sent first (they read
+        it), unless ``settle`` is false: a dry run's end, where nothing of the block ran."""
+        if why is None and settle and self._lazy is None:  # else unusable, with its views
             self._settle_views()
         Handle.disown(self, why)
 
@@ -305,7 +307,9 @@ class Tensor(torch.Tensor, Handle):
             f"{self._describe()} cannot be pickled: its value lives on the ranks. Pass it to "
             "a remote function as an argument (only its ref travels), fetch it with "
             "dask_monarch.inspect(t) (a CPU tensor, which pickles), or save mesh state with "
-            "dask_monarch.checkpoint.save"
+            "dask_monarch.checkpoint.save. A framework saving its checkpoints for you "
+            "(Lightning, transformers' Trainer) needs dask_monarch.inspect of the state in "
+            "its save hook: docs/user_guide.md, 'Bringing existing model code'"
         )
 
     def storage(self) -> Any:  # type: ignore[override]
@@ -1095,7 +1099,6 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         and not how
         and session.lazy_views
         and session.capture is None
-        and session.watch is None
         and len(handles) == 1
         and args[0] is handles[0]
         and plan.kind == "tensor"
@@ -1249,6 +1252,9 @@ def materialize(h: Tensor) -> None:
         else:  # made before the block: it runs before it, outside the recording
             session.send_setup(h._mesh._ranks, message)
         h._ref, h._owns_ref, h._lazy = ref, True, None
+        watch = session.watch
+        if watch is not None:  # a dry run: the view's own ref holds its base's storage
+            watch(ref.id, h._storage, 0, h._mesh._ranks)
 
 
 def settle_views(storage: StorageInfo) -> None:

@@ -685,9 +685,9 @@ class Session:
             with self.lock:
                 self.watch, self._exit_instead = None, None
                 for storage in stand_in.storages():  # nothing on the ranks to delete
-                    for handle in storage.handles:
-                        if handle._ref.id >= first_id:
-                            handle.disown()
+                    for handle in storage.handles:  # (a lazy view has no ref: naming it sends)
+                        if handle._lazy is None and handle._ref.id >= first_id:
+                            handle.disown(settle=False)
                 self._restore(real, stand_in, saved, definers, first_seq, first_id)
 
     @staticmethod
