@@ -123,8 +123,8 @@ def _generator(device_type: str, seed: int) -> torch.Generator | None:
 
 
 @rank_function
-def _deterministic(enabled: bool) -> None:
-    torch.use_deterministic_algorithms(enabled)
+def _deterministic(enabled: bool, warn_only: bool = False) -> None:
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.backends.cudnn.deterministic = enabled
     if enabled:  # no autotuning; deterministic cuBLAS (torch.use_deterministic_algorithms)
         torch.backends.cudnn.benchmark = False
@@ -147,7 +147,9 @@ _get_state = remote("dask_monarch.random._states", propagate=_state_like)
 _set_state = remote("dask_monarch.random._set_states", propagate=lambda *a, **k: None)
 _new_state = remote("dask_monarch.random._seeded_states", propagate=_state_like)
 _manual_seed = remote("dask_monarch.random._seed", propagate=lambda *a, **k: None)
-_make_deterministic = remote("dask_monarch.random._deterministic", propagate=lambda enabled: None)
+_make_deterministic = remote(
+    "dask_monarch.random._deterministic", propagate=lambda enabled, warn_only=False: None
+)
 
 
 @dataclass
@@ -191,6 +193,7 @@ def _original(function: Callable) -> Callable:
 _torch_manual_seed = _original(torch.random.manual_seed)
 _torch_get_rng_state = _original(torch.random.get_rng_state)
 _torch_set_rng_state = _original(torch.random.set_rng_state)
+_torch_use_deterministic_algorithms = _original(torch.use_deterministic_algorithms)
 
 
 def _torch_manual_seed_on_the_mesh(seed: int) -> torch.Generator:
@@ -244,20 +247,33 @@ def _is_mesh_state(state: torch.Tensor) -> bool:
     return state.dtype == torch.uint8 and state.shape == (cpu_bytes + 1 + CUDA_STATE_BYTES,)
 
 
+def _torch_use_deterministic_algorithms_on_the_mesh(mode: bool, *, warn_only: bool = False) -> None:
+    """``torch.use_deterministic_algorithms(mode)``: the client's, and under an active mesh the
+    ranks' too (:func:`make_deterministic`), where the ops run. torch's own set only the
+    client's, so ``Trainer(deterministic=True)`` (Lightning) left a GPU mesh's kernels
+    nondeterministic, silently."""
+    _torch_use_deterministic_algorithms(mode, warn_only=warn_only)
+    if active_mesh() is not None:
+        _make_deterministic(bool(mode), bool(warn_only))
+
+
 def install_torch_rng() -> None:
-    """Route ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (and
-    their ``torch.random`` names, which ``fork_rng`` and ``torch.utils.checkpoint`` call)
+    """Route ``torch.manual_seed``, ``torch.get_rng_state``, ``torch.set_rng_state`` (and
+    their ``torch.random`` names, which ``fork_rng`` and ``torch.utils.checkpoint`` call) and
+    ``torch.use_deterministic_algorithms``
     through the functions above. The first mesh of a client does it."""
     for wrapper, original in (
         (_torch_manual_seed_on_the_mesh, _torch_manual_seed),
         (_torch_get_rng_state_on_the_mesh, _torch_get_rng_state),
         (_torch_set_rng_state_on_the_mesh, _torch_set_rng_state),
+        (_torch_use_deterministic_algorithms_on_the_mesh, _torch_use_deterministic_algorithms),
     ):
         wrapper.__dask_monarch_original__ = original  # type: ignore[attr-defined]
         as_torch_builtin(wrapper, original)
     torch.manual_seed = torch.random.manual_seed = _torch_manual_seed_on_the_mesh
     torch.get_rng_state = torch.random.get_rng_state = _torch_get_rng_state_on_the_mesh
     torch.set_rng_state = torch.random.set_rng_state = _torch_set_rng_state_on_the_mesh
+    torch.use_deterministic_algorithms = _torch_use_deterministic_algorithms_on_the_mesh
 
 
 def get_state() -> Tensor:

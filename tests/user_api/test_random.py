@@ -101,6 +101,21 @@ def test_make_deterministic_sets_each_rank_and_can_be_undone(mesh2):
         assert now.call_on_shard_and_fetch(shard={"gpu": 1}) is False
 
 
+def test_torch_use_deterministic_algorithms_under_a_mesh_sets_the_ranks_too(mesh2):
+    """Lightning's Trainer(deterministic=True) calls it: only the client was set, and a GPU
+    mesh would run its nondeterministic kernels, silently."""
+    now = dm.remote("dask_monarch.random._deterministic_now", propagate="inspect")
+    with mesh2.activate():
+        try:
+            torch.use_deterministic_algorithms(True)
+            assert torch.are_deterministic_algorithms_enabled()
+            assert now.call_on_shard_and_fetch(shard={"gpu": 1}) is True
+        finally:
+            torch.use_deterministic_algorithms(False)  # the workers are shared with other tests
+        assert now.call_on_shard_and_fetch(shard={"gpu": 0}) is False
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_random_needs_a_mesh_and_an_int_seed(mesh2):
     with pytest.raises(RuntimeError, match="active mesh"):
         dm.random.new_state(1)
