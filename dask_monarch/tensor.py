@@ -302,6 +302,14 @@ class Tensor(torch.Tensor, Handle):
             new.grad = copy.deepcopy(self.grad, memo)
         return new
 
+    def __copy__(self) -> Tensor:
+        """``copy.copy(t)``: as torch's, a new leaf sharing ``t``'s storage (a view, which
+        sends nothing); it went through pickling, which a mesh tensor refuses."""
+        new = self.detach()
+        if self.requires_grad:
+            new.requires_grad_(True)
+        return new
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
             f"{self._describe()} cannot be pickled: its value lives on the ranks. Pass it to "
@@ -1789,36 +1797,40 @@ def _drawn_by_a_client_generator(func: OpOverload, info: OpInfo, args: tuple, kw
     name = func._schema.name.split("::")[-1]
     layout_only = args[0] if args and (name in _FILLS or name.endswith("_like")) else None
     local_of: dict[int, torch.Tensor] = {}
-
-    def local(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            if id(x) not in local_of:
-                if x is layout_only:
-                    local_of[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-                else:
-                    local_of[id(x)] = value_of(x, what)
-            return local_of[id(x)]
-        if isinstance(x, (list, tuple)):
-            return type(x)(local(v) for v in x)
-        return x
-
-    local_args = [local(a) for a in args]
-    local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    local_args = [_client_side(a, local_of, layout_only, what) for a in args]
+    local_kwargs = {k: _client_side(v, local_of, layout_only, what) for k, v in kwargs.items()}
     with no_dispatch():
         result = func(*local_args, **local_kwargs)
-    mesh_of = {id(local_of[id(h)]): h for h in handles}
     for h in _written(info, args, kwargs):  # the draws go into the mesh tensor
         dispatch(_aten.copy_.default, (h, local_of[id(h)]), {})
+    mesh_of = {id(local_of[id(h)]): h for h in handles}
+    return _placed_draws(result, mesh_of, mesh, stream)
 
-    def placed(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            mine = mesh_of.get(id(value))
-            return mine if mine is not None else from_client(value, mesh, stream, private=True)
-        if isinstance(value, (list, tuple)):
-            return type(value)(placed(v) for v in value)
-        return value
 
-    return placed(result)
+def _client_side(x: Any, local_of: dict, layout_only: Any, what: str) -> Any:
+    """Argument ``x`` of a draw the client makes: a mesh tensor as a local one (of its layout
+    for ``layout_only``, else its value, fetched unless known), kept in ``local_of``."""
+    if isinstance(x, Tensor):
+        if id(x) not in local_of:
+            if x is layout_only:
+                local_of[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+            else:
+                local_of[id(x)] = value_of(x, what)
+        return local_of[id(x)]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_client_side(v, local_of, layout_only, what) for v in x)
+    return x
+
+
+def _placed_draws(value: Any, mesh_of: dict, mesh: DeviceMesh, stream: Stream) -> Any:
+    """What a client-side draw returned, on the mesh: its in-place targets' own handles
+    (``mesh_of``: id of the local stand-in -> the mesh tensor), new tensors placed."""
+    if isinstance(value, torch.Tensor):
+        mine = mesh_of.get(id(value))
+        return mine if mine is not None else from_client(value, mesh, stream, private=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_placed_draws(v, mesh_of, mesh, stream) for v in value)
+    return value
 
 
 def _flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:

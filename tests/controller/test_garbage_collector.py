@@ -30,6 +30,9 @@ def test_nothing_freezes_during_a_collection():
         del sys.modules["dm_test_gc_freeze_other"]
 
 
+_scaled = dm.remote(lambda x, k: x * k.by, propagate=lambda x, k: x.clone())
+
+
 def test_a_training_step_leaves_no_cycles_of_dask_monarch_s_own(mesh2):
     """Forward, backward with ``ddp_hooks`` (a borrow, a reduce the precheck meets, a
     bucket's views), small values the client mirrors, a call with pickled arguments: nothing
@@ -48,7 +51,8 @@ def test_a_training_step_leaves_no_cycles_of_dask_monarch_s_own(mesh2):
             loss.backward()
             model.zero_grad()
             g = torch.Generator().manual_seed(1)
-            torch.randint(0, 9, (3,), generator=g)  # pickled arguments
+            torch.randint(0, 9, (3,), generator=g)  # drawn by the client, placed
+            _scaled(x, types.SimpleNamespace(by=2.0))  # pickled arguments
 
         step()
         dm.inspect(model[0].weight)

@@ -6,6 +6,7 @@ these types are registered here, so messages can annotate fields with them.
 
 import copyreg
 import enum
+import functools
 import importlib
 import io
 import logging
@@ -13,13 +14,13 @@ import pickle
 from collections import ChainMap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import is_not, itemgetter
 from typing import Any, Union
 
 import cloudpickle
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 
 from .. import source, tensor_bytes
 from ..ndslice import Slice
@@ -304,10 +305,12 @@ def _convert_refs(obj: Any, simple: list[bool]) -> Any:
         return cls(*(_convert_refs(x, simple) for x in obj))
     simple[0] = False
     # any other container torch's pytree knows (a state_dict()'s OrderedDict, defaultdict,
-    # torch.topk's structseq, transformers' ModelOutput): its children, one level down
-    children, spec = tree_flatten(obj, is_leaf=lambda x: x is not obj)
-    if spec.is_leaf():
+    # torch.topk's structseq, transformers' ModelOutput): its children, one level down.
+    # (tree_flatten's own helper is a cycle: it keeps what it is given until a collection,
+    # so a leaf is not given to it, and no function of ours is)
+    if tree_is_leaf(obj):
         return obj
+    children, spec = tree_flatten(obj, is_leaf=functools.partial(is_not, obj))
     return tree_unflatten([_convert_refs(c, simple) for c in children], spec)
 
 
