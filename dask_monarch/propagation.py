@@ -496,20 +496,29 @@ class Propagator:
         plan = plan_of(self.run_fake(func, args, kwargs), info)
         if func.is_view:
             plan = _view_layout_as_kernels_make_it(func, args, kwargs, plan)
+        elif _POINTWISE in func.tags and any(
+            getattr(a, "dtype", None) in _REDUCED_FLOATS for a in (*args, *kwargs.values())
+        ):
+            try:
+                upcast = plan_of(self.run_fake(func, args, kwargs, upcast=True), info)
+            except Exception:  # an op that takes no float32 where it took bfloat16
+                upcast = plan
+            plan = _with_layout_of(plan, upcast)
         promote = _promoting(func, args, kwargs, plan)
         return plan if promote is None else replace(plan, promote=promote)
 
-    def run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    def run_fake(self, func: OpOverload, args: tuple, kwargs: dict, upcast: bool = False) -> Any:
         """What ``func`` returns run on fake tensors with the mesh tensors' metadata (raises
-        one of DATA_DEPENDENT when that needs their values)."""
+        one of DATA_DEPENDENT when that needs their values); ``upcast``: bfloat16 and float16
+        tensors as float32 ones of the same layout."""
         _propagating.active = True
         try:
             with _disable_current_modes():  # an active mesh's mode must not see the fakes
-                return self._run_fake(func, args, kwargs)
+                return self._run_fake(func, args, kwargs, upcast)
         finally:
             _propagating.active = False
 
-    def _run_fake(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    def _run_fake(self, func: OpOverload, args: tuple, kwargs: dict, upcast: bool) -> Any:
         mesh_tensor = self._tensor_type
         mode = getattr(self._modes, "mode", None)
         if mode is None:
@@ -518,6 +527,8 @@ class Propagator:
 
         def fake(x: Any) -> Any:
             if isinstance(x, mesh_tensor):
+                if upcast and x.dtype in _REDUCED_FLOATS:
+                    return _fake_like(x, bases, mode, torch.float32)
                 return _fake_like(x, bases, mode)
             if type(x) is torch.Tensor:  # a value of the client's (PLANNED_BY_VALUES)
                 return mode.from_tensor(x)
@@ -555,6 +566,31 @@ def _view_layout_as_kernels_make_it(
         if out is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == out.meta.shape:
             meta = out.meta._replace(stride=tuple(t.stride()), offset=t.storage_offset())
             out = replace(out, meta=meta)
+        outputs.append(out)
+    return replace(plan, outputs=tuple(outputs))
+
+
+_POINTWISE = torch.Tag.pointwise
+_REDUCED_FLOATS = frozenset({torch.bfloat16, torch.float16})
+
+
+def _with_layout_of(plan: Plan, upcast: Plan) -> Plan:
+    """``plan`` with the strides of ``upcast``, the same op planned with its bfloat16 and
+    float16 inputs as float32 ones.
+
+    torch's fake pointwise kernels in reduced precision compute in float32 and convert back,
+    and the conversion makes a contiguous tensor: a fully expanded input times a
+    channels-last one (the gradient of ``.pow(2).sum()`` in a bfloat16 CNN's backward) is
+    contiguous on the client and channels-last on the ranks, whose kernels lay it out as
+    in float32. A later ``view`` then failed on the ranks, and ``as_strided`` read the wrong
+    elements, silently.
+    """
+    if plan.kind != upcast.kind or len(plan.outputs) != len(upcast.outputs):
+        return plan
+    outputs = []
+    for out, up in zip(plan.outputs, upcast.outputs):
+        if out is not None and up is not None and up.meta.shape == out.meta.shape:
+            out = replace(out, meta=out.meta._replace(stride=up.meta.stride, offset=up.meta.offset))
         outputs.append(out)
     return replace(plan, outputs=tuple(outputs))
 
@@ -622,9 +658,13 @@ def extent(meta: TensorMeta) -> int:
     return offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
 
 
-def _fake_like(t: Tensor, bases: dict[int, torch.Tensor], mode: FakeTensorMode) -> torch.Tensor:
-    """A fake tensor with ``t``'s metadata; tensors sharing storage get one fake storage."""
+def _fake_like(
+    t: Tensor, bases: dict[int, torch.Tensor], mode: FakeTensorMode, as_dtype: Any = None
+) -> torch.Tensor:
+    """A fake tensor with ``t``'s metadata (``as_dtype``: but that dtype); tensors sharing
+    storage get one fake storage."""
     shape, stride, offset, dtype, device, bits = t._mkey
+    dtype = as_dtype or dtype
     key = id(t._storage)
     base = bases.get(key)
     if base is None or base.dtype != dtype or base.numel() < extent(t._mkey):

@@ -744,6 +744,39 @@ def test_a_view_has_the_strides_the_ranks_give_it_and_group_norm_runs_at_batch_o
     assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(grads, norm.parameters()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_pointwise_ops_have_the_layout_the_ranks_give(mesh2, dtype):
+    """torch's fake kernels in bfloat16 and float16 made a fully expanded input times a
+    channels-last one contiguous; the ranks' kernels lay it out channels-last, as in
+    float32: the gradient of a channels-last CNN's ``.pow(2).sum()`` then failed its
+    ``flatten`` on the ranks, and ``as_strided`` read the wrong elements, silently."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5).to(dtype).contiguous(memory_format=torch.channels_last)
+    want = torch.ones((), dtype=dtype).expand(2, 3, 4, 5) * x
+    leaf = x.detach().requires_grad_()
+    nn.functional.interpolate(leaf, scale_factor=2).pow(2).sum().backward()
+    with mesh2.activate():
+        xm = _unknown(x).contiguous(memory_format=torch.channels_last)
+        y = torch.ones((), dtype=dtype).expand(2, 3, 4, 5) * xm
+        assert y.stride() == dm.inspect(y).stride() == want.stride()
+        assert torch.equal(dm.inspect(y.as_strided(y.shape, y.stride())), want)
+        assert dm.inspect(y.flatten(1)).shape == (2, 60)
+        mleaf = xm.detach().requires_grad_()
+        nn.functional.interpolate(mleaf, scale_factor=2).pow(2).sum().backward()
+        assert mleaf.grad.stride() == dm.inspect(mleaf.grad).stride() == leaf.grad.stride()
+        assert torch.equal(dm.inspect(mleaf.grad.flatten()), leaf.grad.flatten())
+
+
+def test_copy_copy_of_a_mesh_tensor_shares_its_storage(mesh2):
+    with mesh2.activate():
+        t = torch.arange(3.0)
+        c = copy.copy(t)
+        t.add_(1)
+        assert dm.inspect(c).tolist() == [1.0, 2.0, 3.0]
+        w = torch.ones(2, requires_grad=True)
+        assert copy.copy(w).requires_grad and copy.copy(w).is_leaf
+
+
 def test_a_nested_tensor_is_refused_saying_how_to_avoid_it(mesh2):
     torch.manual_seed(0)
 
