@@ -173,19 +173,26 @@ class _NoGradient(torch.autograd.Function):
         raise RuntimeError(ctx.why)
 
 
-def without_gradient(t: Tensor, run: Callable[[], Tensor], what: str) -> Tensor:
-    """``run()``, a collective of ``t``: if ``t`` requires grad, a result that says so when
-    backward reaches it, where it would have had no gradient at all, silently (the layers
-    before a tensor-parallel sum were never trained)."""
+# Why a collective has no gradient, for its error.
+COLLECTIVE_GRADIENT = (
+    "A collective's gradient depends on how the ranks' losses make one objective (Megatron's "
+    "tensor parallelism sums forward and passes the gradient through; "
+    "torch.distributed.nn.functional.all_reduce sums it over the ranks): "
+)
+
+
+def without_gradient(t: Tensor, run: Callable[[], Tensor], what: str, because: str = "") -> Tensor:
+    """``run()``, made from ``t`` where autograd cannot see (a collective, a remote function):
+    if ``t`` requires grad, a result that says so when backward reaches it, where it would
+    have had no gradient at all, silently (the layers before a tensor-parallel sum were never
+    trained). ``because`` says why there is none, ahead of the way out."""
     if not (t.requires_grad and torch.is_grad_enabled()):
         return run()
     why = (
-        f"{what} has no gradient, and backward reached it from a tensor that requires grad. A "
-        "collective's gradient depends on how the ranks' losses make one objective (Megatron's "
-        "tensor parallelism sums forward and passes the gradient through; "
-        "torch.distributed.nn.functional.all_reduce sums it over the ranks): write the one you "
-        "mean as a torch.autograd.Function (docs/user_guide.md, 'Collectives and autograd'), "
-        "or reduce t.detach() where no gradient should flow"
+        f"{what} has no gradient, and backward reached it from a tensor that requires grad. "
+        f"{because}write the gradient you mean as a torch.autograd.Function "
+        "(docs/user_guide.md, 'Collectives and autograd'), or pass t.detach() where no "
+        "gradient should flow"
     )
     return _NoGradient.apply(t, run, why)
 
@@ -232,7 +239,10 @@ def reduce(
         if not isinstance(t, Tensor):
             return t
         return without_gradient(
-            t, lambda: _reduce(t, dims, reduction, scatter, mesh, None, False), what
+            t,
+            lambda: _reduce(t, dims, reduction, scatter, mesh, None, False),
+            what,
+            COLLECTIVE_GRADIENT,
         )
 
     return tree_map(one, tensors)

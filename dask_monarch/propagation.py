@@ -503,7 +503,8 @@ class Propagator:
                 upcast = plan_of(self.run_fake(func, args, kwargs, upcast=True), info)
             except Exception:  # an op that takes no float32 where it took bfloat16
                 upcast = plan
-            plan = _with_layout_of(plan, upcast)
+            if upcast.kind == plan.kind:
+                plan = _with_layout_of(plan, [o.meta if o else None for o in upcast.outputs])
         promote = _promoting(func, args, kwargs, plan)
         return plan if promote is None else replace(plan, promote=promote)
 
@@ -559,24 +560,19 @@ def _view_layout_as_kernels_make_it(
     except Exception:  # no meta kernel, or a value it needs: the fake's word stands
         return plan
     made = made if isinstance(made, (list, tuple)) else (made,)
-    if len(made) != len(plan.outputs):
-        return plan
-    outputs = []
-    for out, t in zip(plan.outputs, made):
-        if out is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == out.meta.shape:
-            meta = out.meta._replace(stride=tuple(t.stride()), offset=t.storage_offset())
-            out = replace(out, meta=meta)
-        outputs.append(out)
-    return replace(plan, outputs=tuple(outputs))
+    return _with_layout_of(
+        plan, [meta_of(t) if isinstance(t, torch.Tensor) else None for t in made]
+    )
 
 
 _POINTWISE = torch.Tag.pointwise
 _REDUCED_FLOATS = frozenset({torch.bfloat16, torch.float16})
 
 
-def _with_layout_of(plan: Plan, upcast: Plan) -> Plan:
-    """``plan`` with the strides of ``upcast``, the same op planned with its bfloat16 and
-    float16 inputs as float32 ones.
+def _with_layout_of(plan: Plan, layouts: list[TensorMeta | None]) -> Plan:
+    """``plan`` with the strides and offsets of ``layouts`` (one per output, None to keep it):
+    a view's from its kernel run on meta tensors, a reduced-precision pointwise op's from
+    the same op planned in float32. Where they disagree in length or shape, the plan stands.
 
     torch's fake pointwise kernels in reduced precision compute in float32 and convert back,
     and the conversion makes a contiguous tensor: a fully expanded input times a
@@ -585,12 +581,13 @@ def _with_layout_of(plan: Plan, upcast: Plan) -> Plan:
     in float32. A later ``view`` then failed on the ranks, and ``as_strided`` read the wrong
     elements, silently.
     """
-    if plan.kind != upcast.kind or len(plan.outputs) != len(upcast.outputs):
+    if len(layouts) != len(plan.outputs):
         return plan
     outputs = []
-    for out, up in zip(plan.outputs, upcast.outputs):
-        if out is not None and up is not None and up.meta.shape == out.meta.shape:
-            out = replace(out, meta=out.meta._replace(stride=up.meta.stride, offset=up.meta.offset))
+    for out, layout in zip(plan.outputs, layouts):
+        if out is not None and layout is not None and layout.shape == out.meta.shape:
+            meta = out.meta._replace(stride=layout.stride, offset=layout.offset)
+            out = replace(out, meta=meta)
         outputs.append(out)
     return replace(plan, outputs=tuple(outputs))
 

@@ -20,6 +20,7 @@ issued on it then call the overload that takes ``generator=`` with them
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -139,8 +140,7 @@ def _deterministic_now() -> bool:
 
 
 def _state_like(*args, **kwargs) -> torch.Tensor:
-    cpu_bytes = _torch_get_rng_state().numel()  # the client's: torch.get_rng_state is a mesh's
-    return torch.empty(cpu_bytes + 1 + CUDA_STATE_BYTES, dtype=torch.uint8)
+    return torch.empty(_cpu_state_bytes() + 1 + CUDA_STATE_BYTES, dtype=torch.uint8)
 
 
 _get_state = remote("dask_monarch.random._states", propagate=_state_like)
@@ -196,6 +196,13 @@ _torch_set_rng_state = _original(torch.random.set_rng_state)
 _torch_use_deterministic_algorithms = _original(torch.use_deterministic_algorithms)
 
 
+@functools.cache
+def _cpu_state_bytes() -> int:
+    """The size of a CPU generator's state (the client's: under a mesh torch.get_rng_state
+    is the ranks'), the first part of a mesh state."""
+    return _torch_get_rng_state().numel()
+
+
 def _torch_manual_seed_on_the_mesh(seed: int) -> torch.Generator:
     """``torch.manual_seed(seed)``: the client's generator, as always, and under an active
     mesh the ranks' too (:func:`manual_seed`). torch's own seeds only the client, whose
@@ -235,16 +242,16 @@ def _torch_set_rng_state_on_the_mesh(new_state: torch.Tensor) -> None:
             return
         set_state(new_state)
         return
-    cpu_bytes = _torch_get_rng_state().numel()
-    _torch_set_rng_state(new_state[:cpu_bytes] if _is_mesh_state(new_state) else new_state)
+    cpu_part = new_state[: _cpu_state_bytes()] if _is_mesh_state(new_state) else new_state
+    _torch_set_rng_state(cpu_part)
     if active_mesh() is not None:
         set_state(new_state)
 
 
 def _is_mesh_state(state: torch.Tensor) -> bool:
     """A local tensor laid out as :func:`get_state`'s values: CPU state, flag, CUDA state."""
-    cpu_bytes = _torch_get_rng_state().numel()
-    return state.dtype == torch.uint8 and state.shape == (cpu_bytes + 1 + CUDA_STATE_BYTES,)
+    size = _cpu_state_bytes() + 1 + CUDA_STATE_BYTES
+    return state.dtype == torch.uint8 and state.shape == (size,)
 
 
 def _torch_use_deterministic_algorithms_on_the_mesh(mode: bool, *, warn_only: bool = False) -> None:
@@ -298,7 +305,7 @@ def _placed_state(state: object) -> Tensor:
     """A local state as a mesh state of the active mesh: one fetched from :func:`get_state`
     (a checkpoint's), or a CPU generator's (``torch.get_rng_state()`` of one process), which
     leaves CUDA alone (flag 0)."""
-    cpu_bytes = _torch_get_rng_state().numel()
+    cpu_bytes = _cpu_state_bytes()
     if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
         if state.numel() == cpu_bytes:
             with no_mesh.activate():

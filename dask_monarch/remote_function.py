@@ -92,7 +92,7 @@ class Remote:
                 "returns no tensors"
             )
         else:
-            spec, mutated = self._propagate_remotely(mesh, args, kwargs, handles)
+            spec, mutated = self._propagate_remotely(mesh, args, kwargs, leaves, handles)
 
         declared = None
         if spec is not None and mesh._session.capture is None:  # checked where it is bound
@@ -124,9 +124,10 @@ class Remote:
             return out
         # autograd cannot see into it: backward reaching its outputs raises, saying so
         what = f"{self!r} (a remote function)"
+        because = "Autograd cannot see what it computes on the ranks: "
         return tree_map(
             lambda o: (
-                without_gradient(differentiable[0], lambda: o, what)
+                without_gradient(differentiable[0], lambda: o, what, because)
                 if isinstance(o, Tensor) and (o.is_floating_point() or o.is_complex())
                 else o
             ),
@@ -134,7 +135,7 @@ class Remote:
         )
 
     def _propagate_remotely(
-        self, mesh: DeviceMesh, args: tuple, kwargs: dict, handles: list[Tensor]
+        self, mesh: DeviceMesh, args: tuple, kwargs: dict, leaves: list, handles: list[Tensor]
     ) -> tuple[Any, list]:
         key = tuple((h._mkey, id(h._storage)) for h in handles)
         try:
@@ -154,8 +155,7 @@ class Remote:
             cached = _unpack_spec(future.result())
             if key is not None:
                 self._cache[key] = cached
-        spec, changed = cached
-        leaves = tree_flatten((args, kwargs))[0]
+        spec, changed = cached  # ``changed``: positions among ``leaves``, the arguments'
         return spec, [leaves[i] for i in changed if isinstance(leaves[i], Tensor)]
 
     def call_on_shard_and_fetch(self, *args: Any, shard: dict | None = None, **kwargs: Any) -> Any:

@@ -1452,17 +1452,22 @@ def _one_value(t: torch.Tensor) -> bool:
     return all(n == 1 or s == 0 for n, s in zip(t.shape, t.stride()))
 
 
+def _flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """Every argument, and the items of list and tuple arguments (one level)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
 def _place_locals(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each small local tensor placed on the mesh of the op's mesh
     tensors (a scalar, an index list: as DTensor's implicit replication); a large one, or one
     the op would write into, is refused naming the call. The source of ``mesh_t.copy_(local)``
     is placed whatever its size, as ``cuda_t.copy_(cpu_t)`` copies (``load_state_dict`` of a
     checkpoint loaded locally)."""
-    mesh = None
-    for a in (*args, *kwargs.values()):
-        for v in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(v, Tensor):
-                mesh = mesh or v._mesh
+    mesh = next((v._mesh for v in _flat_arguments(args, kwargs) if isinstance(v, Tensor)), None)
     if mesh is None:
         mesh = active_mesh()
     stream = get_active_stream()
@@ -1831,15 +1836,6 @@ def _placed_draws(value: Any, mesh_of: dict, mesh: DeviceMesh, stream: Stream) -
     if isinstance(value, (list, tuple)):
         return type(value)(_placed_draws(v, mesh_of, mesh, stream) for v in value)
     return value
-
-
-def _flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
-    """Every argument, and the items of list and tuple arguments (one level)."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 def argument(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:

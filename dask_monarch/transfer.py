@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .borrows import first_use
-from .collectives import without_gradient
+from .collectives import COLLECTIVE_GRADIENT, without_gradient
 from .mesh import DeviceMesh
 from .propagation import TensorMeta
 from .protocol import messages as m
@@ -104,7 +104,9 @@ class MeshSliceTensor:
 
     def to_mesh(self, mesh: DeviceMesh, stream: Stream | None = None) -> Tensor:
         t = self.tensor
-        return without_gradient(t, lambda: _move(t, self.mesh, mesh, stream), "to_mesh of a slice")
+        return without_gradient(
+            t, lambda: _move(t, self.mesh, mesh, stream), "to_mesh of a slice", COLLECTIVE_GRADIENT
+        )
 
     def __repr__(self) -> str:
         return f"MeshSliceTensor({self.tensor!r} on {self.mesh!r})"
@@ -131,7 +133,10 @@ def to_mesh(tensors: Any, mesh: DeviceMesh, stream: Stream | None = None) -> Any
         if set(mesh.dims) == set(t._mesh.dims):
             return _Moved.apply(t, mesh, stream)
         return without_gradient(
-            t, lambda: _move(t, t._mesh, mesh, stream), "a broadcasting to_mesh"
+            t,
+            lambda: _move(t, t._mesh, mesh, stream),
+            "a broadcasting to_mesh",
+            COLLECTIVE_GRADIENT,
         )
 
     return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
