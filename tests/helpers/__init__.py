@@ -18,4 +18,6 @@ imports: every worker that resolves such a path imports it.
 - ``debug_fns``: remote functions that stop in the debugger (their line numbers are asserted).
 - ``long_job``: a training job the kill tests run with ``dask-monarch run`` (by path).
 - ``threads``: ``race``, a test's functions run in threads at once to bring out a race.
+- ``custom_ops``: ``torch.library`` custom ops of a user's, which the workers import by path.
+- ``tiny_configs``: tiny transformers configurations (``DECODER``, a Llama-style decoder).
 """

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
+from helpers.tiny_configs import DECODER
 
 import dask_monarch as dm
 
@@ -32,15 +33,6 @@ _BERT = dict(
     max_position_embeddings=40,
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
-)
-_DECODER = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=32,
 )
 
 
@@ -118,7 +110,7 @@ FAMILIES = {
     ),
     "gemma2": (
         tf.Gemma2ForCausalLM,
-        lambda: tf.Gemma2Config(head_dim=8, sliding_window=4, **_DECODER),
+        lambda: tf.Gemma2Config(head_dim=8, sliding_window=4, **DECODER),
         _tokens,
         0,
     ),

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.tiny_configs import DECODER
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -49,15 +50,7 @@ def _gpt2_config() -> GPT2Config:
 
 
 def _llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    return LlamaConfig(**DECODER)
 
 
 def _batch(step: int) -> torch.Tensor:
